@@ -1,0 +1,323 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_FP32: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_INT8: _ClassVar[Codec]
+    CODEC_INT4: _ClassVar[Codec]
+    CODEC_FP4_E3M0: _ClassVar[Codec]
+
+class ScaleDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCALE_FP32: _ClassVar[ScaleDtype]
+    SCALE_FP16: _ClassVar[ScaleDtype]
+
+class PushOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_OUTCOME_UNSPECIFIED: _ClassVar[PushOutcome]
+    PUSH_ACCEPTED: _ClassVar[PushOutcome]
+    PUSH_DROPPED_STALE: _ClassVar[PushOutcome]
+    PUSH_DUPLICATE: _ClassVar[PushOutcome]
+CODEC_UNSPECIFIED: Codec
+CODEC_FP32: Codec
+CODEC_BF16: Codec
+CODEC_INT8: Codec
+CODEC_INT4: Codec
+CODEC_FP4_E3M0: Codec
+SCALE_FP32: ScaleDtype
+SCALE_FP16: ScaleDtype
+PUSH_OUTCOME_UNSPECIFIED: PushOutcome
+PUSH_ACCEPTED: PushOutcome
+PUSH_DROPPED_STALE: PushOutcome
+PUSH_DUPLICATE: PushOutcome
+
+class PayloadHeader(_message.Message):
+    __slots__ = ("codec", "numel", "block_size", "scale_dtype", "total_bytes")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    codec: Codec
+    numel: int
+    block_size: int
+    scale_dtype: ScaleDtype
+    total_bytes: int
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., numel: _Optional[int] = ..., block_size: _Optional[int] = ..., scale_dtype: _Optional[_Union[ScaleDtype, str]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class FragmentSpec(_message.Message):
+    __slots__ = ("fragment_id", "tensor_names", "numel")
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_NAMES_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    fragment_id: int
+    tensor_names: _containers.RepeatedScalarFieldContainer[str]
+    numel: int
+    def __init__(self, fragment_id: _Optional[int] = ..., tensor_names: _Optional[_Iterable[str]] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("tensors", "fragments", "spec_hash")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentSpec]
+    spec_hash: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ..., spec_hash: _Optional[str] = ...) -> None: ...
+
+class FragmentVersion(_message.Message):
+    __slots__ = ("fragment_id", "version")
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    fragment_id: int
+    version: int
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class LearnerCounters(_message.Message):
+    __slots__ = ("steps", "tokens", "compute_s", "blocked_s")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_S_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    tokens: int
+    compute_s: float
+    blocked_s: float
+    def __init__(self, steps: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., blocked_s: _Optional[float] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("learner_name", "spec", "learner_id")
+    LEARNER_NAME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    learner_name: str
+    spec: ModelSpec
+    learner_id: str
+    def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("learner_id", "lease_s", "heartbeat_interval_s", "server_epoch", "versions", "needs_init", "inner_steps", "next_seq")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_INIT_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    lease_s: float
+    heartbeat_interval_s: float
+    server_epoch: str
+    versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
+    needs_init: bool
+    inner_steps: int
+    next_seq: int
+    def __init__(self, learner_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., server_epoch: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., needs_init: _Optional[bool] = ..., inner_steps: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
+
+class InitStart(_message.Message):
+    __slots__ = ("learner_id", "spec_hash")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    spec_hash: str
+    def __init__(self, learner_id: _Optional[str] = ..., spec_hash: _Optional[str] = ...) -> None: ...
+
+class InitFragmentHeader(_message.Message):
+    __slots__ = ("fragment_id", "payload")
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    fragment_id: int
+    payload: PayloadHeader
+    def __init__(self, fragment_id: _Optional[int] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ...) -> None: ...
+
+class InitModelRequest(_message.Message):
+    __slots__ = ("start", "fragment", "chunk")
+    START_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    start: InitStart
+    fragment: InitFragmentHeader
+    chunk: Chunk
+    def __init__(self, start: _Optional[_Union[InitStart, _Mapping]] = ..., fragment: _Optional[_Union[InitFragmentHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class InitModelReply(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
+    def __init__(self, versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("learner_id", "counters", "step_time_s")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    counters: LearnerCounters
+    step_time_s: float
+    def __init__(self, learner_id: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("server_epoch", "lease_s", "inner_steps", "versions")
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    server_epoch: str
+    lease_s: float
+    inner_steps: int
+    versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
+    def __init__(self, server_epoch: _Optional[str] = ..., lease_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("learner_id", "seq", "spec_hash", "fragment_id", "base_version", "tokens", "steps", "compute_s", "payload")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    seq: int
+    spec_hash: str
+    fragment_id: int
+    base_version: int
+    tokens: int
+    steps: int
+    compute_s: float
+    payload: PayloadHeader
+    def __init__(self, learner_id: _Optional[str] = ..., seq: _Optional[int] = ..., spec_hash: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("outcome", "round_version", "current_version", "staleness", "weight", "message")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ROUND_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    outcome: PushOutcome
+    round_version: int
+    current_version: int
+    staleness: int
+    weight: float
+    message: str
+    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., round_version: _Optional[int] = ..., current_version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("learner_id", "fragment_id", "min_version", "wait_s", "codec")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    fragment_id: int
+    min_version: int
+    wait_s: float
+    codec: Codec
+    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("fragment_id", "version", "server_epoch", "payload")
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    fragment_id: int
+    version: int
+    server_epoch: str
+    payload: PayloadHeader
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., server_epoch: _Optional[str] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ...) -> None: ...
+
+class PullReply(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("learner_id", "counters")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    counters: LearnerCounters
+    def __init__(self, learner_id: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LearnerStatus(_message.Message):
+    __slots__ = ("learner_id", "name", "state", "counters", "inner_steps")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    name: str
+    state: str
+    counters: LearnerCounters
+    inner_steps: int
+    def __init__(self, learner_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("server_epoch", "initialized", "spec_hash", "versions", "learners", "outer_steps")
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    server_epoch: str
+    initialized: bool
+    spec_hash: str
+    versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
+    learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
+    outer_steps: int
+    def __init__(self, server_epoch: _Optional[str] = ..., initialized: _Optional[bool] = ..., spec_hash: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., outer_steps: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,87 @@
+"""`SynchronizerConfig`: every setting of the Synchronizer service, typed and validated.
+
+Loaded by `protos.configload.load` from a TOML/YAML file, `DILOCO_*` environment variables and
+command-line flags (in that order of precedence). Every duration is in seconds and named `*_s`.
+The defaults run on one machine with no flags at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SynchronizerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Network
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds to; 0.0.0.0 or [::] to serve other hosts")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free port (logged on start)")
+    metrics_host: str = Field("127.0.0.1", description="Address the Prometheus metrics endpoint binds to")
+    metrics_port: int = Field(9464, ge=-1, le=65535, description="Prometheus metrics port; 0 picks a free port, -1 disables the endpoint")
+    state_dir: Path = Field(Path("diloco-state"), description="Directory for checkpoints; the newest complete one is restored on start")
+
+    # Rounds
+    quorum: int = Field(1, ge=0, description="Minimum contributions K before a round may close; 0 means every live learner (synchronous DiLoCo)")
+    grace: Literal["adaptive", "fixed", "none"] = Field("adaptive", description="After the quorum: wait adaptively while waiting is free, a fixed grace_max_s, or not at all")
+    grace_max_s: float = Field(2.0, ge=0, description="Upper bound on the grace window after the quorum is reached")
+    grace_gamma: float = Field(0.5, gt=0, le=1, description="Adaptive grace = gamma * (overlap_steps * step time - quorum time - apply time)")
+    overlap_steps: int = Field(1, ge=1, description="Steps a learner trains between pushing a fragment and needing it back (tau); sizes the adaptive grace")
+    max_staleness: int = Field(8, ge=0, description="Pushes staler than this many outer steps are dropped and the learner told to re-pull")
+    token_weight: Literal["uniform", "tokens", "tokens2_per_step"] = Field("tokens2_per_step", description="Weight of a contribution by work done: uniform, tokens, or tokens^2/steps (Decoupled DiLoCo)")
+    staleness_weight: Literal["none", "poly", "hinge", "exp"] = Field("none", description="Down-weighting of stale contributions: none, poly (1+s)^-a, hinge, exp(-a s)")
+    staleness_alpha: float = Field(0.5, ge=0, description="The a in the staleness factor")
+    staleness_hinge: int = Field(2, ge=0, description="Staleness up to which the hinge factor is 1")
+    anchor: Literal["current", "base"] = Field("current", description="Re-anchor a stale delta at the current global fragment (Decoupled DiLoCo), or apply it relative to its base")
+    merge: Literal["mean", "radial"] = Field("mean", description="Weighted mean of deltas, or radial-directional averaging per tensor")
+
+    # Outer optimizer
+    outer: Literal["nesterov", "delayed_nesterov", "sgd"] = Field("nesterov", description="Outer optimizer applied to each merged round")
+    outer_lr: float = Field(0.7, gt=0, le=10, description="Outer learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum (Nesterov, Delayed Nesterov)")
+    outer_delay: int = Field(4, ge=1, description="Delayed Nesterov: momentum is updated every this many rounds")
+
+    # Learners
+    lease_s: float = Field(10.0, gt=0, description="A learner not heard from for this long is dead until it heartbeats or re-joins")
+    forget_after_s: float = Field(300.0, gt=0, description="A dead learner stops counting toward capacity after this long")
+    max_learners: int = Field(256, ge=1, description="Learners that may be joined at once (alive or dead)")
+    dynamic_local_updates: bool = Field(False, description="Tell each learner its inner steps H_m = floor(v_m / v_max * inner_steps) from measured step rates")
+    inner_steps: int = Field(0, ge=0, description="H for the fastest learner under Dynamic Local Updates (required when they are on)")
+
+    # Limits
+    max_pull_wait_s: float = Field(30.0, ge=0, description="Longest a pull may wait for a minimum version")
+    max_message_bytes: int = Field(8 << 20, ge=1 << 16, description="Largest single gRPC message accepted or sent")
+    max_concurrent_streams: int = Field(64, ge=1, description="Push and pull streams served at once; more get RESOURCE_EXHAUSTED")
+    max_workers: int = Field(32, ge=2, description="gRPC worker threads")
+    apply_threads: int = Field(2, ge=1, description="Threads that merge rounds and apply outer steps (fragments in parallel)")
+
+    # Durability
+    checkpoint_interval_s: float = Field(60.0, ge=0, description="Seconds between periodic checkpoints; 0 checkpoints only on shutdown")
+    keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept in state_dir")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM: seconds in-flight RPCs get to finish")
+
+    # Security
+    auth_token: str | None = Field(None, description="Bearer token every RPC must carry (metadata 'authorization: Bearer TOKEN')")
+    tls_cert: Path | None = Field(None, description="PEM server certificate: serve TLS")
+    tls_key: Path | None = Field(None, description="PEM private key for tls_cert")
+    tls_client_ca: Path | None = Field(None, description="PEM CA bundle: require client certificates signed by it (mTLS)")
+
+    # Observability
+    goodput_window_s: float = Field(300.0, gt=0, description="Window of the diloco_goodput_ratio gauge")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SynchronizerConfig:
+        if self.dynamic_local_updates and self.inner_steps < 1:
+            raise ValueError("dynamic_local_updates needs inner_steps >= 1 (H of the fastest learner)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        return self
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.lease_s / 3

@@ -1,0 +1,359 @@
+"""One fragment of the global model: its parameters, outer optimizer, version and rounds.
+
+Per fragment: FP32 flat parameters Theta_p, the outer optimizer's state, the version v_p (outer
+steps applied) and at most one open round collecting weighted outer gradients. Two locks: `lock`
+guards the open round (held only to judge and accumulate one push), `apply_lock` guards the
+parameters (held while an outer step is applied or a snapshot taken), so pushes never wait for an
+outer step and fragments never wait for each other. Rounds are closed by `Rounds`' worker
+threads, strictly in version order; pullers wait on a condition for the version they want.
+
+Round policy (Decoupled DiLoCo): a round may close once it holds K contributions (K = quorum,
+capped by the live learners; quorum 0 = every live learner, i.e. synchronous DiLoCo). It closes
+at once when every live learner has contributed, otherwise after the grace window, which
+`GraceWindow` sizes from moving averages so that waiting stays free for the learners.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from protos import codec
+from protos import diloco_pb2 as pb
+from protos.spec import Fragment as FragmentSpec
+from synchronizer.config import SynchronizerConfig
+from synchronizer.goodput import Goodput, Share
+from synchronizer.merge import Accumulator, staleness_factor, token_weight
+from synchronizer.metrics import Metrics
+from synchronizer.outer import make_outer
+
+logger = logging.getLogger(__name__)
+
+EMBEDDING_HINTS = ("emb", "wte", "wpe")  # tensors merged by plain mean in radial mode
+
+
+class GraceWindow:
+    """Adaptive grace: gamma * (tau * step_time - quorum_time - apply_time), capped (EMAs)."""
+
+    def __init__(self, cfg: SynchronizerConfig, beta: float = 0.8) -> None:
+        self.cfg = cfg
+        self.beta = beta
+        self.step_time = 0.0
+        self.quorum_time = 0.0
+        self.apply_time = 0.0
+        self.lock = threading.Lock()
+
+    def _ema(self, old: float, new: float) -> float:
+        return new if old == 0.0 else self.beta * old + (1 - self.beta) * new
+
+    def observe(self, step_time: float = 0.0, quorum_time: float = -1.0, apply_time: float = -1.0) -> None:
+        with self.lock:
+            if step_time > 0:
+                self.step_time = self._ema(self.step_time, step_time)
+            if quorum_time >= 0:
+                self.quorum_time = self._ema(self.quorum_time, quorum_time)
+            if apply_time >= 0:
+                self.apply_time = self._ema(self.apply_time, apply_time)
+
+    def seconds(self) -> float:
+        cfg = self.cfg
+        if cfg.grace == "none":
+            return 0.0
+        if cfg.grace == "fixed":
+            return cfg.grace_max_s
+        with self.lock:
+            free = cfg.overlap_steps * self.step_time - self.quorum_time - self.apply_time
+        return min(cfg.grace_max_s, max(0.0, cfg.grace_gamma * free))
+
+
+@dataclass
+class Contribution:
+    learner_id: str
+    base_version: int
+    weight: float
+    share: Share
+
+
+@dataclass
+class Round:
+    start_version: int  # the round's outer step turns this version into start_version + 1
+    acc: Accumulator
+    opened_at: float = field(default_factory=time.monotonic)
+    contributions: list[Contribution] = field(default_factory=list)
+    quorum_at: float | None = None
+    timer: threading.Timer | None = None
+    closing: bool = False
+
+
+@dataclass
+class Verdict:
+    """What became of a push, as the fragment judged it."""
+
+    outcome: int
+    round_version: int
+    current_version: int
+    staleness: int
+    weight: float
+
+
+class FragmentState:
+    def __init__(self, spec: FragmentSpec, cfg: SynchronizerConfig, metrics: Metrics, goodput: Goodput, model_numel: int) -> None:
+        self.spec = spec
+        self.fid = spec.fragment_id
+        self.numel = spec.numel
+        self.cfg = cfg
+        self.metrics = metrics
+        self.goodput = goodput
+        self.share = spec.numel / max(model_numel, 1)
+        offsets = spec.offsets()
+        self.segments = [(s, e) for _, s, e in offsets]
+        self.mean_segments = {i for i, (name, _, _) in enumerate(offsets) if any(h in name.lower() for h in EMBEDDING_HINTS)}
+        self.lock = threading.Lock()
+        self.apply_lock = threading.Lock()
+        self.cv = threading.Condition(self.apply_lock)
+        self.params: torch.Tensor | None = None
+        self.version = 0
+        self.pending_version = 0  # version after every round already handed to the closers
+        self.outer = make_outer(cfg.outer, spec.numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
+        self.history: deque[tuple[int, torch.Tensor]] = deque()  # (v, Theta_v - Theta_{v-1})
+        self.round: Round | None = None
+        self.snapshots: dict[int, tuple[int, pb.PayloadHeader, torch.Tensor]] = {}
+        self.metrics.fragment_version.labels(str(self.fid)).set(0)
+
+    @property
+    def initialized(self) -> bool:
+        return self.params is not None
+
+    def initialize(self, params: torch.Tensor, version: int = 0) -> None:
+        with self.cv:
+            self.params = params.to(torch.float32).clone()
+            self.version = self.pending_version = version
+            self.snapshots.clear()
+            self.cv.notify_all()
+        self.metrics.fragment_version.labels(str(self.fid)).set(version)
+
+    def _new_accumulator(self) -> Accumulator:
+        radial = self.cfg.merge == "radial"
+        return Accumulator(self.numel, self.segments if radial else None, radial=radial, mean_segments=self.mean_segments if radial else None)
+
+    # Pushes ----------------------------------------------------------------------------------
+
+    def submit(self, learner_id: str, base_version: int, tokens: int, steps: int, compute_s: float, delta: torch.Tensor) -> tuple[Verdict, Round | None]:
+        """Judges and accumulates one decoded push; returns the verdict and its round.
+
+        The caller has validated the base version (not ahead of `version`) and the delta
+        (finite, right size). Holds only the round lock, for one weighted add.
+        """
+        share = Share(tokens * self.share, compute_s * self.share)
+        with self.lock:
+            start = self.round.start_version if self.round is not None else self.pending_version
+            staleness = start - base_version
+            self.metrics.staleness.observe(staleness)
+            if staleness > self.cfg.max_staleness:
+                self.goodput.discarded(learner_id, share)
+                return Verdict(pb.PUSH_DROPPED_STALE, start + 1, self.version, staleness, 0.0), None
+            weight = token_weight(self.cfg.token_weight, tokens, steps) * staleness_factor(
+                self.cfg.staleness_weight, staleness, self.cfg.staleness_alpha, self.cfg.staleness_hinge
+            )
+            if self.round is None:
+                self.round = Round(start, self._new_accumulator())
+            rnd = self.round
+            rnd.acc.add(delta, weight)
+            rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
+            self.goodput.accepted(learner_id, share)
+            return Verdict(pb.PUSH_ACCEPTED, start + 1, self.version, staleness, weight), rnd
+
+    def closability(self, live: set[str]) -> tuple[bool, bool]:
+        """(close now, quorum reached) for the open round, given the live learners."""
+        with self.lock:
+            rnd = self.round
+            if rnd is None or rnd.closing or not rnd.contributions:
+                return False, False
+            contributed = {c.learner_id for c in rnd.contributions}
+            if self.cfg.quorum == 0:  # synchronous: every live learner, nobody else to wait for
+                done = live <= contributed
+                return done, done
+            k = max(1, min(self.cfg.quorum, len(live)))
+            if len(rnd.contributions) < k:
+                return False, False
+            if rnd.quorum_at is None:
+                rnd.quorum_at = time.monotonic()
+            return (live <= contributed or self.cfg.grace == "none"), True
+
+    def take_round(self, rnd: Round) -> bool:
+        """Marks the round as closing and opens the way for the next; False if already taken."""
+        with self.lock:
+            if self.round is not rnd or rnd.closing:
+                return False
+            rnd.closing = True
+            self.round = None
+            self.pending_version = rnd.start_version + 1
+            if rnd.timer is not None:
+                rnd.timer.cancel()
+            return True
+
+    # Outer step ------------------------------------------------------------------------------
+
+    def apply(self, rnd: Round) -> float:
+        """Merges a taken round and applies the outer step, in version order; returns seconds."""
+        with self.cv:
+            while self.version != rnd.start_version:
+                self.cv.wait()
+            t0 = time.perf_counter()
+            assert self.params is not None
+            merged = rnd.acc.merged(torch.empty(self.numel, dtype=torch.float32))
+            if self.cfg.anchor == "current":
+                self._reanchor(rnd, merged)
+            keep_history = self.cfg.anchor == "current" and self.cfg.max_staleness > 0
+            before = self._history_slot() if keep_history else None
+            if before is not None:
+                before.copy_(self.params)
+            self.outer.step(self.params, merged)
+            self.version = rnd.start_version + 1
+            if before is not None:
+                before.sub_(self.params).neg_()  # Theta_new - Theta_old
+                self.history.append((self.version, before))
+            self.snapshots.clear()
+            self.cv.notify_all()
+            seconds = time.perf_counter() - t0
+        self.metrics.fragment_version.labels(str(self.fid)).set(self.version)
+        return seconds
+
+    def _history_slot(self) -> torch.Tensor:
+        if len(self.history) >= self.cfg.max_staleness:
+            return self.history.popleft()[1]
+        return torch.empty(self.numel, dtype=torch.float32)
+
+    def _reanchor(self, rnd: Round, merged: torch.Tensor) -> None:
+        """Adds sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current fragment."""
+        total = sum(c.weight for c in rnd.contributions)
+        if total <= 0:
+            return
+        for v, update in self.history:
+            behind = sum(c.weight for c in rnd.contributions if c.base_version < v)
+            if behind > 0:
+                merged.add_(update, alpha=behind / total)
+
+    # Pulls -----------------------------------------------------------------------------------
+
+    def wait_for(self, min_version: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while self.version < min_version or self.params is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cv.wait(left)
+
+    def snapshot(self, codec_id: int) -> tuple[int, pb.PayloadHeader, torch.Tensor]:
+        """(version, header, encoded CPU bytes) of the current parameters, shared by pullers."""
+        with self.cv:
+            cached = self.snapshots.get(codec_id)
+            if cached is not None and cached[0] == self.version:
+                return cached
+            assert self.params is not None
+            header = codec.make_header(codec_id, self.numel)
+            buf = codec.encode(self.params, codec_id).cpu()
+            snap = (self.version, header, buf)
+            self.snapshots[codec_id] = snap
+            return snap
+
+    # Durability ------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int | list[int]]]:
+        with self.cv:
+            assert self.params is not None
+            p = f"frag.{self.fid}."
+            tensors = {p + "params": self.params.clone()}
+            tensors.update({p + "outer." + k: v.clone() for k, v in self.outer.state_dict().items()})
+            tensors.update({p + f"hist.{i}": u.clone() for i, (_, u) in enumerate(self.history)})
+            return tensors, {"version": self.version, "history_versions": [v for v, _ in self.history]}
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, int | list[int]]) -> None:
+        p = f"frag.{self.fid}."
+        version = int(meta["version"])  # type: ignore[arg-type]
+        self.initialize(tensors[p + "params"], version)
+        outer_prefix = p + "outer."
+        self.outer.load_state_dict({k[len(outer_prefix):]: v for k, v in tensors.items() if k.startswith(outer_prefix)})
+        hist_versions = meta.get("history_versions", [])
+        assert isinstance(hist_versions, list)
+        with self.cv:
+            self.history = deque((int(v), tensors[p + f"hist.{i}"].clone()) for i, v in enumerate(hist_versions))
+
+
+class Rounds:
+    """Decides when rounds close and closes them on worker threads (never on gRPC threads)."""
+
+    def __init__(self, fragments: list[FragmentState], grace: GraceWindow, metrics: Metrics, goodput: Goodput, live: callable, threads: int) -> None:  # type: ignore[valid-type]
+        self.fragments = fragments
+        self.grace = grace
+        self.metrics = metrics
+        self.goodput = goodput
+        self.live = live
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="outer-step")
+        self.closed = threading.Condition()
+
+    def check(self, frag: FragmentState) -> None:
+        """Re-evaluates a fragment's open round: close it now, or arm its grace timer."""
+        close_now, quorum = frag.closability(self.live())
+        rnd = frag.round
+        if rnd is None:
+            return
+        if close_now:
+            self._close(frag, rnd)
+        elif quorum and rnd.timer is None:
+            wait = self.grace.seconds()
+            timer = threading.Timer(wait, self._close, args=(frag, rnd))
+            timer.daemon = True
+            with frag.lock:
+                if rnd.timer is None and not rnd.closing:
+                    rnd.timer = timer
+                    timer.start()
+
+    def check_all(self) -> None:
+        for frag in self.fragments:
+            self.check(frag)
+
+    def _close(self, frag: FragmentState, rnd: Round) -> None:
+        if not frag.take_round(rnd):
+            return
+        now = time.monotonic()
+        if rnd.quorum_at is not None:
+            self.grace.observe(quorum_time=rnd.quorum_at - rnd.opened_at)
+        self.metrics.round_wait.observe(now - rnd.opened_at)
+        self.pool.submit(self._apply, frag, rnd)
+
+    def _apply(self, frag: FragmentState, rnd: Round) -> None:
+        try:
+            seconds = frag.apply(rnd)
+        except Exception:  # a bug here must not kill the worker silently
+            logger.exception("outer step of fragment %d round %d failed", frag.fid, rnd.start_version + 1)
+            raise
+        self.grace.observe(apply_time=seconds)
+        self.metrics.round_apply.observe(seconds)
+        self.metrics.contributors.observe(len(rnd.contributions))
+        self.metrics.outer_steps.inc()
+        self.goodput.merged([c.share for c in rnd.contributions])
+        logger.debug("fragment %d -> version %d from %d contributions in %.4fs", frag.fid, frag.version, len(rnd.contributions), seconds)
+        with self.closed:
+            self.closed.notify_all()
+
+    def flush(self) -> None:
+        """Closes every open round that holds anything (shutdown: merge what was acknowledged)."""
+        for frag in self.fragments:
+            rnd = frag.round
+            if rnd is not None and rnd.contributions:
+                self._close(frag, rnd)
+        for frag in self.fragments:
+            with frag.cv:
+                while frag.version < frag.pending_version:
+                    frag.cv.wait(1.0)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,226 @@
+"""Learners and their leases: who is joined, who is alive, and what each has reported.
+
+A learner is alive while its lease is fresh (renewed by every heartbeat, push and pull); a lease
+that lapses makes it dead: it no longer counts toward "every live learner" and never holds a round.
+A dead learner may come back by joining again under its id. The registry also keeps each
+learner's push replies by sequence number, so a retried push is answered, not applied twice, and
+computes the Dynamic Local Updates directive from measured step times.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from protos import diloco_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+REPLIES_KEPT = 256  # push replies remembered per learner for duplicate detection
+
+
+class LeaseError(Exception):
+    """A request from a learner that is unknown or not alive; carries the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+@dataclass
+class LearnerRecord:
+    learner_id: str
+    name: str
+    state: str  # "alive", "dead" or "left"
+    lease_deadline: float
+    joined_at: float
+    died_at: float | None = None
+    steps: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    blocked_s: float = 0.0
+    step_time_s: float = 0.0
+    max_seq: int = 0
+    replies: OrderedDict[int, pb.PushReply] = field(default_factory=OrderedDict)
+
+    def counters(self) -> pb.LearnerCounters:
+        return pb.LearnerCounters(
+            steps=self.steps, tokens=self.tokens, compute_s=self.compute_s, blocked_s=self.blocked_s
+        )
+
+
+class Registry:
+    def __init__(self, lease_s: float, max_learners: int, forget_after_s: float) -> None:
+        self.lease_s = lease_s
+        self.max_learners = max_learners
+        self.forget_after_s = forget_after_s
+        self.lock = threading.Lock()
+        self.learners: dict[str, LearnerRecord] = {}
+
+    def join(self, name: str, learner_id: str = "") -> tuple[LearnerRecord, bool]:
+        """Registers (or revives) a learner; returns it and whether it came back from the dead."""
+        now = time.monotonic()
+        with self.lock:
+            rec = self.learners.get(learner_id) if learner_id else None
+            if rec is not None:
+                revived = rec.state != "alive"
+                rec.state, rec.died_at = "alive", None
+                rec.lease_deadline = now + self.lease_s
+                rec.name = name or rec.name
+                return rec, revived
+            present = sum(1 for r in self.learners.values() if r.state != "left")
+            if present >= self.max_learners:
+                raise LeaseError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "too_many_learners",
+                    f"the Synchronizer already has {present} learners (max_learners={self.max_learners})",
+                )
+            lid = learner_id or uuid.uuid4().hex[:12]
+            rec = LearnerRecord(lid, name or lid, "alive", now + self.lease_s, now)
+            self.learners[lid] = rec
+            return rec, False
+
+    def alive(self, learner_id: str, renew: bool = True) -> LearnerRecord:
+        """The live record for an id, lease renewed; LeaseError if unknown, dead or gone."""
+        with self.lock:
+            rec = self.learners.get(learner_id)
+            if rec is None or rec.state == "left":
+                raise LeaseError(
+                    grpc.StatusCode.NOT_FOUND,
+                    "unknown_learner",
+                    f"learner {learner_id!r} is not joined; call Join first",
+                )
+            now = time.monotonic()
+            if rec.state == "dead" or now > rec.lease_deadline:
+                raise LeaseError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "lease_expired",
+                    f"the lease of learner {learner_id!r} expired; call Join again with this learner_id",
+                )
+            if renew:
+                rec.lease_deadline = now + self.lease_s
+            return rec
+
+    def report(self, rec: LearnerRecord, counters: pb.LearnerCounters, step_time_s: float = 0.0) -> float:
+        """Stores cumulative counters (they never go down); returns the new blocked seconds."""
+        with self.lock:
+            blocked_delta = max(0.0, counters.blocked_s - rec.blocked_s)
+            rec.steps = max(rec.steps, counters.steps)
+            rec.tokens = max(rec.tokens, counters.tokens)
+            rec.compute_s = max(rec.compute_s, counters.compute_s)
+            rec.blocked_s = max(rec.blocked_s, counters.blocked_s)
+            if step_time_s > 0:
+                rec.step_time_s = step_time_s
+            return blocked_delta
+
+    def leave(self, learner_id: str) -> LearnerRecord:
+        with self.lock:
+            rec = self.learners.get(learner_id)
+            if rec is None or rec.state == "left":
+                raise LeaseError(
+                    grpc.StatusCode.NOT_FOUND, "unknown_learner", f"learner {learner_id!r} is not joined"
+                )
+            rec.state = "left"
+            return rec
+
+    def reap(self) -> list[LearnerRecord]:
+        """Marks lapsed leases dead, forgets long-dead learners; returns the newly dead."""
+        now = time.monotonic()
+        died = []
+        with self.lock:
+            for rec in self.learners.values():
+                if rec.state == "alive" and now > rec.lease_deadline:
+                    rec.state, rec.died_at = "dead", now
+                    died.append(rec)
+                elif rec.state == "dead" and rec.died_at is not None and now - rec.died_at > self.forget_after_s:
+                    rec.state = "left"
+        for rec in died:
+            logger.warning("learner %s (%s) lease lapsed: now dead", rec.learner_id, rec.name)
+        return died
+
+    def live_ids(self) -> set[str]:
+        now = time.monotonic()
+        with self.lock:
+            return {r.learner_id for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline}
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            out = {"alive": 0, "dead": 0}
+            for r in self.learners.values():
+                if r.state in out:
+                    out[r.state] += 1
+            return out
+
+    def capacity_slots(self) -> int:
+        """Learners that count toward capacity: alive, or dead and not yet forgotten."""
+        with self.lock:
+            return sum(1 for r in self.learners.values() if r.state in ("alive", "dead"))
+
+    # Idempotency -------------------------------------------------------------------------
+
+    def seen_reply(self, rec: LearnerRecord, seq: int) -> pb.PushReply | None:
+        """The reply already given for (learner, seq), if that push was judged before."""
+        with self.lock:
+            if seq in rec.replies:
+                return rec.replies[seq]
+            if seq <= rec.max_seq:
+                return pb.PushReply(
+                    outcome=pb.PUSH_DUPLICATE,
+                    message=f"push seq {seq} was judged before (too old to recall its outcome)",
+                )
+            return None
+
+    def record_reply(self, rec: LearnerRecord, seq: int, reply: pb.PushReply) -> None:
+        with self.lock:
+            rec.replies[seq] = reply
+            rec.max_seq = max(rec.max_seq, seq)
+            while len(rec.replies) > REPLIES_KEPT:
+                rec.replies.popitem(last=False)
+
+    # Dynamic Local Updates -------------------------------------------------------------------
+
+    def inner_steps_for(self, rec: LearnerRecord, inner_steps: int) -> int:
+        """H_m = floor(v_m / v_max * H) from measured step times (Async Local-SGD DyLU)."""
+        with self.lock:
+            times = [r.step_time_s for r in self.learners.values() if r.state == "alive" and r.step_time_s > 0]
+            if rec.step_time_s <= 0 or not times:
+                return inner_steps
+            return max(1, int(min(times) / rec.step_time_s * inner_steps))
+
+    # Durability ------------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [
+                {
+                    "learner_id": r.learner_id,
+                    "name": r.name,
+                    "left": r.state == "left",
+                    "max_seq": r.max_seq,
+                    "steps": r.steps,
+                    "tokens": r.tokens,
+                    "compute_s": r.compute_s,
+                    "blocked_s": r.blocked_s,
+                }
+                for r in self.learners.values()
+            ]
+
+    def restore(self, records: list[dict[str, Any]]) -> None:
+        """Learners from a checkpoint come back dead: they re-join under their ids."""
+        now = time.monotonic()
+        with self.lock:
+            for d in records:
+                if d.get("left"):
+                    continue
+                rec = LearnerRecord(d["learner_id"], d["name"], "dead", now, now, died_at=now)
+                rec.max_seq = int(d["max_seq"])
+                rec.steps, rec.tokens = int(d["steps"]), int(d["tokens"])
+                rec.compute_s, rec.blocked_s = float(d["compute_s"]), float(d["blocked_s"])
+                self.learners[rec.learner_id] = rec

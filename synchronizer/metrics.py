@@ -1,0 +1,122 @@
+"""The Synchronizer's Prometheus metrics: names, labels, and the registry they live in.
+
+All names are prefixed `diloco_`, in base units, with low-cardinality labels only (no learner ids,
+no tensor names). One `Metrics` object per service instance, on its own `CollectorRegistry`, so
+tests can run several servers in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+GOODPUT_BUCKETS = ("merged", "discarded", "lost")
+PUSH_OUTCOMES = ("accepted", "dropped_stale", "duplicate", "rejected")
+LEARNER_STATES = ("alive", "dead")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.learners = Gauge("diloco_learners", "Learners by lease state.", ["state"], registry=r)
+        self.pushes = Counter(
+            "diloco_pushes_total", "Fragment pushes by outcome.", ["outcome"], registry=r
+        )
+        self.rejections = Counter(
+            "diloco_rejected_requests_total",
+            "Requests refused before touching state, by gRPC status code and reason.",
+            ["code", "reason"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "diloco_tokens_total",
+            "Tokens learners processed, by goodput bucket (each push counts its tokens in "
+            "proportion to the fragment's share of the model).",
+            ["bucket"],
+            registry=r,
+        )
+        self.compute = Counter(
+            "diloco_compute_seconds_total",
+            "Learner compute seconds by goodput bucket.",
+            ["bucket"],
+            registry=r,
+        )
+        self.tokens_in_flight = Gauge(
+            "diloco_tokens_in_flight", "Tokens processed but not yet merged, discarded or lost.", registry=r
+        )
+        self.compute_in_flight = Gauge(
+            "diloco_compute_seconds_in_flight",
+            "Compute seconds not yet merged, discarded or lost.",
+            registry=r,
+        )
+        self.capacity = Counter(
+            "diloco_learner_capacity_seconds_total",
+            "Wall-clock seconds of learner capacity (each joined learner, alive or dead, until it "
+            "leaves or is forgotten): the denominator of goodput.",
+            registry=r,
+        )
+        self.blocked = Counter(
+            "diloco_learner_blocked_seconds_total",
+            "Seconds learners' training loops waited on synchronization.",
+            registry=r,
+        )
+        self.goodput = Gauge(
+            "diloco_goodput_ratio",
+            "Merged compute seconds over learner capacity seconds, over the configured window.",
+            registry=r,
+        )
+        self.staleness = Histogram(
+            "diloco_push_staleness",
+            "Staleness (outer steps between a push's base version and the round it joins).",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+        self.contributors = Histogram(
+            "diloco_round_contributors",
+            "Contributions merged per closed round.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+        self.round_wait = Histogram(
+            "diloco_round_wait_seconds",
+            "Seconds from a round's first contribution to its close.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.round_apply = Histogram(
+            "diloco_round_apply_seconds",
+            "Seconds to merge a round and apply the outer step.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.bytes_in = Counter(
+            "diloco_received_bytes_total", "Payload bytes received, by codec.", ["codec"], registry=r
+        )
+        self.bytes_out = Counter(
+            "diloco_sent_bytes_total", "Payload bytes sent, by codec.", ["codec"], registry=r
+        )
+        self.outer_steps = Counter(
+            "diloco_outer_steps_total", "Outer optimizer steps applied (all fragments).", registry=r
+        )
+        self.fragment_version = Gauge(
+            "diloco_fragment_version", "Current version of each fragment.", ["fragment"], registry=r
+        )
+        self.rpcs = Counter(
+            "diloco_rpcs_total", "RPCs handled, by method and status code.", ["method", "code"], registry=r
+        )
+        self.checkpoints = Counter(
+            "diloco_checkpoints_total", "Checkpoints written.", registry=r
+        )
+        self.checkpoint_seconds = Histogram(
+            "diloco_checkpoint_seconds",
+            "Seconds to write one checkpoint.",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30),
+            registry=r,
+        )
+        for state in LEARNER_STATES:
+            self.learners.labels(state).set(0)
+        for outcome in PUSH_OUTCOMES:
+            self.pushes.labels(outcome)
+        for bucket in GOODPUT_BUCKETS:
+            self.tokens.labels(bucket)
+            self.compute.labels(bucket)

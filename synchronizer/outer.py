@@ -1,0 +1,251 @@
+"""Outer optimizers: how a merged pseudo-gradient moves one fragment's global parameters.
+
+Each optimizer owns the state of one fragment (flat FP32 tensors of the fragment's length) and
+updates the fragment's flat FP32 parameters in place. Sign convention: the pseudo-gradient is
+g = base - local, so a positive g moves parameters down, and plain SGD with lr 1 applied to the
+mean of the learners' g gives plain parameter averaging. No locking here: the caller holds the
+fragment's lock around `step`, `state_dict` and `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+OUTER_KINDS = ("nesterov", "delayed_nesterov", "sgd")
+
+
+def _check_range(name: str, value: float, low: float, high: float, high_open: bool) -> float:
+    value = float(value)
+    ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        bracket = ")" if high_open else "]"
+        raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value}")
+    return value
+
+
+def _check_lr(lr: float) -> float:
+    lr = float(lr)
+    if not (math.isfinite(lr) and lr > 0.0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr}")
+    return lr
+
+
+def _check_count(name: str, value: int, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class OuterOptimizer(ABC):
+    """One fragment's outer optimizer.
+
+    `step(params, grad)` updates `params` in place and may use `grad` as scratch space (it may
+    be overwritten): callers pass a buffer they do not need afterwards. Both are flat, FP32 and
+    of length `numel`. The caller validates finiteness before calling.
+
+    `state_dict()` returns everything needed to resume bit-for-bit, as tensors (counters as 0-d
+    int64 tensors) so it can be written with safetensors. The float buffers are the live state,
+    not copies: clone them under the fragment's lock if the snapshot must outlive it.
+    `load_state_dict()` copies into the existing buffers (keeping their device) and raises
+    ValueError on a missing or unexpected key, or a wrong shape or dtype.
+    """
+
+    def __init__(self, numel: int, lr: float, device: torch.device | str) -> None:
+        self.numel = _check_count("numel", numel, 1)
+        self.lr = _check_lr(lr)
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def _check_step_args(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        for name, t in (("params", params), ("grad", grad)):
+            if t.dtype != torch.float32:
+                raise TypeError(f"{name} must be float32, got {t.dtype}")
+            if t.shape != (self.numel,):
+                raise ValueError(
+                    f"{name} must be flat with {self.numel} elements, got {tuple(t.shape)}"
+                )
+
+    @staticmethod
+    def _load_into(state: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
+        """Check `state` against `targets` (same keys, shapes, dtypes), then copy it in."""
+        missing, unexpected = targets.keys() - state.keys(), state.keys() - targets.keys()
+        if missing or unexpected:
+            raise ValueError(
+                f"outer optimizer state has missing keys {sorted(missing)} and unexpected keys "
+                f"{sorted(unexpected)}; was it saved by a different outer optimizer kind?"
+            )
+        for key, target in targets.items():
+            src = state[key]
+            if src.shape != target.shape or src.dtype != target.dtype:
+                raise ValueError(
+                    f"outer optimizer state {key!r} is {src.dtype}{tuple(src.shape)}, "
+                    f"expected {target.dtype}{tuple(target.shape)}"
+                )
+        for key, target in targets.items():
+            target.copy_(state[key])
+
+
+class SGD(OuterOptimizer):
+    """Plain outer SGD: params -= lr * g. No state."""
+
+    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        self._check_step_args(params, grad)
+        params.add_(grad, alpha=-self.lr)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._load_into(state, {})
+
+
+class Nesterov(OuterOptimizer):
+    """Outer SGD with Nesterov momentum, as in DiLoCo (lr 0.7, momentum 0.9).
+
+        buf    <- mu * buf + g
+        params <- params - lr * (g + mu * buf)
+
+    The same operations, in the same order, as torch.optim.SGD(lr, momentum=mu, nesterov=True)
+    with dampening 0 and no weight decay, so the two agree bit-for-bit on CPU.
+    """
+
+    def __init__(
+        self, numel: int, lr: float = 0.7, momentum: float = 0.9, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__(numel, lr, device)
+        self.momentum = _check_range("momentum", momentum, 0.0, 1.0, high_open=True)
+        self.momentum_buffer = self._zeros()
+
+    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        self._check_step_args(params, grad)
+        self.momentum_buffer.mul_(self.momentum).add_(grad)
+        grad.add_(self.momentum_buffer, alpha=self.momentum)
+        params.add_(grad, alpha=-self.lr)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"momentum_buffer": self.momentum_buffer}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._load_into(state, {"momentum_buffer": self.momentum_buffer})
+
+
+class DelayedNesterov(OuterOptimizer):
+    """Delayed Nesterov (DN): Algorithm 3 of Liu et al., "Asynchronous Local-SGD Training for
+    Language Modeling" (arXiv 2401.09135).
+
+    With outer lr eta, momentum decay beta, buffer size (delay) N >= 1, momentum activation
+    c in [0, 1/N] (default c = 0), state m_0 = 0, Delta = 0, t = 0, each arriving
+    pseudo-gradient g_t does (as in the paper, and in the DelayedNesterovOptimizer of the HALoS
+    authors' code, utnslab/halos src/halos/opt.py, which implements the same algorithm):
+
+        Delta <- Delta + g_t
+        if (t + 1) % N == 0:                          # every N-th arrival
+            m_{t+1}   = beta * m_t + Delta / N        # momentum from the mean of the last N
+            theta_{t+1} = theta_t - eta * ((1 - c*N + c) * beta * m_{t+1} + g_t / N)
+            Delta <- 0
+        else:                                         # in between: no momentum update
+            m_{t+1}   = m_t
+            theta_{t+1} = theta_t - eta * (c * beta * m_{t+1} + g_t / N)
+        t <- t + 1
+
+    With c = 0 the in-between steps are plain gradient steps of size eta/N, and over one period
+    of N arrivals the parameters move by exactly eta * (mean(g) + beta * m_new): one Nesterov
+    step on the period's mean pseudo-gradient, with each g applied as soon as it arrives. With
+    N = 1 (any c) it is the `Nesterov` update, bit for bit (prefer `Nesterov` there: it needs no
+    Delta buffer). Here one "arrival" is one call to `step`, i.e. one merged round.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        delay: int = 4,
+        momentum_activation: float = 0.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(numel, lr, device)
+        self.momentum = _check_range("momentum", momentum, 0.0, 1.0, high_open=True)
+        self.delay = _check_count("delay", delay, 1)
+        self.momentum_activation = _check_range(
+            "momentum_activation", momentum_activation, 0.0, 1.0 / self.delay, high_open=False
+        )
+        self.momentum_buffer = self._zeros()  # m
+        self.grad_buffer = self._zeros()  # Delta: sum of the g since the last m update
+        self.steps = 0  # t: arrivals so far
+
+    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        self._check_step_args(params, grad)
+        n, beta, c = self.delay, self.momentum, self.momentum_activation
+        self.grad_buffer.add_(grad)
+        self.steps += 1
+        if self.steps % n == 0:
+            self.momentum_buffer.mul_(beta).add_(self.grad_buffer, alpha=1.0 / n)
+            self.grad_buffer.zero_()
+            momentum_coeff = (1.0 - c * (n - 1)) * beta  # the paper's (1 - cN + c) beta
+        else:
+            momentum_coeff = c * beta
+        # theta -= eta * (coeff * m + g / N), as (eta / N) * (g + N * coeff * m): with N = 1 these
+        # are exactly Nesterov's operations, and `grad` is the scratch the contract allows.
+        if momentum_coeff != 0.0:
+            grad.add_(self.momentum_buffer, alpha=momentum_coeff * n)
+        params.add_(grad, alpha=-self.lr / n)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            "momentum_buffer": self.momentum_buffer,
+            "grad_buffer": self.grad_buffer,
+            "steps": torch.tensor(self.steps, dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        steps = torch.zeros((), dtype=torch.int64)
+        self._load_into(
+            state,
+            {
+                "momentum_buffer": self.momentum_buffer,
+                "grad_buffer": self.grad_buffer,
+                "steps": steps,
+            },
+        )
+        self.steps = int(steps)
+
+
+def make_outer(
+    kind: str,
+    numel: int,
+    lr: float = 0.7,
+    momentum: float = 0.9,
+    delay: int = 4,
+    device: torch.device | str = "cpu",
+    momentum_activation: float = 0.0,
+) -> OuterOptimizer:
+    """Build the outer optimizer `kind` (one of OUTER_KINDS) for a fragment of `numel` elements.
+
+    All arguments are validated whatever the kind (ValueError naming the argument and its allowed
+    range), so a bad setting is caught at start-up even if the chosen kind ignores it.
+    """
+    if kind not in OUTER_KINDS:
+        raise ValueError(f"kind must be one of {OUTER_KINDS}, got {kind!r}")
+    _check_range("momentum", momentum, 0.0, 1.0, high_open=True)
+    _check_count("delay", delay, 1)
+    _check_range("momentum_activation", momentum_activation, 0.0, 1.0 / delay, high_open=False)
+    if kind == "nesterov":
+        return Nesterov(numel, lr, momentum, device)
+    if kind == "delayed_nesterov":
+        return DelayedNesterov(numel, lr, momentum, delay, momentum_activation, device)
+    return SGD(numel, lr, device)

@@ -1,0 +1,161 @@
+"""Running the Synchronizer: the gRPC server with health, reflection, auth and limits.
+
+`serving(config)` is a context manager that starts everything (port 0 picks a free port) and
+yields a `RunningServer` with the bound addresses; leaving it shuts down in the documented order:
+health NOT_SERVING, stop accepting RPCs (in-flight ones get `shutdown_grace_s`), merge every
+acknowledged contribution, final checkpoint. `serve(config)` runs until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from protos import diloco_pb2 as pb
+from protos import diloco_pb2_grpc as pb_grpc
+from synchronizer.config import SynchronizerConfig
+from synchronizer.metrics import Metrics
+from synchronizer.service import SynchronizerService
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Synchronizer"].full_name
+OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every RPC but health and reflection unless it carries `authorization: Bearer T`."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}"
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')")
+
+        self.deny = deny
+
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler], details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        if details.method.startswith(OPEN_METHODS):
+            return continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self.expected:
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None  # type: ignore[return-value]
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self.deny(None, ctx))
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(lambda it, ctx: self.deny(None, ctx))
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(lambda req, ctx: self.deny(req, ctx))
+        return grpc.unary_unary_rpc_method_handler(self.deny)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    service: SynchronizerService
+    health: health.HealthServicer
+    port: int
+    metrics_port: int | None
+    host: str
+
+    @property
+    def address(self) -> str:
+        host = self.host
+        if host in ("0.0.0.0", "", "[::]", "::"):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+
+def _credentials(cfg: SynchronizerConfig) -> grpc.ServerCredentials | None:
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return None
+    key, cert = cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes()
+    ca = cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningServer:
+    """Starts the service; raises OSError if a port cannot be bound."""
+    metrics = metrics or Metrics()
+    service = SynchronizerService(cfg, metrics)
+    interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
+        interceptors=interceptors,
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.max_concurrent_streams", cfg.max_concurrent_streams * 2),
+        ],
+    )
+    pb_grpc.add_SynchronizerServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bind = f"{cfg.host}:{cfg.port}"
+    creds = _credentials(cfg)
+    port = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
+    if port == 0:
+        service.close()
+        raise OSError(f"could not bind the gRPC port {bind} (in use, or not an address of this host)")
+    metrics_port = None
+    if cfg.metrics_port >= 0:
+        httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
+        metrics_port = httpd.server_port
+        service.metrics_httpd = httpd  # type: ignore[attr-defined]
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("Synchronizer serving gRPC on %s:%d, metrics on %s (epoch %s)", cfg.host, port, f"{cfg.metrics_host}:{metrics_port}" if metrics_port is not None else "nothing", service.epoch)
+    return RunningServer(server, service, health_servicer, port, metrics_port, cfg.host)
+
+
+def stop(running: RunningServer, grace_s: float) -> None:
+    """Health NOT_SERVING, stop RPCs within grace, merge acknowledged work, checkpoint."""
+    running.health.enter_graceful_shutdown()
+    running.server.stop(grace_s).wait()
+    running.service.close()
+    httpd = getattr(running.service, "metrics_httpd", None)
+    if httpd is not None:
+        httpd.shutdown()
+        httpd.server_close()
+    logger.info("Synchronizer stopped")
+
+
+@contextlib.contextmanager
+def serving(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> Iterator[RunningServer]:
+    running = start(cfg, metrics)
+    try:
+        yield running
+    finally:
+        stop(running, cfg.shutdown_grace_s)
+
+
+def serve(cfg: SynchronizerConfig, on_ready: Callable[[RunningServer], None] | None = None) -> None:
+    """Runs until SIGTERM or SIGINT, then shuts down cleanly."""
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    running = start(cfg)
+    try:
+        if on_ready is not None:
+            on_ready(running)
+        done.wait()
+        logger.info("shutting down (grace %.1fs)", cfg.shutdown_grace_s)
+    finally:
+        stop(running, cfg.shutdown_grace_s)
