@@ -98,20 +98,21 @@ class ModelSpec:
         by_name = {t.name: t for t in tensors}
         if len(by_name) != len(tensors):
             raise ValueError("the model spec names a tensor twice")
-        fragments, seen = [], set()
-        for i, f in enumerate(msg.fragments):
-            if f.fragment_id != i:
-                raise ValueError(f"fragment ids must be 0..P-1 in order; got {f.fragment_id} at position {i}")
-            missing = [n for n in f.tensor_names if n not in by_name]
+        fragments: list[Fragment] = []
+        seen: set[str] = set()
+        for i, fmsg in enumerate(msg.fragments):
+            if fmsg.fragment_id != i:
+                raise ValueError(f"fragment ids must be 0..P-1 in order; got {fmsg.fragment_id} at position {i}")
+            missing = [n for n in fmsg.tensor_names if n not in by_name]
             if missing:
                 raise ValueError(f"fragment {i} names unknown tensors {missing[:3]}")
-            dup = seen.intersection(f.tensor_names)
+            dup = seen.intersection(fmsg.tensor_names)
             if dup:
                 raise ValueError(f"tensors {sorted(dup)[:3]} are in more than one fragment")
-            seen.update(f.tensor_names)
-            frag = Fragment(i, tuple(by_name[n] for n in f.tensor_names))
-            if f.numel != frag.numel:
-                raise ValueError(f"fragment {i} says numel {f.numel} but its tensors hold {frag.numel}")
+            seen.update(fmsg.tensor_names)
+            frag = Fragment(i, tuple(by_name[n] for n in fmsg.tensor_names))
+            if fmsg.numel != frag.numel:
+                raise ValueError(f"fragment {i} says numel {fmsg.numel} but its tensors hold {frag.numel}")
             fragments.append(frag)
         if not fragments:
             raise ValueError("the model spec has no fragments")
@@ -138,8 +139,8 @@ class ModelSpec:
                 return f"tensor {name!r} is {t.dtype} in the served model, {o.dtype} in yours"
         if len(self.fragments) != len(other.fragments):
             return f"served model has {len(self.fragments)} fragments, yours has {len(other.fragments)}"
-        for f, o in zip(self.fragments, other.fragments, strict=True):
-            if [t.name for t in f.tensors] != [t.name for t in o.tensors]:
+        for f, of in zip(self.fragments, other.fragments, strict=True):
+            if [t.name for t in f.tensors] != [t.name for t in of.tensors]:
                 return f"fragment {f.fragment_id} holds different tensors (different fragment plan)"
         if [t.name for t in self.tensors] != [t.name for t in other.tensors]:
             return "tensors are listed in a different order"

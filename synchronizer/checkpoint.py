@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,6 @@ def load_latest(state_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
     for _, path in reversed(list_checkpoints(state_dir)):
         try:
             tensors = load_file(str(path))
-            from safetensors import safe_open
-
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {})[META_KEY])
             return tensors, meta, path

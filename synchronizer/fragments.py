@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -95,7 +96,7 @@ class Round:
 class Verdict:
     """What became of a push, as the fragment judged it."""
 
-    outcome: int
+    outcome: pb.PushOutcome
     round_version: int
     current_version: int
     staleness: int
@@ -123,7 +124,7 @@ class FragmentState:
         self.outer = make_outer(cfg.outer, spec.numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
         self.history: deque[tuple[int, torch.Tensor]] = deque()  # (v, Theta_v - Theta_{v-1})
         self.round: Round | None = None
-        self.snapshots: dict[int, tuple[int, pb.PayloadHeader, torch.Tensor]] = {}
+        self.snapshots: dict[pb.Codec, tuple[int, pb.PayloadHeader, torch.Tensor]] = {}
         self.metrics.fragment_version.labels(str(self.fid)).set(0)
 
     @property
@@ -207,7 +208,10 @@ class FragmentState:
                 self.cv.wait()
             t0 = time.perf_counter()
             assert self.params is not None
-            merged = rnd.acc.merged(torch.empty(self.numel, dtype=torch.float32))
+            if rnd.acc.total_weight == 0:  # only zero-weight contributions: nothing to merge
+                merged = torch.zeros(self.numel, dtype=torch.float32)
+            else:
+                merged = rnd.acc.merged(torch.empty(self.numel, dtype=torch.float32))
             if self.cfg.anchor == "current":
                 self._reanchor(rnd, merged)
             keep_history = self.cfg.anchor == "current" and self.cfg.max_staleness > 0
@@ -251,7 +255,7 @@ class FragmentState:
                     return
                 self.cv.wait(left)
 
-    def snapshot(self, codec_id: int) -> tuple[int, pb.PayloadHeader, torch.Tensor]:
+    def snapshot(self, codec_id: pb.Codec) -> tuple[int, pb.PayloadHeader, torch.Tensor]:
         """(version, header, encoded CPU bytes) of the current parameters, shared by pullers."""
         with self.cv:
             cached = self.snapshots.get(codec_id)
@@ -290,7 +294,7 @@ class FragmentState:
 class Rounds:
     """Decides when rounds close and closes them on worker threads (never on gRPC threads)."""
 
-    def __init__(self, fragments: list[FragmentState], grace: GraceWindow, metrics: Metrics, goodput: Goodput, live: callable, threads: int) -> None:  # type: ignore[valid-type]
+    def __init__(self, fragments: list[FragmentState], grace: GraceWindow, metrics: Metrics, goodput: Goodput, live: Callable[[], set[str]], threads: int) -> None:
         self.fragments = fragments
         self.grace = grace
         self.metrics = metrics

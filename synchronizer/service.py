@@ -30,7 +30,7 @@ from synchronizer import checkpoint
 from synchronizer.config import SynchronizerConfig
 from synchronizer.fragments import FragmentState, GraceWindow, Rounds
 from synchronizer.goodput import Goodput, Share
-from synchronizer.leases import LeaseError, LearnerRecord, Registry
+from synchronizer.leases import LearnerRecord, LeaseError, Registry
 from synchronizer.metrics import Metrics
 
 logger = logging.getLogger(__name__)

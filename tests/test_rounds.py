@@ -1,0 +1,173 @@
+"""Round policy through the real service: quorum, grace window, dead learners, weights, anchors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from protos import diloco_pb2 as pb
+from tests.helpers import Client, small_spec
+
+SPEC = small_spec(fragments=1)
+N = SPEC.fragments[0].numel
+
+
+def _setup(make_server, learners: int, **cfg):
+    srv = make_server(**cfg)
+    clients = [Client(srv.address, SPEC, f"l{i}") for i in range(learners)]
+    for c in clients:
+        c.join()
+    init = torch.linspace(-1, 1, N)
+    clients[0].init([init])
+    return srv, clients, init
+
+
+def _vec(seed: int, scale: float = 0.1) -> torch.Tensor:
+    return torch.randn(N, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_quorum_all_without_grace_is_synchronous_diloco_bit_for_bit(make_server):
+    srv, clients, init = _setup(make_server, 3, quorum=0, grace="none", token_weight="uniform", anchor="base", outer="nesterov")
+    p = torch.nn.Parameter(init.clone())
+    opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    for r in range(4):
+        deltas = [_vec(10 * r + i) for i in range(3)]
+        for c, d in zip(clients[:2], deltas, strict=False):
+            reply = c.push(0, d, base=r)
+            assert reply.outcome == pb.PUSH_ACCEPTED and reply.round_version == r + 1
+        assert srv.service.fragments[0].version == r  # the round waits for the third learner
+        clients[2].push(0, deltas[2], base=r)
+        version, served = clients[0].pull(0, min_version=r + 1, wait_s=10)
+        assert version == r + 1
+        acc = torch.zeros(N)
+        for d in deltas:
+            acc.add_(d, alpha=1.0)
+        p.grad = acc / 3.0
+        opt.step()
+        assert torch.equal(served, p.detach())
+
+
+def test_quorum_one_applies_without_waiting_for_others(make_server):
+    srv, clients, init = _setup(make_server, 3, quorum=1, grace="none", outer="sgd", outer_lr=1.0, anchor="base")
+    d = _vec(1)
+    assert clients[1].push(0, d).round_version == 1
+    version, served = clients[1].pull(0, min_version=1, wait_s=10)
+    assert version == 1
+    torch.testing.assert_close(served, init - d)
+
+
+def test_grace_window_takes_a_learner_in_time_and_not_one_that_is_late(make_server):
+    srv, clients, init = _setup(make_server, 3, quorum=1, grace="fixed", grace_max_s=0.5, outer="sgd", outer_lr=1.0, anchor="base", token_weight="uniform")
+    a, b, late = _vec(1), _vec(2), _vec(3)
+    assert clients[0].push(0, a).round_version == 1
+    assert clients[1].push(0, b).round_version == 1  # inside the grace window: same round
+    version, served = clients[0].pull(0, min_version=1, wait_s=10)  # closes when grace runs out
+    assert version == 1
+    torch.testing.assert_close(served, init - (a + b) / 2)
+    assert clients[2].push(0, late, base=0).round_version == 2  # too late for round 1
+
+
+def test_round_closes_at_once_when_every_live_learner_contributed(make_server):
+    srv, clients, _ = _setup(make_server, 2, quorum=1, grace="fixed", grace_max_s=60.0)
+    clients[0].push(0, _vec(1))
+    clients[1].push(0, _vec(2))
+    version, _ = clients[0].pull(0, min_version=1, wait_s=10)  # far sooner than the 60 s grace
+    assert version == 1
+
+
+def test_dead_learner_never_holds_a_synchronous_round(make_server):
+    srv, clients, _ = _setup(make_server, 2, quorum=0, grace="none", lease_s=0.6)
+    alive, silent = clients
+    stop = threading.Event()
+
+    def keep_alive() -> None:
+        while not stop.wait(0.1):
+            alive.heartbeat()
+
+    t = threading.Thread(target=keep_alive)
+    t.start()
+    try:
+        alive.push(0, _vec(1))
+        version, _ = alive.pull(0, min_version=1, wait_s=10)  # the silent learner's lease lapses
+        assert version == 1
+        states = {lr.name: lr.state for lr in alive.status().learners}
+        assert states == {"l0": "alive", "l1": "dead"}
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_push_beyond_max_staleness_is_dropped_and_counted(make_server):
+    srv, clients, _ = _setup(make_server, 2, quorum=1, grace="none", max_staleness=1)
+    fast, slow = clients
+    for r in range(2):
+        fast.push(0, _vec(r), base=r)
+        fast.pull(0, min_version=r + 1, wait_s=10)
+    _, before = fast.pull(0)
+    reply = slow.push(0, _vec(9), base=0)
+    assert reply.outcome == pb.PUSH_DROPPED_STALE and reply.staleness == 2 and "re-pull" in reply.message
+    assert torch.equal(fast.pull(0)[1], before)
+    discarded = srv.service.metrics.registry.get_sample_value("diloco_tokens_total", {"bucket": "discarded"})
+    assert discarded == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize(("kind", "expected"), [("poly", (1 + 2) ** -0.5), ("exp", 2.718281828 ** (-0.5 * 2)), ("hinge", 1.0), ("none", 1.0)])
+def test_stale_push_is_weighted_by_the_staleness_factor(make_server, kind, expected):
+    srv, clients, _ = _setup(make_server, 2, quorum=1, grace="none", staleness_weight=kind, token_weight="uniform")
+    fast, slow = clients
+    for r in range(2):
+        fast.push(0, _vec(r), base=r)
+        fast.pull(0, min_version=r + 1, wait_s=10)
+    reply = slow.push(0, _vec(9), base=0)
+    assert reply.staleness == 2
+    assert reply.weight == pytest.approx(expected, rel=1e-6)
+
+
+def test_token_weights_give_the_weighted_mean(make_server):
+    srv, clients, init = _setup(make_server, 2, quorum=0, grace="none", token_weight="tokens2_per_step", outer="sgd", outer_lr=1.0, anchor="base")
+    a, b = _vec(1), _vec(2)
+    ra = clients[0].push(0, a, tokens=300, steps=10)  # weight 9000
+    rb = clients[1].push(0, b, tokens=100, steps=10)  # weight 1000
+    assert (ra.weight, rb.weight) == (9000.0, 1000.0)
+    _, served = clients[0].pull(0, min_version=1, wait_s=10)
+    torch.testing.assert_close(served, init - (0.9 * a + 0.1 * b))
+
+
+def test_current_anchor_adds_the_updates_a_stale_learner_missed(make_server):
+    srv, clients, init = _setup(make_server, 2, quorum=1, grace="none", anchor="current", outer="sgd", outer_lr=1.0)
+    fast, slow = clients
+    u = _vec(1)
+    fast.push(0, u, base=0)
+    _, theta1 = fast.pull(0, min_version=1, wait_s=10)  # theta1 = init - u
+    d = _vec(2)  # computed by the slow learner against version 0: its params are init - d
+    slow.push(0, d, base=0)
+    _, theta2 = slow.pull(0, min_version=2, wait_s=10)
+    # Decoupled DiLoCo: delta' = Theta_now - theta_m = (init - u) - (init - d) = d - u
+    torch.testing.assert_close(theta2, theta1 - (d - u))
+    torch.testing.assert_close(theta2, init - d)
+
+
+def test_radial_directional_merge_averages_norms_and_directions(make_server):
+    srv, clients, init = _setup(make_server, 2, quorum=0, grace="none", merge="radial", anchor="base", outer="sgd", outer_lr=1.0, token_weight="uniform")
+    a = torch.zeros(N)
+    b = torch.zeros(N)
+    a[:300] = 0.0
+    a[0] = 1.0  # layer0: norm 1 along e0
+    b[1] = 3.0  # layer0: norm 3 along e1
+    clients[0].push(0, a)
+    clients[1].push(0, b)
+    _, served = clients[0].pull(0, min_version=1, wait_s=10)
+    step = init - served
+    # mean norm 2 along the bisector of e0 and e1
+    assert step[0].item() == pytest.approx(2 / 2**0.5, rel=1e-5) and step[1].item() == pytest.approx(2 / 2**0.5, rel=1e-5)
+    assert step[2:].abs().max().item() < 1e-6
+
+
+def test_dynamic_local_updates_give_slow_learners_fewer_steps(make_server):
+    srv, clients, _ = _setup(make_server, 2, dynamic_local_updates=True, inner_steps=100)
+    fast, slow = clients
+    assert fast.heartbeat(step_time_s=0.1).inner_steps == 100
+    assert slow.heartbeat(step_time_s=0.3).inner_steps == 33
+    assert fast.heartbeat(step_time_s=0.1).inner_steps == 100
