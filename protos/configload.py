@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ValidationError
 
@@ -63,7 +63,7 @@ def from_env(model: type[BaseModel], environ: Mapping[str, str] | None = None) -
 def _flag_type(annotation: Any) -> tuple[Any, bool]:
     """(argparse type, is_bool) for a field annotation; Optional[X] counts as X."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType")) and args:
+    if typing.get_origin(annotation) in (typing.Union, __import__("types").UnionType) and args:
         annotation = args[0]
     if annotation is bool:
         return None, True
