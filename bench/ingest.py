@@ -1,0 +1,229 @@
+"""Ingest: how fast a real Synchronizer takes pushes, against raw gRPC streaming of the same bytes.
+
+For each codec and client count, client processes stream one model's fragments (pre-encoded,
+2 MiB chunks) over loopback for a fixed time: first to a bare sink server that only counts the
+bytes (the baseline: what Python gRPC itself moves here), then to a real Synchronizer that
+validates, decodes, accumulates and applies outer steps. Headline `ingest_ratio` = Synchronizer
+payload bytes/s over raw bytes/s (the worst cell). Then, in this process, the outer-step apply
+rate: decode an INT8 push + weighted merge + Nesterov over the whole model, against one plain
+`add_` pass over the same tensors (`apply_ratio` = plain pass seconds / apply seconds).
+
+    python -m bench.ingest [--quick | --smoke] [--json PATH]
+Full mode: 100M parameters, 1/4/8 clients, FP32/BF16/INT8/INT4 (about 10 minutes here).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from bench.common import machine, parser, table, write_json
+from protos import codec
+from protos import diloco_pb2 as pb
+from protos import diloco_pb2_grpc as pb_grpc
+from protos.spec import TensorInfo, plan_fragments
+from synchronizer.config import SynchronizerConfig
+from synchronizer.merge import Accumulator
+from synchronizer.metrics import Metrics
+from synchronizer.outer import make_outer
+from synchronizer.server import serving
+
+SINK_METHOD = "/bench.Sink/Push"
+GRPC_OPTIONS = [("grpc.max_send_message_length", 8 << 20), ("grpc.max_receive_message_length", 8 << 20)]
+
+
+def model_spec(params: int, fragments: int):
+    per = params // fragments
+    return plan_fragments([TensorInfo(f"block{i}.weight", (per,)) for i in range(fragments)], fragments)
+
+
+def start_sink() -> tuple[grpc.Server, str]:
+    def push(request_iterator: Any, context: grpc.ServicerContext) -> bytes:
+        n = 0
+        for chunk in request_iterator:
+            n += len(chunk)
+        return n.to_bytes(8, "little")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.so_reuseport", 0), *GRPC_OPTIONS])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def client(address: str, mode: str, codec_id: int, params: int, fragments: int, seconds: float, barrier: Any, results: Any) -> None:
+    """One client process: pre-encodes a push per fragment, then streams them in a loop."""
+    torch.set_num_threads(1)
+    spec = model_spec(params, fragments)
+    payloads = []
+    for f in spec.fragments:
+        buf = codec.encode(torch.randn(f.numel) * 1e-3, codec_id)
+        payloads.append((f, codec.make_header(codec_id, f.numel), list(codec.iter_chunks(buf))))
+    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    if mode == "raw":
+        push = channel.stream_unary(SINK_METHOD)
+        learner_id, seq = "", 0
+    else:
+        stub = pb_grpc.SynchronizerStub(channel)
+        joined = stub.Join(pb.JoinRequest(learner_name="bench", spec=spec.to_proto()), timeout=60)
+        learner_id, seq = joined.learner_id, joined.next_seq - 1
+        versions = {v.fragment_id: v.version for v in joined.versions}
+    barrier.wait()
+    sent, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for f, header, chunks in payloads:
+            if mode == "raw":
+                push(iter([c.data for c in chunks]), timeout=120)
+            else:
+                seq += 1
+                h = pb.PushHeader(learner_id=learner_id, seq=seq, spec_hash=spec.spec_hash, fragment_id=f.fragment_id, base_version=versions[f.fragment_id], tokens=1000, steps=10, compute_s=1.0, payload=header)
+                msgs = [pb.PushRequest(header=h)] + [pb.PushRequest(chunk=c) for c in chunks]
+                reply = stub.PushFragment(iter(msgs), timeout=120)
+                versions[f.fragment_id] = reply.current_version
+            sent += header.total_bytes
+    results.put((sent, time.perf_counter() - t0))
+    channel.close()
+
+
+def run_clients(address: str, mode: str, codec_id: int, params: int, fragments: int, clients: int, seconds: float) -> float:
+    """Payload bytes per second that `clients` processes streamed together."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(clients), ctx.Queue()
+    procs = [ctx.Process(target=client, args=(address, mode, codec_id, params, fragments, seconds, barrier, results)) for _ in range(clients)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return sum(b for b, _ in got) / max(t for _, t in got)
+
+
+def init_synchronizer(address: str, params: int, fragments: int) -> None:
+    spec = model_spec(params, fragments)
+    stub = pb_grpc.SynchronizerStub(grpc.insecure_channel(address, options=GRPC_OPTIONS))
+    joined = stub.Join(pb.JoinRequest(learner_name="init", spec=spec.to_proto()), timeout=60)
+
+    def msgs():
+        yield pb.InitModelRequest(start=pb.InitStart(learner_id=joined.learner_id, spec_hash=spec.spec_hash))
+        for f in spec.fragments:
+            yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=f.fragment_id, payload=codec.make_header(pb.CODEC_FP32, f.numel)))
+            for c in codec.iter_chunks(codec.encode(torch.zeros(f.numel), pb.CODEC_FP32)):
+                yield pb.InitModelRequest(chunk=c)
+
+    stub.InitModel(msgs(), timeout=300)
+    stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id), timeout=60)
+
+
+def measure_ingest(params: int, fragments: int, clients: int, codec_name: str, seconds: float, quorum: int) -> dict[str, Any]:
+    codec_id = codec.parse_codec(codec_name)
+    sink, sink_address = start_sink()
+    try:
+        raw = run_clients(sink_address, "raw", codec_id, params, fragments, clients, seconds)
+    finally:
+        sink.stop(0)
+    with tempfile.TemporaryDirectory() as state:
+        cfg = SynchronizerConfig(port=0, metrics_port=-1, state_dir=Path(state), quorum=quorum, grace="none", anchor="base", max_staleness=1_000_000, token_weight="uniform", checkpoint_interval_s=0, max_concurrent_streams=64, shutdown_grace_s=1)
+        with serving(cfg, Metrics()) as srv:
+            init_synchronizer(srv.address, params, fragments)
+            got = run_clients(srv.address, "sync", codec_id, params, fragments, clients, seconds)
+            steps = sum(f.version for f in srv.service.fragments)
+    bytes_per_param = codec.encoded_nbytes(codec_id, params) / params
+    return {
+        "codec": codec_name,
+        "clients": clients,
+        "raw_MBps": raw / 1e6,
+        "sync_MBps": got / 1e6,
+        "ratio": got / raw,
+        "params_per_s": got / bytes_per_param,
+        "outer_steps": steps,
+    }
+
+
+def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
+    """Decode one INT8 push + weighted merge + Nesterov, against one plain add_ pass."""
+    g = torch.Generator().manual_seed(0)
+    params = torch.randn(numel, generator=g)
+    delta = torch.randn(numel, generator=g) * 1e-3
+    header = codec.make_header(pb.CODEC_INT8, numel)
+    payload = codec.encode(delta, pb.CODEC_INT8)
+    scratch, merged = torch.empty(numel), torch.empty(numel)
+    acc = Accumulator(numel)
+    outer = make_outer("nesterov", numel)
+    plain, apply, parts = [], [], {"decode": [], "merge": [], "nesterov": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        params.add_(delta)
+        plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        codec.decode(payload, header, scratch)
+        t1 = time.perf_counter()
+        acc.reset()
+        acc.add(scratch, 2.0)
+        acc.merged(merged)
+        t2 = time.perf_counter()
+        outer.step(params, merged)
+        t3 = time.perf_counter()
+        apply.append(t3 - t0)
+        parts["decode"].append(t1 - t0)
+        parts["merge"].append(t2 - t1)
+        parts["nesterov"].append(t3 - t2)
+    plain_s, apply_s = statistics.median(plain), statistics.median(apply)
+    return {
+        "numel": numel,
+        "plain_add_s": plain_s,
+        "apply_s": apply_s,
+        "apply_GBps_fp32": numel * 4 / apply_s / 1e9,
+        "plain_GBps_fp32": numel * 4 / plain_s / 1e9,
+        "apply_ratio": plain_s / apply_s,
+        **{f"{k}_s": statistics.median(v) for k, v in parts.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--params", type=int, help="model parameters (FP32 elements)")
+    p.add_argument("--clients", help="comma-separated client counts")
+    p.add_argument("--codecs", help="comma-separated codecs")
+    p.add_argument("--seconds", type=float, help="streaming time per cell")
+    p.add_argument("--quorum", type=int, default=1, help="Synchronizer quorum K (default 1: asynchronous)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        mode = dict(params=1_000_000, clients=[1], codecs=["int8"], seconds=1.0)
+    elif args.quick:
+        mode = dict(params=25_000_000, clients=[1, 4], codecs=["fp32", "int8", "int4"], seconds=4.0)
+    else:
+        mode = dict(params=100_000_000, clients=[1, 4, 8], codecs=["fp32", "bf16", "int8", "int4"], seconds=8.0)
+    params = args.params or mode["params"]
+    clients = [int(c) for c in args.clients.split(",")] if args.clients else mode["clients"]
+    codecs = args.codecs.split(",") if args.codecs else mode["codecs"]
+    seconds = args.seconds or mode["seconds"]
+    rows = [measure_ingest(params, 4, n, name, seconds, args.quorum) for name in codecs for n in clients]
+    print(table(rows, ["codec", "clients", "raw_MBps", "sync_MBps", "ratio", "params_per_s", "outer_steps"]))
+    applied = measure_apply(params)
+    print()
+    print(table([applied], ["numel", "plain_add_s", "apply_s", "decode_s", "merge_s", "nesterov_s", "apply_GBps_fp32", "apply_ratio"]))
+    result = {
+        "ingest_ratio": min(r["ratio"] for r in rows),
+        "ingest_ratio_median": statistics.median(r["ratio"] for r in rows),
+        "apply_ratio": applied["apply_ratio"],
+        "apply_GBps_fp32": applied["apply_GBps_fp32"],
+        "params": params,
+        "cells": rows,
+        "apply": applied,
+        "machine": machine(),
+    }
+    print(f"\ningest_ratio (worst cell) = {result['ingest_ratio']:.3f}   apply: {applied['apply_GBps_fp32']:.2f} GB/s FP32-equivalent, plain add_ pass / apply = {applied['apply_ratio']:.3f}")
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,621 @@
+"""The tensor codec of the wire: how a flat FP32 vector becomes payload bytes and back.
+
+This module owns the byte layout of every ``Codec`` in ``diloco.proto``, the ``PayloadHeader``
+that describes a payload (``make_header``, ``validate_header``, ``encoded_nbytes``), the split of
+a payload into ``Chunk`` messages (``iter_chunks``) and their reassembly into one preallocated
+buffer (``Assembler``). Encode and decode are vectorised torch code that runs unchanged on CPU
+and CUDA; they walk the tensor in runs of whole blocks (about 1M elements) and write into
+preallocated outputs, so temporaries stay small whatever the tensor's size.
+
+Layouts (all little-endian):
+
+- FP32: the raw float32 values.
+- BF16: the raw bfloat16 values (``x.to(torch.bfloat16)``: round to nearest even).
+- INT8, INT4, FP4_E3M0 (blockwise absmax): all codes first, then one scale per block
+  (float32 or float16 per ``scale_dtype``). Blocks are ``block_size`` consecutive elements; the
+  last block may be partial. INT8 stores one int8 code per element; the 4-bit codecs store two
+  codes per byte, element ``2i`` in the low nibble, so the code section is ``ceil(numel / 2)``
+  bytes (the high nibble after an odd last element is padding and ignored on decode).
+
+  - INT8: ``scale = absmax / 127``, ``code = clamp(round(x / scale), -127, 127)``.
+  - INT4: ``scale = absmax / 7``, ``q = clamp(round(x / scale), -7, 7)``, nibble ``q + 8``
+    (nibble 0 is never written; decode reads it as -7, like the clamp would).
+  - FP4_E3M0 (as in Streaming DiLoCo): ``scale = absmax``; bit 3 is the sign, bits 0-2 the
+    exponent field ``e``: ``e = 0`` is zero, ``e`` in 1..7 is ``scale * 2**(e - 7)``. Encoding
+    rounds ``r = |x| / scale`` to the nearest representable magnitude in the linear domain (as a
+    cast to a float format with no mantissa would): between ``2**k`` and ``2**(k+1)`` the
+    threshold is ``1.5 * 2**k`` (ties go up), and ``r < 2**-7`` (nearer 0 than ``2**-6``)
+    flushes to zero.
+
+  The scale actually stored (after rounding to fp16 when ``scale_dtype`` is SCALE_FP16) is the
+  one the encoder quantises with, so decode reproduces the encoder's values exactly. A scale of
+  0 (all-zero block, or absmax too small for the scale's format) decodes the block to zeros.
+
+Error bounds, per element ``x`` with decoded ``y``, in a block of absmax ``A``
+(``delta`` is the rounding error of the stored scale ``s``: 0 for FP4 with fp32 scales,
+``max(s * 2**-24, 2**-150)`` for INT8/INT4 with fp32 scales, ``max(s * 2**-11, 2**-25)`` with
+fp16 scales; ``slack = A * 2**-22`` covers float32 arithmetic):
+
+===========  ==========================================================
+codec        bound on ``|x - y|``
+===========  ==========================================================
+FP32         0 (exact)
+BF16         ``max(|x| * 2**-8, 2**-134)`` (relative 2**-8; bf16 subnormals)
+INT8         ``A / 254 + 127 * delta + slack``
+INT4         ``A / 14 + 7 * delta + slack``
+FP4_E3M0     ``max(|x| / 3, A / 128) + delta + slack``
+===========  ==========================================================
+
+(FP4: relative error at most 1/3 for ``|x| >= A / 64``; below that the absolute error is at most
+``A / 128``.) ``tests/test_codec.py`` checks exactly these bounds.
+
+Validation: every failure raises ``CodecError`` (a ``ValueError``). ``encode`` rejects NaN/Inf
+input, values beyond bf16 range for BF16, and, with fp16 scales, a block whose scale (``A/127``,
+``A/7`` or ``A``) exceeds fp16's 65504. ``decode`` rejects a buffer of the wrong size, scales
+that are negative/NaN/Inf or so large that ``scale * code`` would overflow (for INT8 this
+includes the code -128, which the encoder never writes), and FP32/BF16 payloads carrying
+NaN/Inf; decoded values are then always finite. When ``decode`` raises, ``out`` may be partly
+written: decode into a scratch buffer and apply it only on success.
+
+A payload of 0 elements is allowed: it is 0 bytes and is sent as no chunks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Collection, Iterator
+from typing import cast
+
+import torch
+
+from protos import diloco_pb2 as pb
+
+DEFAULT_BLOCK_SIZE = 256
+CHUNK_BYTES = 2 * 1024 * 1024  # default wire chunk size
+
+CODEC_NAMES: dict[str, int] = {
+    "fp32": pb.CODEC_FP32,
+    "bf16": pb.CODEC_BF16,
+    "int8": pb.CODEC_INT8,
+    "int4": pb.CODEC_INT4,
+    "fp4": pb.CODEC_FP4_E3M0,
+}
+_NAMES_BY_CODEC: dict[int, str] = {v: k for k, v in CODEC_NAMES.items()}
+_BLOCKWISE = (pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_FP4_E3M0)
+_QMAX: dict[int, int] = {pb.CODEC_INT8: 127, pb.CODEC_INT4: 7}  # FP4's scale is absmax itself
+# Largest |code| the encoder writes; decode requires scale * _MAX_CODE to be finite.
+_MAX_CODE: dict[int, float] = {pb.CODEC_INT8: 127.0, pb.CODEC_INT4: 7.0, pb.CODEC_FP4_E3M0: 1.0}
+_SCALE_BYTES: dict[int, int] = {pb.SCALE_FP32: 4, pb.SCALE_FP16: 2}
+_SCALE_NAMES: dict[int, str] = {pb.SCALE_FP32: "fp32", pb.SCALE_FP16: "fp16"}
+_RUN_ELEMS = 1 << 20  # elements per run of whole blocks in encode/decode
+_FP4_FLUSH = 2.0**-7  # |x| / scale below this encodes as zero
+
+
+class CodecError(ValueError):
+    """A payload, header or tensor that the codec cannot accept; the message says why."""
+
+
+def codec_name(codec: int) -> str:
+    """The short name ("int8", ...) of a ``pb.Codec`` value."""
+    try:
+        return _NAMES_BY_CODEC[codec]
+    except KeyError:
+        raise CodecError(
+            f"unknown codec {codec}; expected one of {_allowed_names(CODEC_NAMES.values())}"
+        ) from None
+
+
+def parse_codec(name: str) -> int:
+    """The ``pb.Codec`` value of a short name such as "int8" (case-insensitive)."""
+    try:
+        return CODEC_NAMES[name.strip().lower()]
+    except KeyError:
+        raise CodecError(
+            f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}"
+        ) from None
+
+
+def _allowed_names(codecs: Collection[int]) -> str:
+    return ", ".join(_NAMES_BY_CODEC.get(c, str(c)) for c in codecs)
+
+
+def _check_params(codec: int, numel: int, block_size: int, scale_dtype: int) -> None:
+    codec_name(codec)
+    if numel < 0:
+        raise CodecError(f"numel must be >= 0, got {numel}")
+    if scale_dtype not in _SCALE_BYTES:
+        raise CodecError(f"unknown scale dtype {scale_dtype}; expected SCALE_FP32 or SCALE_FP16")
+    if codec in _BLOCKWISE and (block_size <= 0 or block_size % 2):
+        raise CodecError(
+            f"block_size must be a positive even number for {codec_name(codec)}, got {block_size}"
+        )
+
+
+def _code_bytes(codec: int, numel: int) -> int:
+    if codec == pb.CODEC_FP32:
+        return 4 * numel
+    if codec == pb.CODEC_BF16:
+        return 2 * numel
+    if codec == pb.CODEC_INT8:
+        return numel
+    return (numel + 1) // 2
+
+
+def encoded_nbytes(
+    codec: int,
+    numel: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale_dtype: int = pb.SCALE_FP32,
+) -> int:
+    """Exact payload size in bytes of ``numel`` elements; block_size/scale_dtype only matter
+    for the blockwise codecs."""
+    _check_params(codec, numel, block_size, scale_dtype)
+    nbytes = _code_bytes(codec, numel)
+    if codec in _BLOCKWISE:
+        nbytes += -(-numel // block_size) * _SCALE_BYTES[scale_dtype]
+    return nbytes
+
+
+def make_header(
+    codec: int,
+    numel: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale_dtype: int = pb.SCALE_FP32,
+) -> pb.PayloadHeader:
+    """The header for a payload; ``block_size`` and ``scale_dtype`` are stored as 0 (fp32)
+    for FP32/BF16, which have neither."""
+    if codec not in _BLOCKWISE:
+        block_size, scale_dtype = 0, pb.SCALE_FP32
+    return pb.PayloadHeader(
+        codec=cast(pb.Codec, codec),  # the enum types are ints at run time
+        numel=numel,
+        block_size=block_size,
+        scale_dtype=cast(pb.ScaleDtype, scale_dtype),
+        total_bytes=encoded_nbytes(codec, numel, block_size, scale_dtype),
+    )
+
+
+def validate_header(
+    header: pb.PayloadHeader,
+    expected_numel: int,
+    allowed: Collection[int] | None = None,
+    max_block_size: int = 1 << 20,
+) -> None:
+    """Raise ``CodecError`` unless ``header`` describes a payload this side can decode.
+
+    For FP32/BF16, ``block_size`` and ``scale_dtype`` are not used (``make_header`` sets 0).
+    """
+    codec = header.codec
+    if codec not in _NAMES_BY_CODEC:
+        raise CodecError(
+            f"payload codec {codec} is unknown or unspecified; "
+            f"set it to one of {_allowed_names(CODEC_NAMES.values())}"
+        )
+    if allowed is not None and codec not in allowed:
+        raise CodecError(
+            f"codec {codec_name(codec)} is not accepted here; allowed: {_allowed_names(allowed)}"
+        )
+    if header.numel != expected_numel:
+        raise CodecError(
+            f"payload has {header.numel} elements but {expected_numel} were expected "
+            "(does the fragment plan match?)"
+        )
+    if codec in _BLOCKWISE:
+        if header.block_size == 0 or header.block_size % 2 or header.block_size > max_block_size:
+            raise CodecError(
+                f"block_size {header.block_size} is invalid for {codec_name(codec)}: "
+                f"it must be even and in 2..{max_block_size}"
+            )
+    scale_dtype = header.scale_dtype if codec in _BLOCKWISE else pb.SCALE_FP32
+    if scale_dtype not in _SCALE_BYTES:
+        raise CodecError(f"unknown scale dtype {scale_dtype}; expected SCALE_FP32 or SCALE_FP16")
+    expected = encoded_nbytes(codec, header.numel, header.block_size, scale_dtype)
+    if header.total_bytes != expected:
+        raise CodecError(
+            f"total_bytes {header.total_bytes} does not match {expected}, the size of "
+            f"{header.numel} elements as {codec_name(codec)}"
+            + (
+                f" with block_size {header.block_size} and {_SCALE_NAMES[scale_dtype]} scales"
+                if codec in _BLOCKWISE
+                else ""
+            )
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# encode
+
+
+@torch.no_grad()
+def encode(
+    x: torch.Tensor,
+    codec: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale_dtype: int = pb.SCALE_FP32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Encode the 1-D float tensor ``x`` into a 1-D uint8 tensor on ``x.device``.
+
+    The result has exactly ``encoded_nbytes(codec, x.numel(), block_size, scale_dtype)`` bytes;
+    if ``out`` is given it must be such a tensor (4-byte aligned for FP32/BF16, as any fresh
+    allocation is) and is written in place. Non-fp32 inputs are converted run by run; a
+    non-contiguous ``x`` is copied once.
+    """
+    if x.dim() != 1 or not x.is_floating_point():
+        raise CodecError(
+            f"encode takes a 1-D float tensor, got {x.dtype} of shape {tuple(x.shape)}"
+        )
+    n = x.numel()
+    nbytes = encoded_nbytes(codec, n, block_size, scale_dtype)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    elif (
+        out.dtype != torch.uint8
+        or out.dim() != 1
+        or out.numel() != nbytes
+        or out.device != x.device
+        or not out.is_contiguous()
+    ):
+        raise CodecError(
+            f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes on {x.device}, got "
+            f"{out.dtype} of shape {tuple(out.shape)} on {out.device}"
+        )
+    if n == 0:
+        return out
+    x = x.contiguous()
+    if codec == pb.CODEC_FP32:
+        _as_dtype(out, torch.float32).copy_(x)
+        _check_finite_input(x, _as_dtype(out, torch.float32), "fp32")
+    elif codec == pb.CODEC_BF16:
+        _as_dtype(out, torch.bfloat16).copy_(x)
+        _check_finite_input(x, _as_dtype(out, torch.bfloat16), "bf16")
+    else:
+        _encode_blockwise(x, codec, block_size, scale_dtype, out)
+    return out
+
+
+def _as_dtype(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret uint8 ``buf`` as ``dtype``; writes go through only if ``buf`` is aligned."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if buf.storage_offset() % size or buf.data_ptr() % size:
+        raise CodecError(f"buffer is not aligned to {size} bytes; pass a freshly allocated tensor")
+    return buf.view(dtype)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # aminmax is one pass with no temporaries and propagates NaN; Inf shows in min or max.
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _check_finite_input(x: torch.Tensor, encoded: torch.Tensor, name: str) -> None:
+    if _all_finite(encoded):
+        return
+    if not _all_finite(x):
+        raise CodecError("cannot encode a tensor containing NaN or Inf")
+    raise CodecError(f"values beyond the range of {name} (|x| > {torch.finfo(encoded.dtype).max})")
+
+
+def _encode_blockwise(
+    x: torch.Tensor, codec: int, bs: int, scale_dtype: int, out: torch.Tensor
+) -> None:
+    n, dev = x.numel(), x.device
+    nblocks = -(-n // bs)
+    full = (n // bs) * bs  # elements in whole blocks; the rest is one partial block
+    code_bytes = _code_bytes(codec, n)
+    codes_per_byte = 1 if codec == pb.CODEC_INT8 else 2
+    absmax = torch.empty(nblocks, dtype=torch.float32, device=dev)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=dev)
+    run = max(1, _RUN_ELEMS // bs) * bs
+    work = _Work(min(run, full) or bs, dev)
+    for start in range(0, full, run):
+        stop = min(start + run, full)
+        v = x[start:stop]
+        if v.dtype != torch.float32:
+            v = work.convert[: stop - start].copy_(v)
+        b0, b1 = start // bs, stop // bs
+        _encode_run(
+            v.view(-1, bs),
+            codec,
+            scale_dtype,
+            absmax[b0:b1],
+            scales[b0:b1],
+            out[start // codes_per_byte : stop // codes_per_byte],
+            work,
+        )
+    if full < n:  # the partial last block, zero-padded (padding does not change its absmax)
+        tail = torch.zeros(bs, dtype=torch.float32, device=dev)
+        tail[: n - full] = x[full:]
+        tail_codes = torch.empty(bs // codes_per_byte, dtype=torch.uint8, device=dev)
+        _encode_run(
+            tail.view(1, bs),
+            codec,
+            scale_dtype,
+            absmax[-1:],
+            scales[-1:],
+            tail_codes,
+            _Work(bs, dev),
+        )
+        out[full // codes_per_byte : code_bytes] = tail_codes[: code_bytes - full // codes_per_byte]
+    # One check (one device sync) for the whole tensor: NaN propagates through amax.
+    if not bool(torch.isfinite(absmax).all()):
+        raise CodecError("cannot encode a tensor containing NaN or Inf")
+    if scale_dtype == pb.SCALE_FP16:
+        if not bool(torch.isfinite(scales).all()):
+            raise CodecError(
+                f"a block's absmax ({float(absmax.max()):.6g}) is beyond what an fp16 scale "
+                f"holds for {codec_name(codec)} (max scale 65504); use fp32 scales"
+            )
+        out[code_bytes:].copy_(scales.to(torch.float16).view(torch.uint8))
+    else:
+        out[code_bytes:].copy_(scales.view(torch.uint8))
+
+
+class _Work:
+    """Scratch buffers for the runs of one encode call, reused from run to run."""
+
+    def __init__(self, elems: int, device: torch.device) -> None:
+        self.elems, self.device = elems, device
+        self.f32 = torch.empty(elems, dtype=torch.float32, device=device)
+
+    # The others are made on first use: not every codec needs them.
+    @functools.cached_property
+    def i32(self) -> torch.Tensor:
+        return torch.empty(self.elems, dtype=torch.int32, device=self.device)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        return torch.empty(self.elems, dtype=torch.bool, device=self.device)
+
+    @functools.cached_property
+    def convert(self) -> torch.Tensor:  # fp32 copy of a non-fp32 input run
+        return torch.empty(self.elems, dtype=torch.float32, device=self.device)
+
+
+def _encode_run(
+    v: torch.Tensor,
+    codec: int,
+    scale_dtype: int,
+    absmax: torch.Tensor,
+    scales: torch.Tensor,
+    codes: torch.Tensor,
+    work: _Work,
+) -> None:
+    """Encode ``v`` (nb, bs) fp32 into ``codes`` (uint8) and fill ``absmax``/``scales`` (nb)."""
+    nb, bs = v.shape
+    w = work.f32[: nb * bs].view(nb, bs)
+    torch.abs(v, out=w)
+    torch.amax(w, dim=1, out=absmax)
+    qmax = _QMAX.get(codec)
+    if qmax is None:
+        scales.copy_(absmax)
+    else:
+        torch.div(absmax, qmax, out=scales)
+    if scale_dtype == pb.SCALE_FP16:
+        scales.copy_(scales.to(torch.float16))  # quantise with the scale decode will see
+    # A zero scale (all-zero block, or absmax below the scale format's range) must not divide:
+    # dividing by 1 instead leaves values so small that they round to code 0.
+    divisor = torch.where(scales > 0, scales, 1.0).unsqueeze(1)
+    if codec == pb.CODEC_INT8:
+        torch.div(v, divisor, out=w).round_().clamp_(-127, 127)
+        codes.view(torch.int8).copy_(w.view(-1))
+    elif codec == pb.CODEC_INT4:
+        torch.div(v, divisor, out=w).round_().clamp_(-7, 7)
+        pairs = w.view(-1, 2)
+        packed = work.i32[: nb * bs // 2].view(torch.float32)
+        torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=packed)  # lo + 16 * hi
+        codes.copy_(packed.add_(136))  # (lo + 8) + 16 * (hi + 8)
+    else:  # FP4_E3M0: w holds |x|, so w / scale is r in [0, 1] (a little above with fp16 scales)
+        w.div_(divisor)
+        flushed = torch.lt(w, _FP4_FLUSH, out=work.mask[: nb * bs].view(nb, bs))
+        # Round r to the nearest power of two on its float32 bits: adding half the mantissa range
+        # carries into the exponent exactly when the mantissa is >= 1.5. Biased exponent - 120 is
+        # the code's exponent field (2**(e-7)); r in [2**-7, 1.5 * 2**-7) lands on 0 (it belongs
+        # to 2**-6) and r >= 1.5 (possible only with a rounded fp16 scale) on 8, hence the clamp
+        # to 1..7 before flushing r < 2**-7 to zero.
+        e = w.view(torch.int32)
+        e.add_(1 << 22).bitwise_right_shift_(23).sub_(120).clamp_(1, 7).masked_fill_(flushed, 0)
+        sign = torch.bitwise_right_shift(
+            v.view(torch.int32), 28, out=work.i32[: nb * bs].view(nb, bs)
+        )
+        e.bitwise_or_(sign.bitwise_and_(8))  # the float's sign bit, moved to bit 3
+        pairs = e.view(-1, 2)
+        packed = torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=work.i32[: nb * bs // 2])
+        codes.copy_(packed)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+
+
+@torch.no_grad()
+def decode(buf: torch.Tensor, header: pb.PayloadHeader, out: torch.Tensor) -> torch.Tensor:
+    """Decode ``buf`` (1-D uint8, ``header.total_bytes``) into ``out`` (1-D fp32, ``header.numel``,
+    same device) in place and return ``out``.
+
+    Raises ``CodecError`` on any size mismatch, invalid scales or non-finite values; ``out`` may
+    then be partly written.
+    """
+    if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
+        raise CodecError(
+            "out must be a contiguous 1-D float32 tensor, got "
+            f"{out.dtype} of shape {tuple(out.shape)}"
+        )
+    validate_header(header, expected_numel=out.numel())
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != header.total_bytes:
+        raise CodecError(
+            f"payload buffer must be 1-D uint8 of {header.total_bytes} bytes, got {buf.dtype} "
+            f"of shape {tuple(buf.shape)}"
+        )
+    if buf.device != out.device:
+        raise CodecError(f"payload is on {buf.device} but out is on {out.device}")
+    n = out.numel()
+    if n == 0:
+        return out
+    buf = buf.contiguous()
+    codec = header.codec
+    if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
+        dtype = torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16
+        out.copy_(_aligned(buf, dtype))
+        if not _all_finite(out):
+            raise CodecError(f"{codec_name(codec)} payload contains NaN or Inf")
+        return out
+    _decode_blockwise(buf, codec, header.block_size, header.scale_dtype, out)
+    return out
+
+
+def _aligned(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``buf`` reinterpreted as ``dtype``, copied first if its start is not aligned."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if buf.storage_offset() % size or buf.data_ptr() % size:
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
+def _decode_blockwise(
+    buf: torch.Tensor, codec: int, bs: int, scale_dtype: int, out: torch.Tensor
+) -> None:
+    n, dev = out.numel(), out.device
+    code_bytes = _code_bytes(codec, n)
+    scale_type = torch.float32 if scale_dtype == pb.SCALE_FP32 else torch.float16
+    scales = _aligned(buf[code_bytes:], scale_type).float()
+    # Checked on the (small) scales: scale * max|code| finite guarantees that every decoded
+    # value is finite, so the output itself need not be scanned (but see int8's -128 below).
+    bad = ~torch.isfinite(scales * _MAX_CODE[codec]) | (scales < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise CodecError(
+            f"block {i} has scale {float(scales[i])}: scales must be finite, >= 0 and small "
+            "enough that scale * code stays finite"
+        )
+    codes_per_byte = 1 if codec == pb.CODEC_INT8 else 2
+    full = (n // bs) * bs
+    run = max(1, _RUN_ELEMS // bs) * bs
+    idx = torch.empty(min(run, full) // codes_per_byte, dtype=torch.int32, device=dev)
+    for start in range(0, full, run):
+        stop = min(start + run, full)
+        _decode_run(
+            buf[start // codes_per_byte : stop // codes_per_byte],
+            codec,
+            scales[start // bs : stop // bs],
+            out[start:stop].view(-1, bs),
+            idx,
+        )
+    if full < n:  # the partial last block, through a zero-padded copy of its codes
+        tail_codes = torch.zeros(bs // codes_per_byte, dtype=torch.uint8, device=dev)
+        tail_codes[: code_bytes - full // codes_per_byte] = buf[full // codes_per_byte : code_bytes]
+        tail = torch.empty(1, bs, dtype=torch.float32, device=dev)
+        _decode_run(
+            tail_codes,
+            codec,
+            scales[-1:],
+            tail,
+            torch.empty(bs // codes_per_byte, dtype=torch.int32, device=dev),
+        )
+        out[full:] = tail.view(-1)[: n - full]
+    # An int8 code of -128 (never written by encode) overflows where 127 * scale just fits;
+    # only then, which needs a scale within 1% of float32's limit, is the output scanned.
+    if codec == pb.CODEC_INT8 and not bool(torch.isfinite(scales * 128.0).all()):
+        if not _all_finite(out):
+            raise CodecError("int8 payload decodes to Inf: code -128 with a scale near float32 max")
+
+
+def _decode_run(
+    codes: torch.Tensor, codec: int, scales: torch.Tensor, out: torch.Tensor, idx: torch.Tensor
+) -> None:
+    """Decode the uint8 ``codes`` of ``out.shape[0]`` whole blocks into ``out`` (nb, bs)."""
+    if codec == pb.CODEC_INT8:
+        torch.mul(codes.view(torch.int8).view(out.shape), scales.unsqueeze(1), out=out)
+        return
+    # 4-bit: each byte indexes a 256 x 2 table of the (low, high) code values.
+    idx = idx[: codes.numel()].copy_(codes)
+    torch.index_select(_pair_table(codec, out.device), 0, idx, out=out.view(-1, 2))
+    out.mul_(scales.unsqueeze(1))
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_table(codec: int, device: torch.device) -> torch.Tensor:
+    nibble = torch.arange(16)
+    if codec == pb.CODEC_INT4:
+        values = (nibble - 8).clamp(min=-7).float()
+    else:
+        e = nibble & 7
+        magnitude = torch.where(e > 0, torch.exp2((e - 7).float()), 0.0)
+        values = torch.where(nibble >= 8, -magnitude, magnitude)
+    byte = torch.arange(256)
+    return torch.stack([values[byte & 15], values[byte >> 4]], dim=1).to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunks
+
+
+def iter_chunks(buf: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
+    """Yield ``buf`` (a CPU uint8 tensor) as in-order ``Chunk`` messages of at most
+    ``chunk_bytes`` bytes; an empty ``buf`` yields nothing.
+
+    Each chunk's bytes are copied when it is yielded: do not overwrite ``buf`` before the
+    generator is exhausted.
+    """
+    if chunk_bytes <= 0:
+        raise CodecError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
+        raise CodecError(
+            f"iter_chunks takes a 1-D uint8 CPU tensor (copy with .cpu() first), got {buf.dtype} "
+            f"of shape {tuple(buf.shape)} on {buf.device}"
+        )
+    buf = buf.contiguous()
+    base, total = buf.data_ptr(), buf.numel()
+    for offset in range(0, total, chunk_bytes):
+        # One copy, straight from the tensor's memory into the bytes the message holds
+        # (``buf`` stays alive, so the pointer is valid; no numpy needed).
+        data = ctypes.string_at(base + offset, min(chunk_bytes, total - offset))
+        yield pb.Chunk(offset=offset, data=data)
+
+
+class Assembler:
+    """Receives one payload's chunks, in order, into a single preallocated uint8 CPU tensor.
+
+    The buffer (``header.total_bytes``) is allocated up front: validate the header first and
+    pass ``max_bytes`` wherever the header comes from the network.
+    """
+
+    def __init__(self, header: pb.PayloadHeader, max_bytes: int | None = None) -> None:
+        self.total_bytes = int(header.total_bytes)
+        if max_bytes is not None and self.total_bytes > max_bytes:
+            raise CodecError(
+                f"payload of {self.total_bytes} bytes exceeds the limit of {max_bytes} bytes"
+            )
+        self.received = 0
+        self._buf = torch.empty(self.total_bytes, dtype=torch.uint8)
+
+    def add(self, chunk: pb.Chunk) -> None:
+        n = len(chunk.data)
+        if n == 0:
+            raise CodecError(f"empty chunk at offset {chunk.offset}")
+        if chunk.offset != self.received:
+            raise CodecError(
+                f"chunk at offset {chunk.offset} arrived, expected offset {self.received}: "
+                "chunks must arrive in order"
+            )
+        if self.received + n > self.total_bytes:
+            raise CodecError(
+                f"chunk of {n} bytes at offset {chunk.offset} overflows the payload of "
+                f"{self.total_bytes} bytes"
+            )
+        # The one copy: from the message's bytes straight into the preallocated buffer, in bounds
+        # as checked above (as fast as torch.frombuffer + slice assignment, without its warning
+        # about read-only buffers).
+        ctypes.memmove(self._buf.data_ptr() + self.received, chunk.data, n)
+        self.received += n
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.total_bytes
+
+    def finish(self) -> torch.Tensor:
+        """The whole payload; ``CodecError`` if bytes are missing."""
+        if not self.complete:
+            raise CodecError(f"stream ended after {self.received} of {self.total_bytes} bytes")
+        return self._buf
