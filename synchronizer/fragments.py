@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -124,6 +125,9 @@ class FragmentState:
         self.outer = make_outer(cfg.outer, spec.numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
         self.history: deque[tuple[int, torch.Tensor]] = deque()  # (v, Theta_v - Theta_{v-1})
         self.round: Round | None = None
+        self.spare: Accumulator | None = None
+        self.merged_buf = torch.empty(0)
+        self.scratch: list[torch.Tensor] = []  # decode buffers, reused across pushes
         self.snapshots: dict[pb.Codec, tuple[int, pb.PayloadHeader, torch.Tensor]] = {}
         self.metrics.fragment_version.labels(str(self.fid)).set(0)
 
@@ -140,10 +144,25 @@ class FragmentState:
         self.metrics.fragment_version.labels(str(self.fid)).set(version)
 
     def _new_accumulator(self) -> Accumulator:
+        if self.spare is not None:  # the previous round's buffer, zeroed after its outer step
+            acc, self.spare = self.spare, None
+            return acc
         radial = self.cfg.merge == "radial"
         return Accumulator(self.numel, self.segments if radial else None, radial=radial, mean_segments=self.mean_segments if radial else None)
 
     # Pushes ----------------------------------------------------------------------------------
+
+    def take_scratch(self) -> torch.Tensor:
+        """An FP32 buffer of the fragment's size to decode one push into (give it back after)."""
+        with self.lock:
+            if self.scratch:
+                return self.scratch.pop()
+        return torch.empty(self.numel, dtype=torch.float32)
+
+    def give_scratch(self, buf: torch.Tensor) -> None:
+        with self.lock:
+            if len(self.scratch) < 2:
+                self.scratch.append(buf)
 
     def submit(self, learner_id: str, base_version: int, tokens: int, steps: int, compute_s: float, delta: torch.Tensor) -> tuple[Verdict, Round | None]:
         """Judges and accumulates one decoded push; returns the verdict and its round.
@@ -170,22 +189,22 @@ class FragmentState:
             self.goodput.accepted(learner_id, share)
             return Verdict(pb.PUSH_ACCEPTED, start + 1, self.version, staleness, weight), rnd
 
-    def closability(self, live: set[str]) -> tuple[bool, bool]:
-        """(close now, quorum reached) for the open round, given the live learners."""
+    def closability(self, live: set[str]) -> tuple[Round | None, bool, bool]:
+        """(open round, close it now, quorum reached), judged together under the round lock."""
         with self.lock:
             rnd = self.round
             if rnd is None or rnd.closing or not rnd.contributions:
-                return False, False
+                return None, False, False
             contributed = {c.learner_id for c in rnd.contributions}
             if self.cfg.quorum == 0:  # synchronous: every live learner, nobody else to wait for
                 done = live <= contributed
-                return done, done
+                return rnd, done, done
             k = max(1, min(self.cfg.quorum, len(live)))
             if len(rnd.contributions) < k:
-                return False, False
+                return rnd, False, False
             if rnd.quorum_at is None:
                 rnd.quorum_at = time.monotonic()
-            return (live <= contributed or self.cfg.grace == "none"), True
+            return rnd, (live <= contributed or self.cfg.grace == "none"), True
 
     def take_round(self, rnd: Round) -> bool:
         """Marks the round as closing and opens the way for the next; False if already taken."""
@@ -208,10 +227,12 @@ class FragmentState:
                 self.cv.wait()
             t0 = time.perf_counter()
             assert self.params is not None
+            if self.merged_buf.numel() != self.numel:
+                self.merged_buf = torch.empty(self.numel, dtype=torch.float32)
             if rnd.acc.total_weight == 0:  # only zero-weight contributions: nothing to merge
-                merged = torch.zeros(self.numel, dtype=torch.float32)
+                merged = self.merged_buf.zero_()
             else:
-                merged = rnd.acc.merged(torch.empty(self.numel, dtype=torch.float32))
+                merged = rnd.acc.merged(self.merged_buf)
             if self.cfg.anchor == "current":
                 self._reanchor(rnd, merged)
             keep_history = self.cfg.anchor == "current" and self.cfg.max_staleness > 0
@@ -226,6 +247,9 @@ class FragmentState:
             self.snapshots.clear()
             self.cv.notify_all()
             seconds = time.perf_counter() - t0
+        rnd.acc.reset()
+        with self.lock:
+            self.spare = rnd.acc
         self.metrics.fragment_version.labels(str(self.fid)).set(self.version)
         return seconds
 
@@ -270,21 +294,24 @@ class FragmentState:
 
     # Durability ------------------------------------------------------------------------------
 
-    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int | list[int]]]:
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         with self.cv:
             assert self.params is not None
             p = f"frag.{self.fid}."
             tensors = {p + "params": self.params.clone()}
             tensors.update({p + "outer." + k: v.clone() for k, v in self.outer.state_dict().items()})
             tensors.update({p + f"hist.{i}": u.clone() for i, (_, u) in enumerate(self.history)})
-            return tensors, {"version": self.version, "history_versions": [v for v, _ in self.history]}
+            return tensors, {"version": self.version, "outer": self.cfg.outer, "history_versions": [v for v, _ in self.history]}
 
-    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, int | list[int]]) -> None:
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         p = f"frag.{self.fid}."
-        version = int(meta["version"])  # type: ignore[arg-type]
+        version = int(meta["version"])
         self.initialize(tensors[p + "params"], version)
         outer_prefix = p + "outer."
-        self.outer.load_state_dict({k[len(outer_prefix):]: v for k, v in tensors.items() if k.startswith(outer_prefix)})
+        if meta.get("outer") == self.cfg.outer:
+            self.outer.load_state_dict({k[len(outer_prefix):]: v for k, v in tensors.items() if k.startswith(outer_prefix)})
+        else:
+            logger.warning("fragment %d: checkpoint has %s outer state, configured %s: starting it fresh", self.fid, meta.get("outer"), self.cfg.outer)
         hist_versions = meta.get("history_versions", [])
         assert isinstance(hist_versions, list)
         with self.cv:
@@ -305,8 +332,7 @@ class Rounds:
 
     def check(self, frag: FragmentState) -> None:
         """Re-evaluates a fragment's open round: close it now, or arm its grace timer."""
-        close_now, quorum = frag.closability(self.live())
-        rnd = frag.round
+        rnd, close_now, quorum = frag.closability(self.live())
         if rnd is None:
             return
         if close_now:

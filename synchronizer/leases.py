@@ -49,6 +49,7 @@ class LearnerRecord:
     step_time_s: float = 0.0
     max_seq: int = 0
     replies: OrderedDict[int, pb.PushReply] = field(default_factory=OrderedDict)
+    push_lock: threading.Lock = field(default_factory=threading.Lock)  # judge one seq at a time
 
     def counters(self) -> pb.LearnerCounters:
         return pb.LearnerCounters(

@@ -247,7 +247,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
             else:
                 raise _invalid("bad_stream", f"unexpected {kind!r} message inside InitModel")
             if asm is not None and asm.complete:
-                got[fid] = self._decode(asm, header, self.fragments[fid].numel)
+                got[fid] = self._decode(asm, header, torch.empty(self.fragments[fid].numel, dtype=torch.float32))
                 asm = None
         if asm is not None:
             raise _invalid("bad_stream", f"stream ended after {asm.received} of {asm.total_bytes} bytes of fragment {fid}")
@@ -323,22 +323,26 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
             self._add_chunk(asm, msg.chunk)
         if not asm.complete:
             raise _invalid("incomplete", f"stream ended after {asm.received} of {asm.total_bytes} bytes; nothing was applied")
-        delta = self._decode(asm, h.payload, frag.numel)
-        self.metrics.bytes_in.labels(codec.codec_name(h.payload.codec)).inc(asm.total_bytes)
-        with self.checkpoint_lock:  # a checkpoint sees a push either wholly or not at all
-            seen = self.registry.seen_reply(rec, h.seq)  # a concurrent retry may have won the race
-            if seen is not None:
-                return self._duplicate(seen)
-            verdict, rnd = frag.submit(rec.learner_id, h.base_version, h.tokens, h.steps, h.compute_s, delta)
-            reply = pb.PushReply(
-                outcome=verdict.outcome,
-                round_version=verdict.round_version,
-                current_version=verdict.current_version,
-                staleness=verdict.staleness,
-                weight=verdict.weight,
-                message="" if verdict.outcome == pb.PUSH_ACCEPTED else f"staleness {verdict.staleness} > max_staleness {self.cfg.max_staleness}: re-pull fragment {frag.fid}",
-            )
-            self.registry.record_reply(rec, h.seq, reply)
+        scratch = frag.take_scratch()
+        try:
+            delta = self._decode(asm, h.payload, scratch)
+            self.metrics.bytes_in.labels(codec.codec_name(h.payload.codec)).inc(asm.total_bytes)
+            with rec.push_lock:  # judging and recording a seq is atomic per learner
+                seen = self.registry.seen_reply(rec, h.seq)  # a concurrent retry may have won the race
+                if seen is not None:
+                    return self._duplicate(seen)
+                verdict, rnd = frag.submit(rec.learner_id, h.base_version, h.tokens, h.steps, h.compute_s, delta)
+                reply = pb.PushReply(
+                    outcome=verdict.outcome,
+                    round_version=verdict.round_version,
+                    current_version=verdict.current_version,
+                    staleness=verdict.staleness,
+                    weight=verdict.weight,
+                    message="" if verdict.outcome == pb.PUSH_ACCEPTED else f"staleness {verdict.staleness} > max_staleness {self.cfg.max_staleness}: re-pull fragment {frag.fid}",
+                )
+                self.registry.record_reply(rec, h.seq, reply)
+        finally:
+            frag.give_scratch(scratch)
         self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
         if rnd is not None and self.rounds is not None:
             self.rounds.check(frag)
@@ -372,8 +376,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
         except codec.CodecError as e:
             raise _invalid("bad_chunk", str(e)) from None
 
-    def _decode(self, asm: codec.Assembler, header: pb.PayloadHeader, numel: int) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32)
+    def _decode(self, asm: codec.Assembler, header: pb.PayloadHeader, out: torch.Tensor) -> torch.Tensor:
         try:
             return codec.decode(asm.finish(), header, out)
         except codec.CodecError as e:

@@ -1,0 +1,100 @@
+"""Nothing acknowledged is lost: broken streams apply nothing, checkpoints are atomic and skip damage."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from protos import codec
+from protos import diloco_pb2 as pb
+from synchronizer import checkpoint
+from tests.helpers import Client, small_spec
+
+SPEC = small_spec(fragments=1)
+
+
+def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server):
+    srv = make_server(quorum=1, grace="none")
+    c = Client(srv.address, SPEC)
+    c.join()
+    c.init([torch.zeros(SPEC.fragments[0].numel)])
+    h, buf = c.header(0, torch.full((SPEC.fragments[0].numel,), 0.25), pb.CODEC_FP32, 0, seq=1)
+    chunks = list(codec.iter_chunks(buf, 256))
+    half_sent, never = threading.Event(), threading.Event()
+
+    def dying() -> Iterator[pb.PushRequest]:
+        yield pb.PushRequest(header=h)
+        yield pb.PushRequest(chunk=chunks[0])
+        half_sent.set()
+        never.wait(30)  # the process "dies" here: the call is cancelled below
+
+    future = c.stub.PushFragment.future(dying(), timeout=30)
+    half_sent.wait(10)
+    future.cancel()
+    never.set()
+    assert future.cancelled() or future.exception() is not None
+    frag = srv.service.fragments[0]
+    assert frag.round is None and frag.version == 0 and torch.equal(frag.params, torch.zeros(frag.numel))
+    retry = c.push(0, torch.full((SPEC.fragments[0].numel,), 0.25), seq=1)  # same seq: not a duplicate
+    assert retry.outcome == pb.PUSH_ACCEPTED
+
+
+def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path):
+    checkpoint.save(tmp_path, {"x": torch.ones(3)}, {"n": 1}, keep=3)
+    newest = checkpoint.save(tmp_path, {"x": torch.full((3,), 2.0)}, {"n": 2}, keep=3)
+    newest.write_bytes(newest.read_bytes()[:20])  # torn by a crash that bypassed the rename
+    tensors, meta, path = checkpoint.load_latest(tmp_path)
+    assert meta == {"n": 1} and torch.equal(tensors["x"], torch.ones(3)) and path != newest
+
+
+def test_only_the_last_checkpoints_are_kept_and_no_temporaries_remain(tmp_path):
+    for i in range(5):
+        checkpoint.save(tmp_path, {"x": torch.full((2,), float(i))}, {"n": i}, keep=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ckpt-0000000004.safetensors", "ckpt-0000000005.safetensors"]
+
+
+def test_shutdown_merges_acknowledged_contributions_before_the_final_checkpoint(make_server, tmp_path):
+    state = tmp_path / "s"
+    srv = make_server(quorum=2, grace="fixed", grace_max_s=60.0, state_dir=state, outer="sgd", outer_lr=1.0, anchor="base")
+    a, b = Client(srv.address, SPEC, "a"), Client(srv.address, SPEC, "b")
+    a.join()
+    b.join()
+    a.init([torch.zeros(SPEC.fragments[0].numel)])
+    assert a.push(0, torch.ones(SPEC.fragments[0].numel)).outcome == pb.PUSH_ACCEPTED  # round waits for K=2
+    srv.server.stop(0).wait()
+    srv.service.close()
+    again = make_server(state_dir=state, outer="sgd")
+    c = Client(again.address, SPEC)
+    c.join()
+    version, params = c.pull(0)
+    assert version == 1 and torch.equal(params, -torch.ones(SPEC.fragments[0].numel))
+
+
+def test_unreachable_state_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    try:
+        checkpoint.save(blocker / "state", {"x": torch.ones(1)}, {}, keep=1)
+    except OSError as e:
+        assert "file" in str(e)
+    else:
+        raise AssertionError("expected OSError")
+
+
+def test_restart_with_another_outer_optimizer_keeps_parameters_and_starts_fresh_state(make_server, tmp_path):
+    state = tmp_path / "s"
+    srv = make_server(quorum=1, grace="none", state_dir=state, outer="nesterov")
+    c = Client(srv.address, SPEC)
+    c.join()
+    c.init([torch.zeros(SPEC.fragments[0].numel)])
+    c.push(0, torch.ones(SPEC.fragments[0].numel))
+    _, before = c.pull(0, min_version=1, wait_s=10)
+    srv.server.stop(0).wait()
+    srv.service.close()
+    again = make_server(state_dir=state, outer="sgd")
+    c2 = Client(again.address, SPEC)
+    c2.join()
+    assert torch.equal(c2.pull(0)[1], before)
