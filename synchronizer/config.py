@@ -63,7 +63,8 @@ class SynchronizerConfig(BaseModel):
     shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM: seconds in-flight RPCs get to finish")
 
     # Security
-    auth_token: str | None = Field(None, description="Bearer token every RPC must carry (metadata 'authorization: Bearer TOKEN')")
+    auth_token: str | None = Field(None, description="Bearer token every learner RPC must carry (metadata 'authorization: Bearer TOKEN')")
+    admin_token: str | None = Field(None, description="Bearer token for the admin Status RPC; learners' token gets PERMISSION_DENIED there")
     tls_cert: Path | None = Field(None, description="PEM server certificate: serve TLS")
     tls_key: Path | None = Field(None, description="PEM private key for tls_cert")
     tls_client_ca: Path | None = Field(None, description="PEM CA bundle: require client certificates signed by it (mTLS)")

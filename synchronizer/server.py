@@ -34,33 +34,52 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
 
 
+ADMIN_METHODS = (f"/{SERVICE_NAME}/Status",)
+
+
+def _abort_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that refuses the call."""
+
+    def deny(request: Any, context: grpc.ServicerContext) -> None:
+        context.abort(code, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every RPC but health and reflection unless it carries `authorization: Bearer T`."""
+    """Checks `authorization: Bearer T` on every RPC but health and reflection.
 
-    def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}"
+    Learner RPCs accept the learner token (or the admin token); admin RPCs need the admin token
+    when one is configured: a valid learner token there gets PERMISSION_DENIED, no or a wrong
+    token UNAUTHENTICATED.
+    """
 
-        def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')")
-
-        self.deny = deny
+    def __init__(self, token: str | None, admin_token: str | None) -> None:
+        self.learner = f"Bearer {token}" if token else None
+        self.admin = f"Bearer {admin_token}" if admin_token else None
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler], details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        if details.method.startswith(OPEN_METHODS):
+        method: str = details.method  # type: ignore[attr-defined]
+        if method.startswith(OPEN_METHODS):
             return continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self.expected:
+        presented = dict(details.invocation_metadata or ()).get("authorization")  # type: ignore[attr-defined]
+        known = {t for t in (self.learner, self.admin) if t}
+        if method in ADMIN_METHODS and self.admin:
+            if presented == self.admin:
+                return continuation(details)
+            handler = continuation(details)
+            if presented in known:
+                return _abort_handler(handler, grpc.StatusCode.PERMISSION_DENIED, "this RPC needs the admin token, not a learner token")
+            return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')")
+        if self.learner is None or presented in known:
             return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return None  # type: ignore[return-value]
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self.deny(None, ctx))
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(lambda it, ctx: self.deny(None, ctx))
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(lambda req, ctx: self.deny(req, ctx))
-        return grpc.unary_unary_rpc_method_handler(self.deny)
+        return _abort_handler(continuation(details), grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')")
 
 
 @dataclass
@@ -92,7 +111,7 @@ def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningSer
     """Starts the service; raises OSError if a port cannot be bound."""
     metrics = metrics or Metrics()
     service = SynchronizerService(cfg, metrics)
-    interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+    interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.admin_token)] if cfg.auth_token or cfg.admin_token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,

@@ -87,3 +87,6 @@ class Client:
 
     def status(self) -> pb.StatusReply:
         return self.stub.Status(pb.StatusRequest(), timeout=TIMEOUT, metadata=self.md)
+
+
+SPEC_FOR_TESTS = small_spec()
