@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import torch
@@ -90,3 +92,14 @@ class Client:
 
 
 SPEC_FOR_TESTS = small_spec()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+    """Polls a condition owned by another thread or process (leases lapse on the server's clock)."""
+    stop = threading.Event()
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        stop.wait(interval_s)
+    return True

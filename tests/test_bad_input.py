@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -13,7 +12,7 @@ from protos import codec
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer.server import RunningServer
-from tests.helpers import Client, push_messages, small_spec
+from tests.helpers import Client, push_messages, small_spec, wait_until
 
 SPEC = small_spec()
 
@@ -76,9 +75,7 @@ def test_expired_lease_is_failed_precondition_until_rejoin(make_server):
     c = Client(srv.address, SPEC)
     c.join()
     c.init([torch.zeros(f.numel) for f in SPEC.fragments])
-    deadline = time.monotonic() + 10
-    while srv.service.registry.counts()["dead"] == 0 and time.monotonic() < deadline:
-        srv.service.stopping.wait(0.05)  # the reaper runs every lease/4
+    assert wait_until(lambda: srv.service.registry.counts()["dead"] == 1)
     _expect(srv, grpc.StatusCode.FAILED_PRECONDITION, lambda: c.push(0, _delta()), "lease")
     c.join(c.learner_id)  # coming back under the same id works
     assert c.push(0, _delta()).outcome == pb.PUSH_ACCEPTED
