@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import zlib
 from collections.abc import Collection, Iterator
 from typing import cast
 
@@ -619,3 +620,16 @@ class Assembler:
         if not self.complete:
             raise CodecError(f"stream ended after {self.received} of {self.total_bytes} bytes")
         return self._buf
+
+
+def checksum(x: torch.Tensor) -> int:
+    """crc32 of a flat FP32 tensor's bytes (never 0, so 0 can mean "no checksum").
+
+    Both sides compute it over the canonical parameters of a version to prove that applying a
+    chain of delta updates reproduced them exactly. CUDA tensors are copied to the host first.
+    """
+    x = x.detach().to("cpu", torch.float32).contiguous()
+    if x.numel() == 0:
+        return 1
+    view = (ctypes.c_char * (x.numel() * 4)).from_address(x.data_ptr())
+    return zlib.crc32(view) or 1

@@ -243,38 +243,58 @@ class PushReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., round_version: _Optional[int] = ..., current_version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fragment_id", "min_version", "wait_s", "codec")
+    __slots__ = ("learner_id", "fragment_id", "min_version", "wait_s", "codec", "delta_ok", "have_version")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    DELTA_OK_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment_id: int
     min_version: int
     wait_s: float
     codec: Codec
-    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ...) -> None: ...
+    delta_ok: bool
+    have_version: int
+    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., delta_ok: _Optional[bool] = ..., have_version: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("fragment_id", "version", "server_epoch", "payload")
+    __slots__ = ("fragment_id", "version", "server_epoch", "payload", "delta_from", "links", "checksum")
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FROM_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     fragment_id: int
     version: int
     server_epoch: str
     payload: PayloadHeader
-    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., server_epoch: _Optional[str] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ...) -> None: ...
+    delta_from: int
+    links: int
+    checksum: int
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., server_epoch: _Optional[str] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ..., delta_from: _Optional[int] = ..., links: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class DeltaLink(_message.Message):
+    __slots__ = ("version", "payload")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    payload: PayloadHeader
+    def __init__(self, version: _Optional[int] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "link")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
     header: PullHeader
     chunk: Chunk
-    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    link: DeltaLink
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., link: _Optional[_Union[DeltaLink, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("learner_id", "counters")

@@ -35,6 +35,8 @@ class SynchronizerConfig(BaseModel):
     staleness_alpha: float = Field(0.5, ge=0, description="The a in the staleness factor")
     staleness_hinge: int = Field(2, ge=0, description="Staleness up to which the hinge factor is 1")
     anchor: Literal["current", "base"] = Field("current", description="Re-anchor a stale delta at the current global fragment (Decoupled DiLoCo), or apply it relative to its base")
+    update_history: int = Field(8, ge=0, description="Recent outer updates kept per fragment: serve delta pulls and the current anchor; 0 keeps exact FP32 parameters and allows neither")
+    update_codec: Literal["int8", "fp32"] = Field("int8", description="How kept updates are stored and sent to delta pulls; int8 carries an error-feedback residual so nothing is lost over time")
     merge: Literal["mean", "radial"] = Field("mean", description="Weighted mean of deltas, or radial-directional averaging per tensor")
 
     # Outer optimizer
@@ -77,6 +79,10 @@ class SynchronizerConfig(BaseModel):
     def _consistent(self) -> SynchronizerConfig:
         if self.dynamic_local_updates and self.inner_steps < 1:
             raise ValueError("dynamic_local_updates needs inner_steps >= 1 (H of the fastest learner)")
+        if self.anchor == "current" and self.update_history < self.max_staleness:
+            raise ValueError(f"anchor 'current' needs update_history >= max_staleness ({self.update_history} < {self.max_staleness}): the updates a stale push missed must be kept")
+        if self.merge == "radial" and self.anchor == "current":
+            raise ValueError("radial merge re-anchors nothing: use anchor 'base' with merge 'radial'")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:

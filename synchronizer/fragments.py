@@ -123,10 +123,17 @@ class FragmentState:
         self.version = 0
         self.pending_version = 0  # version after every round already handed to the closers
         self.outer = make_outer(cfg.outer, spec.numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
-        self.history: deque[tuple[int, torch.Tensor]] = deque()  # (v, Theta_v - Theta_{v-1})
+        # The last update_history outer updates as sent to delta pulls: (version, header, bytes).
+        # Canonical parameters are the sum of exactly these decoded updates, so a learner that
+        # applies them in order holds the same parameters bit for bit.
+        self.chain: deque[tuple[int, pb.PayloadHeader, torch.Tensor]] = deque()
+        self.chain_codec = codec.parse_codec(cfg.update_codec)
+        self.residual: torch.Tensor | None = None  # error feedback of the update codec
+        self.checksums: dict[int, int] = {}
         self.round: Round | None = None
         self.spare: Accumulator | None = None
         self.merged_buf = torch.empty(0)
+        self.prev_buf = torch.empty(0)
         self.scratch: list[torch.Tensor] = []  # decode buffers, reused across pushes
         self.snapshots: dict[pb.Codec, tuple[int, pb.PayloadHeader, torch.Tensor]] = {}
         self.metrics.fragment_version.labels(str(self.fid)).set(0)
@@ -235,15 +242,11 @@ class FragmentState:
                 merged = rnd.acc.merged(self.merged_buf)
             if self.cfg.anchor == "current":
                 self._reanchor(rnd, merged)
-            keep_history = self.cfg.anchor == "current" and self.cfg.max_staleness > 0
-            before = self._history_slot() if keep_history else None
-            if before is not None:
-                before.copy_(self.params)
-            self.outer.step(self.params, merged)
+            if self.cfg.update_history > 0:
+                self._step_through_chain(merged, rnd.start_version + 1)
+            else:
+                self.outer.step(self.params, merged)
             self.version = rnd.start_version + 1
-            if before is not None:
-                before.sub_(self.params).neg_()  # Theta_new - Theta_old
-                self.history.append((self.version, before))
             self.snapshots.clear()
             self.cv.notify_all()
             seconds = time.perf_counter() - t0
@@ -253,20 +256,38 @@ class FragmentState:
         self.metrics.fragment_version.labels(str(self.fid)).set(self.version)
         return seconds
 
-    def _history_slot(self) -> torch.Tensor:
-        if len(self.history) >= self.cfg.max_staleness:
-            return self.history.popleft()[1]
-        return torch.empty(self.numel, dtype=torch.float32)
+    def _step_through_chain(self, merged: torch.Tensor, version: int) -> None:
+        """Outer step, then canonical params = old + decode(encode(update + residual))."""
+        assert self.params is not None
+        old = self.prev_buf = self.prev_buf if self.prev_buf.numel() == self.numel else torch.empty(self.numel)
+        old.copy_(self.params)
+        self.outer.step(self.params, merged)
+        update = merged  # the merged delta is no longer needed: reuse its buffer
+        torch.sub(self.params, old, out=update)
+        if self.residual is None:
+            self.residual = torch.zeros(self.numel)
+        update.add_(self.residual)
+        header = codec.make_header(self.chain_codec, self.numel)
+        encoded = codec.encode(update, self.chain_codec)
+        self.residual.copy_(update)
+        decoded = codec.decode(encoded, header, update)
+        self.residual.sub_(decoded)
+        self.params.copy_(old).add_(decoded)
+        self.chain.append((version, header, encoded))
+        while len(self.chain) > self.cfg.update_history:
+            self.chain.popleft()
 
     def _reanchor(self, rnd: Round, merged: torch.Tensor) -> None:
         """Adds sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current fragment."""
         total = sum(c.weight for c in rnd.contributions)
-        if total <= 0:
+        stale = [c for c in rnd.contributions if c.base_version < rnd.start_version]
+        if total <= 0 or not stale:
             return
-        for v, update in self.history:
-            behind = sum(c.weight for c in rnd.contributions if c.base_version < v)
+        update = torch.empty(self.numel)
+        for v, header, encoded in self.chain:
+            behind = sum(c.weight for c in stale if c.base_version < v)
             if behind > 0:
-                merged.add_(update, alpha=behind / total)
+                merged.add_(codec.decode(encoded, header, update), alpha=behind / total)
 
     # Pulls -----------------------------------------------------------------------------------
 
@@ -300,22 +321,50 @@ class FragmentState:
             p = f"frag.{self.fid}."
             tensors = {p + "params": self.params.clone()}
             tensors.update({p + "outer." + k: v.clone() for k, v in self.outer.state_dict().items()})
-            tensors.update({p + f"hist.{i}": u.clone() for i, (_, u) in enumerate(self.history)})
-            return tensors, {"version": self.version, "outer": self.cfg.outer, "history_versions": [v for v, _ in self.history]}
+            tensors.update({p + f"chain.{i}": buf.clone() for i, (_, _, buf) in enumerate(self.chain)})
+            if self.residual is not None:
+                tensors[p + "residual"] = self.residual.clone()
+            chain = [[v, h.codec, h.block_size] for v, h, _ in self.chain]
+            return tensors, {"version": self.version, "outer": self.cfg.outer, "chain": chain}
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         p = f"frag.{self.fid}."
-        version = int(meta["version"])
-        self.initialize(tensors[p + "params"], version)
+        self.initialize(tensors[p + "params"], int(meta["version"]))
         outer_prefix = p + "outer."
         if meta.get("outer") == self.cfg.outer:
             self.outer.load_state_dict({k[len(outer_prefix):]: v for k, v in tensors.items() if k.startswith(outer_prefix)})
         else:
             logger.warning("fragment %d: checkpoint has %s outer state, configured %s: starting it fresh", self.fid, meta.get("outer"), self.cfg.outer)
-        hist_versions = meta.get("history_versions", [])
-        assert isinstance(hist_versions, list)
         with self.cv:
-            self.history = deque((int(v), tensors[p + f"hist.{i}"].clone()) for i, v in enumerate(hist_versions))
+            self.residual = tensors.get(p + "residual")
+            self.chain = deque(
+                (int(v), codec.make_header(int(c), self.numel, int(b) or codec.DEFAULT_BLOCK_SIZE), tensors[p + f"chain.{i}"])
+                for i, (v, c, b) in enumerate(meta.get("chain", []))
+            )
+            while len(self.chain) > self.cfg.update_history:
+                self.chain.popleft()
+
+    # Delta pulls -----------------------------------------------------------------------------
+
+    def checksum(self) -> int:
+        """crc32 of the current canonical parameters (cached per version)."""
+        with self.cv:
+            crc = self.checksums.get(self.version)
+            if crc is None:
+                assert self.params is not None
+                crc = codec.checksum(self.params)
+                self.checksums = {self.version: crc}
+            return crc
+
+    def chain_since(self, have_version: int) -> tuple[int, list[tuple[int, pb.PayloadHeader, torch.Tensor]]] | None:
+        """(current version, the kept updates after have_version), or None if some are gone."""
+        with self.cv:
+            if have_version > self.version:
+                return None
+            links = [link for link in self.chain if link[0] > have_version]
+            if len(links) != self.version - have_version:
+                return None
+            return self.version, links
 
 
 class Rounds:

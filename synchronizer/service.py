@@ -397,10 +397,22 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
             if request.min_version > frag.version or not frag.initialized:
                 frag.wait_for(request.min_version, min(request.wait_s, self.cfg.max_pull_wait_s))
             self._require_initialized()
-            version, header, buf = frag.snapshot(codec_id)
+            chain = frag.chain_since(request.have_version) if request.delta_ok else None
+            if chain is None:
+                version, header, buf = frag.snapshot(codec_id)
+            checksum = frag.checksum()
         finally:
             self.streams.release()
-        yield pb.PullReply(header=pb.PullHeader(fragment_id=frag.fid, version=version, server_epoch=self.epoch, payload=header))
+        if chain is not None:
+            version, links = chain
+            yield pb.PullReply(header=pb.PullHeader(fragment_id=frag.fid, version=version, server_epoch=self.epoch, delta_from=request.have_version, links=len(links), checksum=checksum))
+            for v, link_header, link_buf in links:
+                yield pb.PullReply(link=pb.DeltaLink(version=v, payload=link_header))
+                for chunk in codec.iter_chunks(link_buf):
+                    yield pb.PullReply(chunk=chunk)
+                self.metrics.bytes_out.labels(codec.codec_name(link_header.codec)).inc(link_header.total_bytes)
+            return
+        yield pb.PullReply(header=pb.PullHeader(fragment_id=frag.fid, version=version, server_epoch=self.epoch, payload=header, checksum=checksum))
         for chunk in codec.iter_chunks(buf):
             yield pb.PullReply(chunk=chunk)
         self.metrics.bytes_out.labels(codec.codec_name(codec_id)).inc(header.total_bytes)

@@ -41,7 +41,7 @@ def test_health_reports_serving_and_status_lists_fragments(make_server):
 
 def test_pushes_from_several_threads_match_reference_outside_the_service(make_server):
     """Four learners push INT8 and INT4 deltas concurrently; K = 4, no grace: one round per step."""
-    srv = make_server(quorum=0, grace="none", token_weight="uniform", anchor="base", outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    srv = make_server(quorum=0, grace="none", token_weight="uniform", anchor="base", update_history=0, outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
     spec = small_spec()
     init, flats = _init_model(srv.address, spec)
     init.leave()
