@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +47,8 @@ class LearnerRecord:
     blocked_s: float = 0.0
     step_time_s: float = 0.0
     max_seq: int = 0
-    replies: OrderedDict[int, pb.PushReply] = field(default_factory=OrderedDict)
+    forgotten_up_to: int = 0  # replies up to this seq are no longer remembered
+    replies: dict[int, pb.PushReply] = field(default_factory=dict)
     push_lock: threading.Lock = field(default_factory=threading.Lock)  # judge one seq at a time
 
     def counters(self) -> pb.LearnerCounters:
@@ -167,11 +167,17 @@ class Registry:
     # Idempotency -------------------------------------------------------------------------
 
     def seen_reply(self, rec: LearnerRecord, seq: int) -> pb.PushReply | None:
-        """The reply already given for (learner, seq), if that push was judged before."""
+        """The reply already given for (learner, seq), if that push was judged before.
+
+        Pushes of different fragments may arrive out of order, so a seq below the newest is
+        only a repeat if it is remembered, or no newer than a reply already forgotten (the
+        last REPLIES_KEPT are remembered; after a restart, everything up to the restored
+        high-water mark counts as forgotten).
+        """
         with self.lock:
             if seq in rec.replies:
                 return rec.replies[seq]
-            if seq <= rec.max_seq:
+            if seq <= rec.forgotten_up_to:
                 return pb.PushReply(
                     outcome=pb.PUSH_DUPLICATE,
                     message=f"push seq {seq} was judged before (too old to recall its outcome)",
@@ -183,7 +189,9 @@ class Registry:
             rec.replies[seq] = reply
             rec.max_seq = max(rec.max_seq, seq)
             while len(rec.replies) > REPLIES_KEPT:
-                rec.replies.popitem(last=False)
+                oldest = min(rec.replies)
+                del rec.replies[oldest]
+                rec.forgotten_up_to = max(rec.forgotten_up_to, oldest)
 
     # Dynamic Local Updates -------------------------------------------------------------------
 
@@ -221,7 +229,7 @@ class Registry:
                 if d.get("left"):
                     continue
                 rec = LearnerRecord(d["learner_id"], d["name"], "dead", now, now, died_at=now)
-                rec.max_seq = int(d["max_seq"])
+                rec.max_seq = rec.forgotten_up_to = int(d["max_seq"])
                 rec.steps, rec.tokens = int(d["steps"]), int(d["tokens"])
                 rec.compute_s, rec.blocked_s = float(d["compute_s"]), float(d["blocked_s"])
                 self.learners[rec.learner_id] = rec
