@@ -1,0 +1,313 @@
+"""The learner's gRPC transport: one channel to the Synchronizer and one method per RPC.
+
+Owns the channel (insecure, TLS or mutual TLS), the bearer token sent on every call, deadlines,
+retries with exponential backoff and jitter on transient status codes (UNAVAILABLE,
+DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED; a bounded number of attempts, then the `grpc.RpcError` goes
+to the caller, who decides what to do), and the count of bytes sent and received (the serialized
+size of every message, payload chunks included). It knows nothing of training: payloads come in
+already encoded, and pulls decode straight into a preallocated FP32 tensor, either from the whole
+fragment or, given the exact parameters of an earlier version, from the chain of outer updates
+since that version (checked by the server's crc32; any mismatch falls back to a full pull).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import torch
+
+from protos import codec
+from protos import diloco_pb2 as pb
+from protos import diloco_pb2_grpc as pb_grpc
+from protos.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
+MAX_MESSAGE_BYTES = 16 << 20  # chunks are at most 4 MiB; headroom for the envelope
+
+
+def is_retryable(err: BaseException) -> bool:
+    return isinstance(err, grpc.RpcError) and err.code() in RETRYABLE
+
+
+def backoff_s(failures: int, initial_s: float, max_s: float) -> float:
+    """Exponential backoff with jitter: uniform in [d/2, d], d = min(max, initial * 2**failures)."""
+    d = min(max_s, initial_s * (2 ** min(failures, 30)))
+    return d * (0.5 + 0.5 * random.random())
+
+
+class SyncClient:
+    """A thread-safe client of the Synchronizer; `learner_id`/`spec_hash` are set by `join`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        rpc_timeout_s: float = 30.0,
+        attempts: int = 3,
+        retry_initial_s: float = 0.2,
+        retry_max_s: float = 10.0,
+        auth_token: str | None = None,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        tls_server_name: str | None = None,
+        chunk_bytes: int = codec.CHUNK_BYTES,
+    ) -> None:
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self.attempts = attempts
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.chunk_bytes = chunk_bytes
+        self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.enable_retries", 0),  # retries are ours, with idempotency keys
+        ]
+        if tls_ca is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=Path(tls_ca).read_bytes(),
+                private_key=Path(tls_key).read_bytes() if tls_key else None,
+                certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
+            )
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = pb_grpc.SynchronizerStub(self.channel)
+        self.closed = threading.Event()
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.learner_id = ""
+        self.spec_hash = ""
+
+    # Plumbing --------------------------------------------------------------------------------
+
+    def _count(self, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+
+    def _retry(self, name: str, call: Callable[[], T]) -> T:
+        """Runs `call` up to `attempts` times while it fails with a transient status code."""
+        for attempt in range(self.attempts):
+            try:
+                return call()
+            except grpc.RpcError as e:
+                if not is_retryable(e) or attempt + 1 >= self.attempts or self.closed.is_set():
+                    raise
+                wait = backoff_s(attempt, self.retry_initial_s, self.retry_max_s)
+                logger.debug("%s failed (%s), retry %d in %.2fs", name, e.code().name, attempt + 1, wait)
+                if self.closed.wait(wait):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _unary(self, name: str, method: Callable[..., T], request: object, timeout_s: float | None = None) -> T:
+        def call() -> T:
+            self._count(sent=request.ByteSize())  # type: ignore[attr-defined]
+            reply = method(request, timeout=timeout_s or self.rpc_timeout_s, metadata=self.metadata)
+            self._count(received=reply.ByteSize())  # type: ignore[attr-defined]
+            return reply
+
+        return self._retry(name, call)
+
+    def _counted(self, messages: Iterator[T]) -> Iterator[T]:
+        for m in messages:
+            self._count(sent=m.ByteSize())  # type: ignore[attr-defined]
+            yield m
+
+    def close(self) -> None:
+        """Closes the channel; RPCs in flight end with CANCELLED, backoff waits end at once."""
+        self.closed.set()
+        self.channel.close()
+
+    # RPCs ------------------------------------------------------------------------------------
+
+    def join(self, name: str, spec: ModelSpec, learner_id: str = "") -> pb.JoinReply:
+        req = pb.JoinRequest(learner_name=name, spec=spec.to_proto(), learner_id=learner_id)
+        reply = self._unary("Join", self.stub.Join, req)
+        self.learner_id = reply.learner_id
+        self.spec_hash = spec.spec_hash
+        return reply
+
+    def init_model(self, fragments: Sequence[torch.Tensor]) -> pb.InitModelReply:
+        """Uploads every fragment's flat FP32 parameters (CPU tensors, in fragment order)."""
+
+        def messages() -> Iterator[pb.InitModelRequest]:
+            yield pb.InitModelRequest(start=pb.InitStart(learner_id=self.learner_id, spec_hash=self.spec_hash))
+            for fid, flat in enumerate(fragments):
+                buf = codec.encode(flat.detach().float().cpu().reshape(-1), pb.CODEC_FP32)
+                header = codec.make_header(pb.CODEC_FP32, flat.numel())
+                yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=fid, payload=header))
+                for chunk in codec.iter_chunks(buf, self.chunk_bytes):
+                    yield pb.InitModelRequest(chunk=chunk)
+
+        def call() -> pb.InitModelReply:
+            reply = self.stub.InitModel(
+                self._counted(messages()), timeout=self.rpc_timeout_s, metadata=self.metadata
+            )
+            self._count(received=reply.ByteSize())
+            return reply
+
+        return self._retry("InitModel", call)
+
+    def heartbeat(self, counters: pb.LearnerCounters, step_time_s: float = 0.0) -> pb.HeartbeatReply:
+        req = pb.HeartbeatRequest(learner_id=self.learner_id, counters=counters, step_time_s=step_time_s)
+        return self._unary("Heartbeat", self.stub.Heartbeat, req)
+
+    def push(
+        self,
+        fragment_id: int,
+        seq: int,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        compute_s: float,
+        encoded: torch.Tensor,
+        header: pb.PayloadHeader,
+    ) -> pb.PushReply:
+        """Streams one encoded outer gradient (a CPU uint8 tensor); retries keep the seq."""
+        push_header = pb.PushHeader(
+            learner_id=self.learner_id,
+            seq=seq,
+            spec_hash=self.spec_hash,
+            fragment_id=fragment_id,
+            base_version=base_version,
+            tokens=tokens,
+            steps=steps,
+            compute_s=compute_s,
+            payload=header,
+        )
+
+        def messages() -> Iterator[pb.PushRequest]:
+            yield pb.PushRequest(header=push_header)
+            for chunk in codec.iter_chunks(encoded, self.chunk_bytes):
+                yield pb.PushRequest(chunk=chunk)
+
+        def call() -> pb.PushReply:
+            reply = self.stub.PushFragment(
+                self._counted(messages()), timeout=self.rpc_timeout_s, metadata=self.metadata
+            )
+            self._count(received=reply.ByteSize())
+            return reply
+
+        return self._retry("PushFragment", call)
+
+    def pull(
+        self,
+        fragment_id: int,
+        min_version: int = 0,
+        wait_s: float = 0.0,
+        codec_id: int = pb.CODEC_FP32,
+        out: torch.Tensor | None = None,
+        numel: int | None = None,
+        have: tuple[int, torch.Tensor] | None = None,
+    ) -> tuple[int, str, torch.Tensor]:
+        """(version, server epoch, FP32 flat tensor) of a fragment, waiting up to wait_s for
+        min_version. Decodes into `out` (or a new tensor of `numel`).
+
+        `have` = (version, its exact FP32 parameters on the CPU) asks for a delta pull: the
+        server may send only the outer updates since that version, which are added in order and
+        checked against the server's checksum. Any mismatch falls back to a full pull. A bad
+        full payload raises CodecError.
+        """
+        if have is not None:
+            try:
+                return self._retry("PullFragment", lambda: self._pull_once(fragment_id, min_version, wait_s, codec_id, out, numel, have))
+            except codec.CodecError as e:
+                logger.info("delta pull of fragment %d failed (%s); pulling it whole", fragment_id, e)
+        return self._retry("PullFragment", lambda: self._pull_once(fragment_id, min_version, wait_s, codec_id, out, numel, None))
+
+    def _pull_once(
+        self,
+        fragment_id: int,
+        min_version: int,
+        wait_s: float,
+        codec_id: int,
+        out: torch.Tensor | None,
+        numel: int | None,
+        have: tuple[int, torch.Tensor] | None,
+    ) -> tuple[int, str, torch.Tensor]:
+        req = pb.PullRequest(
+            learner_id=self.learner_id,
+            fragment_id=fragment_id,
+            min_version=min_version,
+            wait_s=wait_s,
+            codec=codec_id,  # type: ignore[arg-type]
+            delta_ok=have is not None,
+            have_version=have[0] if have is not None else 0,
+        )
+        self._count(sent=req.ByteSize())
+        stream = self.stub.PullFragment(req, timeout=self.rpc_timeout_s + wait_s, metadata=self.metadata)
+        messages = iter(stream)
+        first = next(messages, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise codec.CodecError(f"pull stream of fragment {fragment_id} did not start with a header")
+        self._count(received=first.ByteSize())
+        h = first.header
+        n = out.numel() if out is not None else numel
+        if h.HasField("payload"):  # the whole fragment
+            n = h.payload.numel if n is None else n
+            codec.validate_header(h.payload, n, (pb.CODEC_FP32, pb.CODEC_BF16))
+            whole = codec.Assembler(h.payload)
+            for msg in messages:
+                self._count(received=msg.ByteSize())
+                if msg.WhichOneof("kind") != "chunk":
+                    raise codec.CodecError(f"unexpected {msg.WhichOneof('kind')!r} in the pull stream of fragment {fragment_id}")
+                whole.add(msg.chunk)
+            target = out if out is not None else torch.empty(n, dtype=torch.float32)
+            codec.decode(whole.finish(), h.payload, target)
+            if h.checksum and h.payload.codec == pb.CODEC_FP32 and codec.checksum(target) != h.checksum:
+                raise codec.CodecError(f"fragment {fragment_id} version {h.version}: checksum mismatch")
+            return h.version, h.server_epoch, target
+        # A delta: the updates after have[0], each turning version - 1 into version.
+        if have is None or h.delta_from != have[0]:
+            raise codec.CodecError(f"fragment {fragment_id}: a delta from version {h.delta_from} that was not asked for")
+        base = have[1]
+        target = out if out is not None else torch.empty(base.numel(), dtype=torch.float32)
+        target.copy_(base)
+        scratch = torch.empty_like(target)
+        expected = h.delta_from + 1
+        link: pb.DeltaLink | None = None
+        asm: codec.Assembler | None = None
+        for msg in messages:
+            self._count(received=msg.ByteSize())
+            kind = msg.WhichOneof("kind")
+            if kind == "link" and asm is None:
+                link = msg.link
+                if link.version != expected:
+                    raise codec.CodecError(f"fragment {fragment_id}: update {link.version} arrived, {expected} expected")
+                codec.validate_header(link.payload, target.numel())
+                asm = codec.Assembler(link.payload)
+            elif kind == "chunk" and asm is not None:
+                asm.add(msg.chunk)
+            else:
+                raise codec.CodecError(f"unexpected {kind!r} in the delta pull of fragment {fragment_id}")
+            if asm is not None and link is not None and asm.complete:
+                target.add_(codec.decode(asm.finish(), link.payload, scratch))
+                expected, asm = expected + 1, None
+        if asm is not None or expected - 1 != h.version or expected - 1 - h.delta_from != h.links:
+            raise codec.CodecError(f"fragment {fragment_id}: the delta to version {h.version} is incomplete")
+        if h.checksum and codec.checksum(target) != h.checksum:
+            raise codec.CodecError(f"fragment {fragment_id} version {h.version}: checksum mismatch after the delta")
+        return h.version, h.server_epoch, target
+
+    def leave(self, counters: pb.LearnerCounters) -> None:
+        self._unary("Leave", self.stub.Leave, pb.LeaveRequest(learner_id=self.learner_id, counters=counters))
+
+    def status(self) -> pb.StatusReply:
+        return self._unary("Status", self.stub.Status, pb.StatusRequest())

@@ -1,0 +1,137 @@
+"""A model seen as fragments: the plan, flat gather/scatter, the schedule, error feedback, merges.
+
+Everything here is local arithmetic with no network and no threads, so each piece is testable
+alone. A fragment's flat vector is its tensors (in the plan's order) flattened and concatenated
+into one FP32 vector: the layout every payload on the wire uses (`protos/spec.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from protos.spec import Fragment, ModelSpec, TensorInfo, plan_fragments
+
+MERGE_MODES = ("overwrite", "mix", "rebase")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_infos(model: torch.nn.Module) -> list[TensorInfo]:
+    """The model's parameters as the spec describes them, in `named_parameters()` order."""
+    return [TensorInfo(n, tuple(p.shape), dtype_name(p.dtype)) for n, p in model.named_parameters()]
+
+
+class FragmentPlan:
+    """The spec of a model plus, per fragment, the live parameters it covers."""
+
+    def __init__(self, model: torch.nn.Module, num_fragments: int, strategy: str = "balanced") -> None:
+        self.spec: ModelSpec = plan_fragments(tensor_infos(model), num_fragments, strategy)
+        params = dict(model.named_parameters())
+        self.params: list[list[torch.nn.Parameter]] = [
+            [params[t.name] for t in f.tensors] for f in self.spec.fragments
+        ]
+
+    @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        return self.spec.fragments
+
+    def __len__(self) -> int:
+        return len(self.spec.fragments)
+
+    def numel(self, p: int) -> int:
+        return self.spec.fragments[p].numel
+
+    def gather(self, p: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """A fresh FP32 copy of fragment p's flat vector (on `device`, default the params')."""
+        return gather(self.params[p], device)
+
+    def scatter(self, p: int, flat: torch.Tensor) -> None:
+        scatter(self.params[p], flat)
+
+
+@torch.no_grad()
+def gather(params: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    flat = torch.cat([t.detach().reshape(-1).float() for t in params])
+    return flat if device is None else flat.to(device)
+
+
+@torch.no_grad()
+def scatter(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copies a flat vector back into the parameters (in place, casting to their dtype/device)."""
+    total = sum(t.numel() for t in params)
+    if flat.numel() != total:
+        raise ValueError(f"flat vector has {flat.numel()} elements, the fragment's tensors hold {total}")
+    start = 0
+    for t in params:
+        n = t.numel()
+        t.copy_(flat[start : start + n].view(t.shape))
+        start += n
+
+
+# Schedule --------------------------------------------------------------------------------------
+
+def schedule_offsets(sync_every: int, num_fragments: int) -> list[int]:
+    """offset_p = p*H//P: fragments are spread evenly over the H steps of a cycle."""
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+    return [(p * sync_every) // num_fragments for p in range(num_fragments)]
+
+
+def due_fragments(step: int, sync_every: int, offsets: Sequence[int]) -> list[int]:
+    """Fragments due at `step` (counted from 1): those with (step - offset_p) % H == 0."""
+    return [p for p, off in enumerate(offsets) if step > 0 and (step - off) % sync_every == 0]
+
+
+# Error feedback --------------------------------------------------------------------------------
+
+class ErrorFeedback:
+    """Per fragment, what earlier quantized pushes meant to send but did not.
+
+    push: x = delta + residual; q = Q(x); the new residual is x - dequant(q). So the sum of what
+    was transmitted tracks the sum of the true deltas up to one step's quantization error, instead
+    of drifting. The residual is committed only once the push it belongs to is applied: a push
+    that is superseded or dropped sent nothing, so the old residual still stands.
+    """
+
+    def __init__(self, numels: Sequence[int], device: torch.device | str, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.residuals = [torch.zeros(n, device=device) if enabled else None for n in numels]
+
+    def compensate(self, p: int, delta: torch.Tensor) -> torch.Tensor:
+        """delta + residual_p, in place on delta."""
+        r = self.residuals[p]
+        return delta if r is None else delta.add_(r)
+
+    def residual_after(self, compensated: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor | None:
+        """The residual that stands once `compensated` is sent as `decoded` (a new tensor)."""
+        return compensated - decoded if self.enabled else None
+
+    def commit(self, p: int, residual: torch.Tensor | None) -> None:
+        if self.enabled and residual is not None:
+            self.residuals[p] = residual
+
+
+# Merges ----------------------------------------------------------------------------------------
+
+def merge_fragment(
+    mode: str, local: torch.Tensor, fresh: torch.Tensor, anchor: torch.Tensor | None, alpha: float
+) -> torch.Tensor:
+    """The fragment's new local parameters once the fresh global `fresh` arrives.
+
+    overwrite: fresh. mix: alpha*fresh + (1-alpha)*local (Streaming DiLoCo). rebase: fresh plus
+    the local progress made since `anchor` (the fragment as it was pushed, or the base it was last
+    synced to when nothing of it was applied). Returns a new tensor; inputs are not modified.
+    """
+    if mode == "overwrite":
+        return fresh.clone()
+    if mode == "mix":
+        return torch.lerp(local, fresh, alpha)
+    if mode == "rebase":
+        if anchor is None:
+            raise ValueError("rebase needs the anchor the local progress is measured from")
+        return fresh + (local - anchor)
+    raise ValueError(f"merge must be one of {MERGE_MODES}, got {mode!r}")

@@ -1,0 +1,411 @@
+"""Learners against the real Synchronizer in-process (real gRPC on port 0)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from learner import Learner
+from learner.client import SyncClient
+from learner.fragments import FragmentPlan
+from protos import codec
+from protos import diloco_pb2 as pb
+from synchronizer.config import SynchronizerConfig
+from synchronizer.server import RunningServer, serving
+
+
+def server_config(state_dir: Path, **overrides: Any) -> SynchronizerConfig:
+    settings: dict[str, Any] = dict(
+        port=0, metrics_port=-1, state_dir=state_dir, quorum=1, grace="none",
+        shutdown_grace_s=0.5, checkpoint_interval_s=0,
+    )
+    settings.update(overrides)
+    return SynchronizerConfig(**settings)
+
+
+@contextlib.contextmanager
+def running(cfg: SynchronizerConfig) -> Iterator[RunningServer]:
+    with serving(cfg) as srv:
+        yield srv
+
+
+def mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def train(learner: Learner, model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int, delay_s: float = 0.002) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=g)
+        loss = nn.functional.mse_loss(model(x), x[:, :4].sin())
+        loss.backward()
+        learner.step(tokens=16, loss=loss.item())
+        opt.zero_grad()
+        time.sleep(delay_s)  # stands in for real compute, so syncs overlap steps
+
+
+def served(address: str, model: nn.Module, fragments: int, **client_kw: Any) -> list[torch.Tensor]:
+    """Every fragment as the Synchronizer serves it now (FP32), via a separate client."""
+    plan = FragmentPlan(model, fragments)
+    client = SyncClient(address, **client_kw)
+    try:
+        client.join("observer", plan.spec)
+        return [client.pull(p, numel=plan.numel(p))[2] for p in range(len(plan))]
+    finally:
+        client.close()
+
+
+def local(model: nn.Module, fragments: int) -> list[torch.Tensor]:
+    plan = FragmentPlan(model, fragments)
+    return [plan.gather(p) for p in range(len(plan))]
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_two_learners_sync_and_end_holding_exactly_the_served_parameters(tmp_path):
+    with running(server_config(tmp_path)) as srv:
+        results: dict[int, Any] = {}
+        errors: list[BaseException] = []
+        trained = threading.Barrier(2, timeout=60)
+        flushed = threading.Barrier(2, timeout=60)
+
+        def run(i: int) -> None:
+            try:
+                model = mlp(seed=i)  # different initialisations: both must start from the global one
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                lrn = Learner(model, opt, synchronizer=srv.address, sync_every=10, fragments=2, name=f"l{i}")
+                train(lrn, model, opt, 60, seed=100 + i)
+                trained.wait()
+                assert lrn.flush(timeout_s=30)
+                flushed.wait()  # nobody pushes any more: the global model is final
+                lrn.finish()
+                results[i] = (model, lrn.stats)
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+                trained.abort()
+                flushed.abort()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors, errors
+        global_params = served(srv.address, results[0][0], 2)
+        for model, stats in results.values():
+            assert stats.step == 60 and stats.tokens == 960
+            assert stats.pushes.get("accepted", 0) >= 2
+            assert stats.merges >= 2 and stats.pulls >= 2
+            assert all(v > 0 for v in stats.fragment_versions)
+            assert stats.bytes_sent > 0 and stats.bytes_received > 0
+            assert stats.sync_state == "closed"
+            for mine, theirs in zip(local(model, 2), global_params, strict=True):
+                assert torch.equal(mine, theirs)
+        # both ended on the same, newest versions of every fragment
+        status = SyncClient(srv.address)
+        try:
+            reply = status.status()
+        finally:
+            status.close()
+        assert results[0][1].fragment_versions == results[1][1].fragment_versions
+        assert reply.outer_steps == sum(results[0][1].fragment_versions)
+
+
+def test_learner_keeps_training_without_raising_when_the_server_goes_away(tmp_path):
+    cm = serving(server_config(tmp_path))
+    srv = cm.__enter__()
+    stopped = False
+    try:
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        lrn = Learner(
+            model, opt, synchronizer=srv.address, sync_every=5, fragments=2,
+            retry_initial_s=0.05, retry_max_s=0.2, rpc_timeout_s=2.0, pull_wait_s=0.5,
+        )
+        train(lrn, model, opt, 20, seed=1)
+        assert wait_until(lambda: lrn.stats.pushes.get("accepted", 0) > 0)
+        cm.__exit__(None, None, None)
+        stopped = True
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        train(lrn, model, opt, 20, seed=2)  # must not raise
+        assert wait_until(lambda: lrn.stats.errors > 0)
+        stats = lrn.stats
+        assert stats.step == 40 and stats.sync_state == "reconnecting"
+        assert stats.pushes.get("superseded", 0) >= 1  # unsent pushes replaced by newer deltas
+        assert not torch.equal(before["0.weight"], model.state_dict()["0.weight"])  # still training
+        t0 = time.monotonic()
+        lrn.close()
+        assert time.monotonic() - t0 < 10
+    finally:
+        if not stopped:
+            cm.__exit__(None, None, None)
+
+
+def test_learner_rejoins_and_resyncs_after_the_server_restarts_with_a_new_epoch(tmp_path):
+    cfg = server_config(tmp_path, lease_s=3.0)
+    cm = serving(cfg)
+    srv = cm.__enter__()
+    port = srv.port
+    model = mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    lrn = Learner(
+        model, opt, synchronizer=srv.address, sync_every=5, fragments=2, merge="rebase",
+        retry_initial_s=0.05, retry_max_s=0.3, rpc_timeout_s=2.0, pull_wait_s=0.5,
+    )
+    try:
+        train(lrn, model, opt, 20, seed=1)
+        assert lrn.flush(timeout_s=20)
+        first_epoch, first_generation = lrn.engine.epoch, lrn.engine.generation
+        cm.__exit__(None, None, None)  # final checkpoint; the restart restores it
+        cm = serving(cfg.model_copy(update={"port": port}))
+        srv = cm.__enter__()
+        train(lrn, model, opt, 10, seed=2)
+        assert wait_until(lambda: lrn.engine.generation > first_generation, 20)
+        assert lrn.engine.epoch != first_epoch
+        merges = lrn.stats.merges
+        train(lrn, model, opt, 20, seed=3)
+        assert lrn.flush(timeout_s=20)
+        assert lrn.stats.merges > merges
+        lrn.finish()
+        for mine, theirs in zip(local(model, 2), served(srv.address, model, 2), strict=True):
+            assert torch.equal(mine, theirs)
+    finally:
+        lrn.close()
+        cm.__exit__(None, None, None)
+
+
+def test_strict_overlap_with_tau_zero_merges_each_push_before_step_returns(tmp_path):
+    with running(server_config(tmp_path)) as srv:
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        lrn = Learner(
+            model, opt, synchronizer=srv.address, sync_every=4, fragments=2, codec="int8",
+            merge="overwrite", strict_overlap=True, overlap_steps=0,
+        )
+        try:
+            for step in range(1, 13):
+                before = lrn.stats.fragment_versions
+                train(lrn, model, opt, 1, seed=step, delay_s=0)
+                due = {4: 0, 8: 0, 12: 0, 2: 1, 6: 1, 10: 1}.get(step)
+                after = lrn.stats.fragment_versions
+                if due is None:
+                    assert after == before
+                    continue
+                assert after[due] == before[due] + 1
+                # overwrite: the local fragment now is exactly the served one
+                assert torch.equal(local(model, 2)[due], served(srv.address, model, 2)[due])
+            stats = lrn.stats
+            assert stats.blocked_s > 0 and stats.pushes.get("superseded", 0) == 0
+            assert stats.pushes["accepted"] == 6
+        finally:
+            lrn.close()
+
+
+def test_stale_push_is_dropped_and_the_fragment_re_pulled(tmp_path):
+    with running(server_config(tmp_path, max_staleness=0)) as srv:
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        lrn = Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=1, merge="rebase",
+                      strict_overlap=True, overlap_steps=0)
+        other = SyncClient(srv.address)
+        try:
+            train(lrn, model, opt, 2, seed=0, delay_s=0)
+            assert lrn.stats.fragment_versions == (1,)
+            other.join("other", FragmentPlan(model, 1).spec)  # another learner moves the fragment on
+            n = FragmentPlan(model, 1).numel(0)
+            zero = codec.encode(torch.zeros(n), pb.CODEC_FP32)
+            assert other.push(0, 1, 1, 1, 1, 0.0, zero, codec.make_header(pb.CODEC_FP32, n)).outcome == pb.PUSH_ACCEPTED
+            assert wait_until(lambda: other.status().versions[0].version == 2)
+            train(lrn, model, opt, 2, seed=1, delay_s=0)  # pushes against version 1: too stale
+            stats = lrn.stats
+            assert stats.pushes == {"accepted": 1, "dropped_stale": 1}
+            assert stats.fragment_versions == (2,)  # re-pulled while strict overlap waited
+            train(lrn, model, opt, 2, seed=2, delay_s=0)
+            assert lrn.stats.pushes["accepted"] == 2 and lrn.stats.fragment_versions == (3,)
+        finally:
+            other.close()
+            lrn.close()
+
+
+def test_delta_pull_rebuilds_the_served_parameters_exactly_at_a_fraction_of_the_bytes(tmp_path):
+    with running(server_config(tmp_path)) as srv:
+        plan = FragmentPlan(nn.Linear(64, 64), 1)
+        n = plan.numel(0)
+        client = SyncClient(srv.address)
+        try:
+            assert client.join("t", plan.spec).needs_init
+            client.init_model([plan.gather(0)])
+            v0, _, p0 = client.pull(0, numel=n)
+            delta = torch.randn(n) * 0.01
+            reply = client.push(0, 1, v0, 10, 1, 0.0, codec.encode(delta, pb.CODEC_FP32), codec.make_header(pb.CODEC_FP32, n))
+            assert reply.outcome == pb.PUSH_ACCEPTED
+            before = client.bytes_received
+            v1, _, from_delta = client.pull(0, reply.round_version, 5.0, numel=n, have=(v0, p0))
+            delta_bytes, before = client.bytes_received - before, client.bytes_received
+            v1_full, _, full = client.pull(0, numel=n)
+            full_bytes = client.bytes_received - before
+            assert v1 == v1_full == 1
+            assert torch.equal(from_delta, full)
+            assert delta_bytes < 0.35 * full_bytes  # one INT8 update instead of FP32 parameters
+            # a wrong starting point is caught by the checksum: the pull falls back to a full one
+            _, _, fallback = client.pull(0, numel=n, have=(v0, p0 + 1e-3))
+            assert torch.equal(fallback, full)
+        finally:
+            client.close()
+
+
+def test_dynamic_local_updates_directive_replaces_sync_every(tmp_path):
+    with running(server_config(tmp_path, dynamic_local_updates=True, inner_steps=5)) as srv:
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        lrn = Learner(model, opt, synchronizer=srv.address, sync_every=50, fragments=2)
+        try:
+            train(lrn, model, opt, 1, seed=0)
+            assert lrn.stats.sync_every == 5
+            assert lrn.offsets == [0, 2]
+        finally:
+            lrn.close()
+
+
+def test_restarted_learner_comes_back_under_its_id_and_serves_metrics(tmp_path):
+    import urllib.request
+
+    with running(server_config(tmp_path)) as srv:
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        first = Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=2, strict_overlap=True, overlap_steps=0)
+        train(first, model, opt, 4, seed=0)
+        old_id = first.learner_id
+        first.close()  # as if killed: no Leave
+        model = mlp(1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        again = Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=2, learner_id=old_id,
+                        strict_overlap=True, overlap_steps=0, metrics_port=0)
+        try:
+            assert again.learner_id == old_id
+            train(again, model, opt, 4, seed=1)
+            pushes = again.stats.pushes
+            assert pushes == {"accepted": 4}  # seqs continued after the first run's: no duplicates
+            assert again.metrics_port
+            text = urllib.request.urlopen(f"http://127.0.0.1:{again.metrics_port}/metrics", timeout=5).read().decode()
+            assert "diloco_learner_steps_total 4.0" in text
+        finally:
+            again.close()
+
+
+def test_constructor_raises_clearly_on_a_different_model_bad_token_or_no_server(tmp_path):
+    with running(server_config(tmp_path, auth_token="s3cret")) as srv:
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=2, auth_token="s3cret") as lrn:
+            train(lrn, model, opt, 4, seed=0)
+        assert lrn.stats.pushes.get("accepted", 0) >= 1
+        with pytest.raises(PermissionError):
+            Learner(mlp(1), None, synchronizer=srv.address, fragments=2, auth_token="wrong")
+        other = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        with pytest.raises(ValueError, match="refused this model"):
+            Learner(other, None, synchronizer=srv.address, fragments=2, auth_token="s3cret")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free_port = s.getsockname()[1]
+    with pytest.raises(TimeoutError):
+        Learner(mlp(0), None, synchronizer=f"127.0.0.1:{free_port}", join_timeout_s=0.5, retry_initial_s=0.05)
+
+
+def _certificates(d: Path) -> None:
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for who in ("server", "client"):
+        run("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}")
+        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{who}.pem", "-days", "1", "-extfile", "san.ext")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+def test_learner_trains_over_mutual_tls_and_is_refused_without_a_client_certificate(tmp_path):
+    _certificates(tmp_path)
+    cfg = server_config(tmp_path / "state", tls_cert=tmp_path / "server.pem", tls_key=tmp_path / "server.key", tls_client_ca=tmp_path / "ca.pem")
+    with running(cfg) as srv:
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        tls = dict(tls_ca=tmp_path / "ca.pem", tls_cert=tmp_path / "client.pem", tls_key=tmp_path / "client.key")
+        with Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=2, **tls) as lrn:
+            train(lrn, model, opt, 4, seed=0)
+        assert lrn.stats.pushes.get("accepted", 0) >= 1 and lrn.stats.errors == 0
+        with pytest.raises(TimeoutError):
+            Learner(mlp(0), None, synchronizer=srv.address, fragments=2, tls_ca=tmp_path / "ca.pem",
+                    join_timeout_s=0.5, retry_initial_s=0.05)
+
+
+def _island_rank(rank: int, world: int, init_file: str, address: str, out_dir: str) -> None:
+    """One rank of a 2-process gloo island: DDP-style averaged gradients, a Learner on every rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = mlp(seed=rank)  # ranks start different: the Learner makes them identical
+        # inner_optimizer=None: the loop applies its own SGD update before step()
+        lrn = Learner(model, None, synchronizer=address, sync_every=4, fragments=2, name=f"rank{rank}")
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(12):
+            x = torch.randn(16, 8, generator=g)
+            nn.functional.mse_loss(model(x), x[:, :4].sin()).backward()
+            with torch.no_grad():
+                for p in model.parameters():  # what DDP does: average the gradients
+                    dist.all_reduce(p.grad)
+                    p -= 0.05 * p.grad / world
+                    p.grad = None
+            lrn.step(tokens=16)
+        lrn.finish()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.save({"flat": flat, "merges": lrn.stats.merges, "leader": lrn.client is not None}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
+    import torch.multiprocessing as mp
+
+    with running(server_config(tmp_path / "state")) as srv:
+        mp.spawn(_island_rank, args=(2, str(tmp_path / "init"), srv.address, str(tmp_path)), nprocs=2, join=True)
+        ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+        global_flat = torch.cat(served(srv.address, mlp(0), 2))
+        status = SyncClient(srv.address)
+        try:
+            learners = status.status().learners
+        finally:
+            status.close()
+    assert ranks[0]["leader"] and not ranks[1]["leader"]
+    assert ranks[0]["merges"] > 0
+    plan = FragmentPlan(mlp(0), 2)
+    # model order -> fragment order
+    names = [n for n, _ in mlp(0).named_parameters()]
+    sizes = [p.numel() for p in mlp(0).parameters()]
+    by_name = dict(zip(names, torch.split(ranks[0]["flat"], sizes), strict=True))
+    in_fragment_order = torch.cat([by_name[t.name] for f in plan.fragments for t in f.tensors])
+    assert torch.equal(ranks[0]["flat"], ranks[1]["flat"])
+    assert torch.equal(in_fragment_order, global_flat)
+    assert [lr.name for lr in learners if lr.name.startswith("rank")] == ["rank0"]  # only rank 0 joined
