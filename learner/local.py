@@ -1,0 +1,385 @@
+"""The main job on one machine: a Synchronizer and N learners as separate processes on this host.
+
+`diloco-learner local` starts the Synchronizer (`python -m synchronizer serve`, port 0, address read
+from its ready file) and N learner processes (`python -m learner train`) on the bundled example.
+To show the system routing around trouble, one learner runs 3x slower than the rest (and, as it
+would in a real deployment, takes proportionally fewer steps in the same wall-clock time), and
+another is killed with SIGKILL mid-run and restarted a few seconds later, after its lease lapsed:
+it re-joins, adopts the global model and carries on from the step it had reached.
+
+While it runs it shows one line per learner. At the end it pulls the final global model (a
+learner process with zero steps joins, adopts it, evaluates it, leaves) and writes
+`OUT/summary.json`: eval loss of the global model at start and end, goodput from the
+Synchronizer's metrics endpoint, bytes each learner sent against what data-parallel ring
+all-reduce of the same model and steps would have sent; and `OUT/summary.png`. Every child runs in
+its own process group and is terminated (then killed) when the job ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass
+class LocalOptions:
+    learners: int = 4
+    steps: int = 1000
+    out: Path = Path("runs/local")
+    slow_learner: int = 1             # index of the learner that runs slow_factor x slower; -1: none
+    slow_factor: float = 3.0
+    kill_learner: int = 2             # index of the learner killed mid-run and restarted; -1: none
+    kill_at: float = 0.4              # ...when it has done this fraction of its steps
+    restart_after_s: float = 5.0      # ...and restarted this long after (past the lease)
+    quorum: int = 2                   # 2 beat 1 clearly here (eval 1.75 vs 2.42, no stale drops)
+    grace: str = "adaptive"
+    lease_s: float = 3.0
+    sync_every: int = 25
+    fragments: int = 4
+    codec: str = "int4"
+    data: str | None = None
+    seed: int = 0
+    log_every: int = 10
+    train_args: list[str] = field(default_factory=list)  # extra flags for every `learner train`
+    synchronizer_args: list[str] = field(default_factory=list)  # extra flags for `synchronizer serve`
+    plot: bool = True
+    live: bool | None = None          # redraw progress in place; None = when stdout is a terminal
+
+
+def scrape(metrics_url: str) -> dict[str, dict[tuple, float]]:
+    """Prometheus text from the Synchronizer as {sample name: {sorted label items: value}}."""
+    with urllib.request.urlopen(metrics_url, timeout=2) as r:
+        text = r.read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def metric(samples: dict[str, dict[tuple, float]], name: str, **labels: str) -> float:
+    return samples.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Children:
+    """The processes this job started, each in its own process group; stop_all ends them all."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], log: Path) -> subprocess.Popen:
+        with open(log, "ab") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    @staticmethod
+    def signal(p: subprocess.Popen, sig: int) -> None:
+        """Signals p's whole process group (whatever p started goes too)."""
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM to every group (the Synchronizer checkpoints and exits), then SIGKILL the rest."""
+        for p in self.procs:
+            if p.poll() is None:
+                self.signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            self.signal(p, signal.SIGKILL)
+            p.wait()
+
+
+def start_synchronizer(o: LocalOptions, children: Children, state_dir: Path) -> tuple[subprocess.Popen, dict]:
+    ready = o.out / "synchronizer.ready.json"
+    ready.unlink(missing_ok=True)
+    cmd = [
+        sys.executable, "-m", "synchronizer", "serve", "--port", "0", "--metrics-port", "0",
+        "--state-dir", str(state_dir), "--ready-file", str(ready),
+        "--quorum", str(o.quorum), "--grace", o.grace, "--lease-s", str(o.lease_s),
+        "--forget-after-s", str(max(10.0, 3 * o.lease_s)), "--goodput-window-s", "3600",
+        "--shutdown-grace-s", "2", *o.synchronizer_args,
+    ]
+    proc = children.start(cmd, o.out / "logs" / "synchronizer.log")
+    deadline = time.monotonic() + 60
+    while (info := read_json(ready)) is None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the Synchronizer exited with code {proc.returncode}; see {o.out / 'logs' / 'synchronizer.log'}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the Synchronizer did not become ready within 60 s")
+        time.sleep(0.1)
+    return proc, info
+
+
+@dataclass
+class Slot:
+    """One learner position: its current process and the result file of each incarnation."""
+
+    index: int
+    steps: int
+    slow: float = 1.0
+    proc: subprocess.Popen | None = None
+    runs: list[Path] = field(default_factory=list)
+    killed_at_step: int | None = None
+    killed_at: float | None = None
+    restarted: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"l{self.index}"
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def awaiting_restart(self) -> bool:
+        return self.killed_at is not None and not self.restarted
+
+
+def learner_cmd(o: LocalOptions, address: str, slot: Slot, out: Path, start_step: int = 0, name: str = "") -> list[str]:
+    cmd = [
+        sys.executable, "-m", "learner", "train", "--synchronizer", address,
+        "--name", name or slot.name, "--learner-index", str(slot.index), "--learners", str(o.learners),
+        "--steps", str(slot.steps), "--start-step", str(start_step), "--out", str(out),
+        "--sync-every", str(o.sync_every), "--fragments", str(o.fragments), "--codec", o.codec,
+        "--slow", str(slot.slow), "--log-every", str(o.log_every), "--seed", str(o.seed), "--threads", "1",
+    ]
+    if o.data:
+        cmd += ["--data", o.data]
+    return cmd + o.train_args
+
+
+def start_learner(o: LocalOptions, children: Children, address: str, slot: Slot, start_step: int = 0) -> None:
+    slot.runs.append(o.out / (f"learner-{slot.index}.json" if not slot.runs else f"learner-{slot.index}.run{len(slot.runs)}.json"))
+    cmd = learner_cmd(o, address, slot, slot.runs[-1], start_step)
+    old_id = ((read_json(slot.runs[0]) or {}).get("learner") or {}).get("learner_id") if start_step else None
+    if old_id:
+        cmd += ["--learner-id", old_id]  # come back as the same learner
+    slot.proc = children.start(cmd, o.out / "logs" / f"learner-{slot.index}.log")
+
+
+def kill_or_restart(o: LocalOptions, children: Children, address: str, slot: Slot) -> None:
+    """The fault: SIGKILL the slot's learner at kill_at of its steps; restart_after_s later,
+    start it again from the step its last progress line recorded."""
+    now = time.time()
+    if slot.killed_at is None:
+        r = read_json(slot.runs[-1]) or {}
+        if "loss" in r and r["step"] >= o.kill_at * slot.steps and not r["finished"] and slot.proc is not None:
+            Children.signal(slot.proc, signal.SIGKILL)
+            slot.proc.wait()
+            slot.killed_at_step, slot.killed_at = r["step"], now
+            print(f"-- killed {slot.name} (SIGKILL) at step {r['step']}", flush=True)
+    elif not slot.restarted and now - slot.killed_at >= o.restart_after_s:
+        assert slot.killed_at_step is not None
+        start_learner(o, children, address, slot, start_step=slot.killed_at_step)
+        slot.restarted = True
+        print(f"-- restarted {slot.name} from step {slot.killed_at_step}", flush=True)
+
+
+def check_exits(o: LocalOptions, sync_proc: subprocess.Popen, slots: list[Slot]) -> None:
+    """RuntimeError naming the log to read if the Synchronizer or a learner failed."""
+    if sync_proc.poll() is not None:
+        raise RuntimeError(f"the Synchronizer exited with code {sync_proc.returncode}; see {o.out / 'logs' / 'synchronizer.log'}")
+    for s in slots:
+        if s.proc is not None and s.proc.poll() not in (None, 0) and not s.awaiting_restart():
+            raise RuntimeError(f"learner {s.name} exited with code {s.proc.returncode}; see {o.out / 'logs' / f'learner-{s.index}.log'}")
+
+
+def progress_line(slot: Slot) -> str:
+    r = read_json(slot.runs[-1]) if slot.runs else None
+    tag = slot.name + (f" (x{slot.slow:g} slow)" if slot.slow > 1 else "")
+    if slot.awaiting_restart():
+        return f"{tag:16s} killed at step {slot.killed_at_step}, restarting..."
+    if not r or "loss" not in r:
+        return f"{tag:16s} starting..."
+    done = "done " if r.get("finished") else ""
+    return (f"{tag:16s} {done}step {r['step']:5d}/{slot.steps} | loss {r['loss']:.3f} | "
+            f"{r['tokens_per_s']:7.0f} tok/s | {r.get('sync_state', '')}")
+
+
+class Display:
+    """One line per learner plus one for the Synchronizer: redrawn in place on a terminal,
+    printed every 10 s otherwise (logs, CI)."""
+
+    def __init__(self, live: bool) -> None:
+        self.live = live
+        self.shown = 0
+        self.last = 0.0
+
+    def show(self, slots: list[Slot], samples: dict, elapsed_s: float) -> None:
+        if not self.live and time.monotonic() - self.last < 10:
+            return
+        by_fragment = samples.get("diloco_fragment_version", {})
+        versions = [int(v) for _, v in sorted(by_fragment.items(), key=lambda kv: int(dict(kv[0])["fragment"]))]
+        lines = [progress_line(s) for s in slots]
+        lines.append(f"{'synchronizer':16s} versions {versions} | goodput "
+                     f"{metric(samples, 'diloco_goodput_ratio'):.2f} | {elapsed_s:5.0f} s")
+        if self.live and self.shown:
+            sys.stdout.write(f"\x1b[{self.shown}F\x1b[J")  # up to the first line, clear below
+        print("\n".join(lines), flush=True)
+        self.shown, self.last = len(lines), time.monotonic()
+
+
+def run(o: LocalOptions) -> dict:
+    """Runs the job; returns the summary (also written to OUT/summary.json)."""
+    if o.learners < 1 or o.steps < 1:
+        raise ValueError(f"need at least one learner and one step, got {o.learners} and {o.steps}")
+    (o.out / "logs").mkdir(parents=True, exist_ok=True)
+    for old in [*o.out.glob("learner-*.json"), *(o.out / "logs").glob("*.log"), o.out / "final.json",
+                o.out / "summary.json", o.out / "summary.png"]:
+        old.unlink(missing_ok=True)  # results of an earlier run
+    children = Children()
+    # Ctrl-C and SIGTERM both unwind into the finally below (even where SIGINT came in ignored)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    state_dir = Path(tempfile.mkdtemp(prefix="diloco-local-state-"))  # a fresh run: nothing to resume
+    t0 = time.time()
+    try:
+        sync_proc, info = start_synchronizer(o, children, state_dir)
+        address, metrics_url = info["address"], f"http://127.0.0.1:{info['metrics_port']}/metrics"
+        print(f"Synchronizer at {address}, metrics at {metrics_url}; logs in {o.out / 'logs'}", flush=True)
+
+        slots = []
+        for i in range(o.learners):
+            slow = o.slow_factor if i == o.slow_learner and o.learners > 1 else 1.0
+            slots.append(Slot(i, max(1, round(o.steps / slow)), slow))  # same wall-clock, fewer steps
+            start_learner(o, children, address, slots[-1])
+        victim = slots[o.kill_learner] if 0 <= o.kill_learner < o.learners and o.learners > 1 else None
+
+        display = Display(sys.stdout.isatty() if o.live is None else o.live)
+        goodput_series: list[dict] = []
+        samples: dict = {}
+        while any(s.running() or s.awaiting_restart() for s in slots):
+            time.sleep(0.5)
+            check_exits(o, sync_proc, slots)
+            if victim is not None:
+                kill_or_restart(o, children, address, victim)
+            try:
+                samples = scrape(metrics_url)
+                goodput_series.append({"t": time.time(), "goodput": metric(samples, "diloco_goodput_ratio")})
+            except OSError:
+                pass
+            display.show(slots, samples, time.time() - t0)
+        check_exits(o, sync_proc, slots)
+
+        samples = scrape(metrics_url)  # before the final pull joins as one more learner
+        final_out = o.out / "final.json"  # zero steps: join, adopt the served model, evaluate, leave
+        final = children.start(learner_cmd(o, address, Slot(0, 0), final_out, name="final-eval"),
+                               o.out / "logs" / "final-eval.log")
+        if final.wait(timeout=120) != 0:
+            raise RuntimeError(f"the final evaluation exited with code {final.returncode}; see {o.out / 'logs' / 'final-eval.log'}")
+        summary = summarize(o, slots, samples, read_json(final_out) or {}, goodput_series, t0)
+    finally:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        children.stop_all()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    (o.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if o.plot:
+        try:
+            from learner.plot import plot_summary
+        except ImportError:
+            print("matplotlib is not installed (pip install '.[plot]'): skipped summary.png", flush=True)
+        else:
+            plot_summary(summary, o.out / "summary.png")
+    print_summary(summary, o.out)
+    return summary
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def summarize(o: LocalOptions, slots: list[Slot], samples: dict, final: dict, goodput_series: list[dict], t0: float) -> dict:
+    runs = {s.index: [read_json(p) or {} for p in s.runs] for s in slots}
+    first = runs[0][0]
+    params = int(first.get("params") or final.get("params", 0))
+    n = o.learners
+    learners = {}
+    for s in slots:
+        rs = runs[s.index]
+        steps = sum(r.get("step", 0) - r.get("start_step", 0) for r in rs)
+        learners[s.name] = {
+            "steps": steps,
+            "slow_factor": s.slow,
+            "killed_at_step": s.killed_at_step,
+            "bytes_sent": sum(int(r.get("bytes_sent") or r.get("learner", {}).get("bytes_sent", 0)) for r in rs),
+            "bytes_received": sum(int(r.get("bytes_received") or r.get("learner", {}).get("bytes_received", 0)) for r in rs),
+            "steps_per_s": rs[-1].get("steps_per_s"),
+            "eval_loss_end": rs[-1].get("eval_loss_end"),
+            "series": [r.get("series", []) for r in rs],  # one curve per process (run)
+        }
+    # data-parallel ring all-reduce sends 2 (N-1)/N of the FP32 gradients per step, per learner
+    dp_per_step = 2 * (n - 1) / n * params * 4
+    full_steps = max(s.steps for s in slots)
+    capacity = metric(samples, "diloco_learner_capacity_seconds_total")
+    merged = metric(samples, "diloco_compute_seconds_total", bucket="merged")
+    sent = {k: v["bytes_sent"] for k, v in learners.items()}
+    mean_sent = sum(sent.values()) / max(1, len(sent))
+    return {
+        "learners": n,
+        "steps": o.steps,
+        "params": params,
+        "wall_s": round(time.time() - t0, 1),
+        "eval_loss_start": first.get("eval_loss_start"),
+        "eval_loss_end": final.get("eval_loss_end"),
+        "goodput": metric(samples, "diloco_goodput_ratio"),
+        "goodput_from_totals": merged / capacity if capacity else None,
+        "tokens": {b: metric(samples, "diloco_tokens_total", bucket=b) for b in ("merged", "discarded", "lost")},
+        "pushes": {dict(k)["outcome"]: v for k, v in samples.get("diloco_pushes_total", {}).items()},
+        "outer_steps": metric(samples, "diloco_outer_steps_total"),
+        "bytes_sent_per_learner": sent,
+        "bytes_received_per_learner": {k: v["bytes_received"] for k, v in learners.items()},
+        "dp_bytes_per_learner": dp_per_step * full_steps,
+        "dp_over_sent": dp_per_step * full_steps / mean_sent if mean_sent else None,
+        "final_param_hash": final.get("param_hash"),
+        "faults": {
+            "slow": f"l{o.slow_learner} x{o.slow_factor:g}" if any(s.slow > 1 for s in slots) else None,
+            "killed": next((f"l{s.index} at step {s.killed_at_step}, restarted after {o.restart_after_s:g} s"
+                            for s in slots if s.killed_at_step is not None), None),
+        },
+        "per_learner": learners,
+        "goodput_series": goodput_series,
+        "t0": t0,
+    }
+
+
+def print_summary(s: dict, out: Path) -> None:
+    def mb(b: float) -> str:
+        return f"{b / 1e6:.2f} MB"
+
+    print(f"\nDone in {s['wall_s']:.0f} s: {s['learners']} learners, {s['steps']} steps, {s['params']:,} parameters")
+    print(f"  eval loss (global model): {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f}")
+    print(f"  goodput: {s['goodput']:.1%}   outer steps: {s['outer_steps']:.0f}   pushes: {s['pushes']}")
+    for name, sent in s["bytes_sent_per_learner"].items():
+        print(f"  {name}: sent {mb(sent)}, received {mb(s['bytes_received_per_learner'][name])}")
+    ratio = f" ({s['dp_over_sent']:.0f}x more)" if s["dp_over_sent"] else ""
+    print(f"  data-parallel ring all-reduce would have sent {mb(s['dp_bytes_per_learner'])} per learner{ratio}")
+    print(f"  summary: {out / 'summary.json'}" + (f", plot: {out / 'summary.png'}" if (out / "summary.png").exists() else ""))

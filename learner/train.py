@@ -1,0 +1,263 @@
+"""The example training loop: one learner training a model, synced through the Synchronizer.
+
+Read top to bottom: build the model and the data, AdamW with warm-up and cosine decay, wrap the
+optimizer in a `Learner` (or not, with `sync=None`, `--no-sync`: the same loop without syncing, which is
+what the overhead measurement compares against), train, evaluate at start and end, write a JSON
+result. The result file is rewritten at every progress line (with `"finished": false`), so the
+launcher can show live progress and a learner killed mid-run still leaves its loss curve behind.
+
+A user model plugs in through `model="pkg.module:factory"`: `factory(learner_index, learners)`
+returns `(model, batch_fn)` or `(model, batch_fn, eval_fn)`, where `batch_fn()` gives
+`(inputs, targets)`, `model(inputs, targets)` returns the loss (or a tuple `(logits, loss)`), the
+tokens of a step are `targets.numel()`, and `eval_fn(model)` returns a float (lower is better).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from learner.config import LearnerConfig
+from learner.example.data import ByteData, evaluate
+from learner.example.model import GPT, GPTConfig
+
+logger = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+# The bundled example syncs more often than the library's default (FEASIBILITY.md: H = 25 is best
+# for a model this small and a run this short). The CLI applies it unless a file, variable or flag
+# says otherwise.
+EXAMPLE_SYNC_DEFAULTS = {"sync_every": 25}
+
+
+@dataclass
+class TrainOptions:
+    # what to train
+    steps: int = 1000                 # the step count the schedule runs to
+    start_step: int = 0               # resume here (a restarted learner): steps start_step..steps-1
+    model: str | None = None          # "pkg.module:factory" for a user model; None = the example
+    data: str | None = None           # directory of text files; None = the Python stdlib sources
+    max_bytes: int = 4 << 20          # training bytes read per learner
+    n_layer: int = 2
+    d_model: int = 64
+    n_head: int = 2
+    block: int = 128                  # context length in bytes
+    batch_size: int = 16
+    seed: int = 0                     # model init (same on every learner) and data order
+    # inner optimizer: AdamW, linear warm-up, cosine decay to min_lr_ratio * lr
+    lr: float = 8e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    # syncing: the Learner's settings, or None to train alone (the same loop without a Learner)
+    sync: LearnerConfig | None = field(default_factory=lambda: LearnerConfig(**EXAMPLE_SYNC_DEFAULTS))
+    name: str = "learner"             # for the log lines and the result
+    wait_for_learners: int = 0        # before step one, wait until this many learners are joined
+    learner_index: int = 0            # which data shard this learner reads...
+    learners: int = 1                 # ...out of this many
+    # running
+    slow: float = 1.0                 # > 1: sleep (slow - 1) x step time after each step
+    log_every: int = 25
+    eval_windows: int = 256
+    threads: int = 0                  # torch intra-op threads; 0 = torch's default
+    out: str | None = None            # JSON result path
+
+
+def lr_at(step: int, o: TrainOptions) -> float:
+    """Linear warm-up to lr, then cosine decay to min_lr_ratio * lr at the last step.
+
+    A resumed learner starts with a fresh AdamW state, so it warms up again from start_step.
+    """
+    warm = min(1.0, (step - o.start_step + 1) / o.warmup_steps) if o.warmup_steps else 1.0
+    progress = min(1.0, max(0, step - o.warmup_steps) / max(1, o.steps - o.warmup_steps))
+    return warm * o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def param_hash(model: nn.Module) -> str:
+    """sha256 over every parameter's FP32 bytes in named order: equal hashes, equal models."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_factory(path: str) -> Callable[..., tuple]:
+    """Resolves "pkg.module:factory"; ValueError with a readable message if it cannot."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model must look like pkg.module:factory, got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r} for --model: {e}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name!r} has no callable {attr!r} for --model")
+    return factory
+
+
+def build(o: TrainOptions, device: torch.device) -> tuple[nn.Module, Callable[[], Batch], Callable[[nn.Module], float]]:
+    """(model, batch_fn, eval_fn) for the bundled example or the user's factory."""
+    torch.manual_seed(o.seed)  # the same initial model on every learner
+    if o.model:
+        made = load_factory(o.model)(o.learner_index, o.learners)
+        if not isinstance(made, tuple) or len(made) not in (2, 3):
+            raise ValueError(f"{o.model} must return (model, batch_fn) or (model, batch_fn, eval_fn)")
+        model, batch_fn = made[0], made[1]
+        eval_fn = made[2] if len(made) == 3 else (lambda m: float("nan"))
+        return model.to(device), batch_fn, eval_fn
+    data = ByteData(o.data, learner=o.learner_index, learners=o.learners, block=o.block, max_bytes=o.max_bytes)
+    model = GPT(GPTConfig(n_layer=o.n_layer, d_model=o.d_model, n_head=o.n_head, block=o.block)).to(device)
+    gen = torch.Generator().manual_seed(o.seed * 1000 + o.learner_index)  # each learner its own windows
+    eval_set = data.eval_set(o.eval_windows)
+
+    def batch_fn() -> Batch:
+        x, y = data.batch(o.batch_size, gen)
+        return x.to(device), y.to(device)
+
+    return model, batch_fn, lambda m: evaluate(m, eval_set)
+
+
+def make_optimizer(model: nn.Module, o: TrainOptions) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms, biases), as in nanoGPT."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(0.9, 0.95))
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """Atomic rewrite, so a reader never sees half a file."""
+    if not path:
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
+def stats_dict(learner: Any) -> dict:
+    return asdict(learner.stats) if learner is not None else {}
+
+
+def wait_for_learners(learner: Any, n: int, timeout_s: float = 120.0) -> None:
+    """Blocks until the Synchronizer reports n live learners, so a run starts together."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = sum(1 for x in learner.client.status().learners if x.state == "alive")
+        if alive >= n:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {alive} of {n} learners joined within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def train(o: TrainOptions) -> dict:
+    """Runs the loop and returns (and writes) the result dict."""
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, batch_fn, eval_fn = build(o, device)
+    optimizer = make_optimizer(model, o)
+
+    learner = None
+    if o.sync is not None:
+        from learner.learner import Learner  # the client library
+
+        learner = Learner(model, optimizer, config=o.sync)  # joins and adopts the global model
+        if o.wait_for_learners > 1:
+            wait_for_learners(learner, o.wait_for_learners)
+
+    eval_start = eval_fn(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("[%s] %d parameters on %s, eval loss %.4f at start", o.name, n_params, device, eval_start)
+    result: dict[str, Any] = {
+        "name": o.name, "learner_index": o.learner_index, "sync": learner is not None,
+        "params": n_params, "steps_target": o.steps, "start_step": o.start_step, "eval_loss_start": eval_start,
+        "finished": False, "step": o.start_step, "series": [], "started_at": time.time(),
+    }
+
+    tokens = 0
+    compute_s = 0.0   # seconds in the steps themselves, without the --slow sleep
+    window_loss, window_steps = 0.0, 0  # mean training loss since the last progress line
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    try:
+        for step in range(o.start_step, o.steps):
+            t0 = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, o)
+            x, y = batch_fn()
+            out = model(x, y)
+            loss = out[1] if isinstance(out, tuple) else out
+            loss.backward()
+            if o.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip)
+            tokens += y.numel()
+            loss_value = loss.item()
+            window_loss += loss_value
+            window_steps += 1
+            if learner is not None:
+                learner.step(tokens=y.numel(), loss=loss_value)  # optimizer.step(), then syncs and merges
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            compute_s += dt
+            if o.slow > 1:
+                time.sleep((o.slow - 1) * dt)
+
+            if (step + 1) % o.log_every == 0 or step + 1 == o.steps:
+                elapsed = time.perf_counter() - t_start
+                mean_loss = window_loss / window_steps
+                window_loss, window_steps = 0.0, 0
+                stats = stats_dict(learner)
+                sync_state = stats.get("sync_state", "off")
+                logger.info(
+                    "[%s] step %5d/%d | loss %.4f | %8.0f tok/s | %s",
+                    o.name, step + 1, o.steps, mean_loss, tokens / elapsed, sync_state,
+                )
+                result["series"].append({"t": time.time(), "step": step + 1, "loss": mean_loss})
+                result.update(step=step + 1, tokens=tokens, loss=mean_loss, tokens_per_s=tokens / elapsed,
+                              sync_state=sync_state, learner=stats)
+                write_json(o.out, result)
+    except BaseException:  # Ctrl-C or a crash: stop the sync threads (no final pull) and re-raise
+        if learner is not None:
+            learner.close()
+        raise
+
+    train_s = time.perf_counter() - t_start
+    cpu_s = time.process_time() - cpu_start  # every thread of this process, sync threads included
+    steps = o.steps - o.start_step
+    if learner is not None:
+        learner.finish()  # waits for in-flight syncs, adopts the newest global model, leaves
+    eval_end = eval_fn(model)
+    stats = stats_dict(learner)
+    result.update(
+        finished=True, step=o.steps, tokens=tokens, eval_loss_end=eval_end, train_s=train_s,
+        compute_s=compute_s, steps_per_s=steps / train_s if train_s > 0 else 0.0,
+        compute_steps_per_s=steps / compute_s if compute_s > 0 else 0.0, cpu_s=cpu_s,
+        bytes_sent=stats.get("bytes_sent", 0), bytes_received=stats.get("bytes_received", 0),
+        blocked_s=stats.get("blocked_s", 0.0), param_hash=param_hash(model), learner=stats,
+    )
+    write_json(o.out, result)
+    logger.info(
+        "[%s] done: %d steps in %.1f s (%.2f steps/s), eval loss %.4f -> %.4f, sent %d B, received %d B",
+        o.name, steps, train_s, result["steps_per_s"], eval_start, eval_end,
+        result["bytes_sent"], result["bytes_received"],
+    )
+    return result
