@@ -72,7 +72,7 @@ def _flag_type(annotation: Any) -> tuple[Any, bool]:
     return (annotation if annotation in (int, float) else str), False
 
 
-def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+def add_flags(parser: argparse._ActionsContainer, model: type[BaseModel]) -> None:
     """One --flag per field, default None so that only flags given on the line override."""
     for name, field in model.model_fields.items():
         flag = "--" + name.replace("_", "-")
