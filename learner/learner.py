@@ -227,6 +227,11 @@ class Learner:
             self._broadcast(merged)
         self.last_step_end = time.perf_counter()
 
+    def reset_clock(self) -> None:
+        """Start timing the next step now: call it after setup done between construction and the
+        first forward pass (an evaluation, a barrier), which is not compute for the goodput."""
+        self.last_step_end = time.perf_counter()
+
     def _sync_step(self) -> set[int]:
         assert self.engine is not None
         h = self.engine.inner_steps or self.cfg.sync_every

@@ -63,7 +63,7 @@ class TrainOptions:
     weight_decay: float = 0.1
     clip: float = 1.0
     # syncing: the Learner's settings, or None to train alone (the same loop without a Learner)
-    sync: LearnerConfig | None = field(default_factory=lambda: LearnerConfig(**EXAMPLE_SYNC_DEFAULTS))
+    sync: LearnerConfig | None = field(default_factory=lambda: LearnerConfig.model_validate(EXAMPLE_SYNC_DEFAULTS))
     name: str = "learner"             # for the log lines and the result
     wait_for_learners: int = 0        # before step one, wait until this many learners are joined
     learner_index: int = 0            # which data shard this learner reads...
@@ -117,9 +117,8 @@ def build(o: TrainOptions, device: torch.device) -> tuple[nn.Module, Callable[[]
         made = load_factory(o.model)(o.learner_index, o.learners)
         if not isinstance(made, tuple) or len(made) not in (2, 3):
             raise ValueError(f"{o.model} must return (model, batch_fn) or (model, batch_fn, eval_fn)")
-        model, batch_fn = made[0], made[1]
-        eval_fn = made[2] if len(made) == 3 else (lambda m: float("nan"))
-        return model.to(device), batch_fn, eval_fn
+        user_eval: Callable[[nn.Module], float] = made[2] if len(made) == 3 else (lambda m: float("nan"))
+        return made[0].to(device), made[1], user_eval
     data = ByteData(o.data, learner=o.learner_index, learners=o.learners, block=o.block, max_bytes=o.max_bytes)
     model = GPT(GPTConfig(n_layer=o.n_layer, d_model=o.d_model, n_head=o.n_head, block=o.block)).to(device)
     gen = torch.Generator().manual_seed(o.seed * 1000 + o.learner_index)  # each learner its own windows
@@ -196,6 +195,8 @@ def train(o: TrainOptions) -> dict:
     compute_s = 0.0   # seconds in the steps themselves, without the --slow sleep
     window_loss, window_steps = 0.0, 0  # mean training loss since the last progress line
     t_start, cpu_start = time.perf_counter(), time.process_time()
+    if learner is not None:
+        learner.reset_clock()  # the evaluation and barrier above are not training compute
     try:
         for step in range(o.start_step, o.steps):
             t0 = time.perf_counter()

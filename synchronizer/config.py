@@ -29,21 +29,21 @@ class SynchronizerConfig(BaseModel):
     grace_max_s: float = Field(2.0, ge=0, description="Upper bound on the grace window after the quorum is reached")
     grace_gamma: float = Field(0.5, gt=0, le=1, description="Adaptive grace = gamma * (overlap_steps * step time - quorum time - apply time)")
     overlap_steps: int = Field(1, ge=1, description="Steps a learner trains between pushing a fragment and needing it back (tau); sizes the adaptive grace")
-    max_staleness: int = Field(8, ge=0, description="Pushes staler than this many outer steps are dropped and the learner told to re-pull")
+    max_staleness: int = Field(16, ge=0, description="Pushes staler than this many outer steps are dropped and the learner told to re-pull")
     token_weight: Literal["uniform", "tokens", "tokens2_per_step"] = Field("tokens2_per_step", description="Weight of a contribution by work done: uniform, tokens, or tokens^2/steps (Decoupled DiLoCo)")
     staleness_weight: Literal["none", "poly", "hinge", "exp"] = Field("none", description="Down-weighting of stale contributions: none, poly (1+s)^-a, hinge, exp(-a s)")
     staleness_alpha: float = Field(0.5, ge=0, description="The a in the staleness factor")
     staleness_hinge: int = Field(2, ge=0, description="Staleness up to which the hinge factor is 1")
     anchor: Literal["current", "base"] = Field("current", description="Re-anchor a stale delta at the current global fragment (Decoupled DiLoCo), or apply it relative to its base")
-    update_history: int = Field(8, ge=0, description="Recent outer updates kept per fragment: serve delta pulls and the current anchor; 0 keeps exact FP32 parameters and allows neither")
+    update_history: int = Field(16, ge=0, description="Recent outer updates kept per fragment: serve delta pulls and the current anchor; 0 keeps exact FP32 parameters and allows neither")
     update_codec: Literal["int8", "fp32"] = Field("int8", description="How kept updates are stored and sent to delta pulls; int8 carries an error-feedback residual so nothing is lost over time")
     merge: Literal["mean", "radial"] = Field("mean", description="Weighted mean of deltas, or radial-directional averaging per tensor")
 
     # Outer optimizer
-    outer: Literal["nesterov", "delayed_nesterov", "sgd"] = Field("nesterov", description="Outer optimizer applied to each merged round")
+    outer: Literal["nesterov", "delayed_nesterov", "sgd"] = Field("delayed_nesterov", description="Outer optimizer applied to each merged round. Delayed Nesterov (momentum every outer_delay rounds) is stable when rounds close on few learners; Nesterov suits synchronous rounds (quorum 0)")
     outer_lr: float = Field(0.7, gt=0, le=10, description="Outer learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum (Nesterov, Delayed Nesterov)")
-    outer_delay: int = Field(4, ge=1, description="Delayed Nesterov: momentum is updated every this many rounds")
+    outer_delay: int = Field(4, ge=1, description="Delayed Nesterov: momentum is updated every this many rounds (about the number of learners)")
 
     # Learners
     lease_s: float = Field(10.0, gt=0, description="A learner not heard from for this long is dead until it heartbeats or re-joins")

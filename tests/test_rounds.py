@@ -18,7 +18,7 @@ def _setup(make_server, learners: int, **cfg):
     # Round policy is checked against exact arithmetic: keep FP32 parameters (no update chain)
     # unless a test is about re-anchoring, which needs the kept updates.
     cfg.setdefault("anchor", "base")
-    cfg.setdefault("update_history", 0 if cfg["anchor"] == "base" else 8)
+    cfg.setdefault("update_history", 0 if cfg["anchor"] == "base" else 16)
     srv = make_server(**cfg)
     clients = [Client(srv.address, SPEC, f"l{i}") for i in range(learners)]
     for c in clients:
