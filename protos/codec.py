@@ -592,7 +592,8 @@ class Assembler:
         self._buf = torch.empty(self.total_bytes, dtype=torch.uint8)
 
     def add(self, chunk: pb.Chunk) -> None:
-        n = len(chunk.data)
+        data = chunk.data  # read the field once: each read of a bytes field copies it
+        n = len(data)
         if n == 0:
             raise CodecError(f"empty chunk at offset {chunk.offset}")
         if chunk.offset != self.received:
@@ -608,7 +609,7 @@ class Assembler:
         # The one copy: from the message's bytes straight into the preallocated buffer, in bounds
         # as checked above (as fast as torch.frombuffer + slice assignment, without its warning
         # about read-only buffers).
-        ctypes.memmove(self._buf.data_ptr() + self.received, chunk.data, n)
+        ctypes.memmove(self._buf.data_ptr() + self.received, data, n)
         self.received += n
 
     @property

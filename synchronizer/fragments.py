@@ -10,7 +10,10 @@ threads, strictly in version order; pullers wait on a condition for the version 
 Round policy (Decoupled DiLoCo): a round may close once it holds K contributions (K = quorum,
 capped by the live learners; quorum 0 = every live learner, i.e. synchronous DiLoCo). It closes
 at once when every live learner has contributed, otherwise after the grace window, which
-`GraceWindow` sizes from moving averages so that waiting stays free for the learners.
+`GraceWindow` sizes from moving averages so that waiting stays free for the learners. While a
+fragment's previous outer step is still being applied its open round keeps collecting instead
+of closing, so a busy Synchronizer batches pushes rather than queueing outer steps (and holds
+at most two round buffers per fragment).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class Round:
     contributions: list[Contribution] = field(default_factory=list)
     quorum_at: float | None = None
     timer: threading.Timer | None = None
+    expired: bool = False  # the grace window ran out
     closing: bool = False
 
 
@@ -137,6 +141,11 @@ class FragmentState:
         self.scratch: list[torch.Tensor] = []  # decode buffers, reused across pushes
         self.snapshots: dict[pb.Codec, tuple[int, pb.PayloadHeader, torch.Tensor]] = {}
         self.metrics.fragment_version.labels(str(self.fid)).set(0)
+
+    @property
+    def applying(self) -> bool:
+        """A taken round's outer step has not finished yet."""
+        return self.pending_version != self.version
 
     @property
     def initialized(self) -> bool:
@@ -205,13 +214,16 @@ class FragmentState:
             contributed = {c.learner_id for c in rnd.contributions}
             if self.cfg.quorum == 0:  # synchronous: every live learner, nobody else to wait for
                 done = live <= contributed
-                return rnd, done, done
+                return rnd, done and not self.applying, done
             k = max(1, min(self.cfg.quorum, len(live)))
             if len(rnd.contributions) < k:
                 return rnd, False, False
             if rnd.quorum_at is None:
                 rnd.quorum_at = time.monotonic()
-            return rnd, (live <= contributed or self.cfg.grace == "none"), True
+            ready = live <= contributed or self.cfg.grace == "none" or rnd.expired
+            # While the previous round's outer step is still being applied the open round keeps
+            # collecting (a busy Synchronizer batches pushes instead of queueing outer steps).
+            return rnd, ready and not self.applying, True
 
     def take_round(self, rnd: Round) -> bool:
         """Marks the round as closing and opens the way for the next; False if already taken."""
@@ -269,10 +281,9 @@ class FragmentState:
         update.add_(self.residual)
         header = codec.make_header(self.chain_codec, self.numel)
         encoded = codec.encode(update, self.chain_codec)
-        self.residual.copy_(update)
-        decoded = codec.decode(encoded, header, update)
-        self.residual.sub_(decoded)
-        self.params.copy_(old).add_(decoded)
+        decoded = codec.decode(encoded, header, self.params)  # params is rebuilt below from old
+        torch.sub(update, decoded, out=self.residual)
+        self.params.add_(old)  # == old + decoded, the same single add a learner applying the chain does
         self.chain.append((version, header, encoded))
         while len(self.chain) > self.cfg.update_history:
             self.chain.popleft()
@@ -377,7 +388,6 @@ class Rounds:
         self.goodput = goodput
         self.live = live
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="outer-step")
-        self.closed = threading.Condition()
 
     def check(self, frag: FragmentState) -> None:
         """Re-evaluates a fragment's open round: close it now, or arm its grace timer."""
@@ -388,12 +398,17 @@ class Rounds:
             self._close(frag, rnd)
         elif quorum and rnd.timer is None:
             wait = self.grace.seconds()
-            timer = threading.Timer(wait, self._close, args=(frag, rnd))
+            timer = threading.Timer(wait, self._expire, args=(frag, rnd))
             timer.daemon = True
             with frag.lock:
                 if rnd.timer is None and not rnd.closing:
                     rnd.timer = timer
                     timer.start()
+
+    def _expire(self, frag: FragmentState, rnd: Round) -> None:
+        with frag.lock:
+            rnd.expired = True
+        self.check(frag)
 
     def check_all(self) -> None:
         for frag in self.fragments:
@@ -406,7 +421,10 @@ class Rounds:
         if rnd.quorum_at is not None:
             self.grace.observe(quorum_time=rnd.quorum_at - rnd.opened_at)
         self.metrics.round_wait.observe(now - rnd.opened_at)
-        self.pool.submit(self._apply, frag, rnd)
+        try:
+            self.pool.submit(self._apply, frag, rnd)
+        except RuntimeError:  # shutting down: the final flush applies it in order instead
+            frag.apply(rnd)
 
     def _apply(self, frag: FragmentState, rnd: Round) -> None:
         try:
@@ -420,8 +438,7 @@ class Rounds:
         self.metrics.outer_steps.inc()
         self.goodput.merged([c.share for c in rnd.contributions])
         logger.debug("fragment %d -> version %d from %d contributions in %.4fs", frag.fid, frag.version, len(rnd.contributions), seconds)
-        with self.closed:
-            self.closed.notify_all()
+        self.check(frag)  # the next round may have filled up while this one was applied
 
     def flush(self) -> None:
         """Closes every open round that holds anything (shutdown: merge what was acknowledged)."""

@@ -365,12 +365,14 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
         return codec.Assembler(header)
 
     def _add_chunk(self, asm: codec.Assembler, chunk: pb.Chunk) -> None:
-        if chunk.offset + len(chunk.data) > asm.total_bytes:
-            raise Rejected(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "oversized",
-                f"chunk at offset {chunk.offset} of {len(chunk.data)} bytes runs past the payload's {asm.total_bytes} bytes",
-            )
+        if chunk.offset + chunk.ByteSize() > asm.total_bytes:  # ByteSize >= len(data), and copies nothing
+            size = len(chunk.data)
+            if chunk.offset + size > asm.total_bytes:
+                raise Rejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "oversized",
+                    f"chunk at offset {chunk.offset} of {size} bytes runs past the payload's {asm.total_bytes} bytes",
+                )
         try:
             asm.add(chunk)
         except codec.CodecError as e:
