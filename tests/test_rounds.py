@@ -175,3 +175,27 @@ def test_dynamic_local_updates_give_slow_learners_fewer_steps(make_server):
     assert fast.heartbeat(step_time_s=0.1).inner_steps == 100
     assert slow.heartbeat(step_time_s=0.3).inner_steps == 33
     assert fast.heartbeat(step_time_s=0.1).inner_steps == 100
+
+
+def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(make_server):
+    srv, clients, init = _setup(make_server, 1, quorum=1, grace="none", outer="sgd", outer_lr=1.0, token_weight="uniform")
+    frag = srv.service.fragments[0]
+    release, entered = threading.Event(), threading.Event()
+    step = frag.outer.step
+
+    def slow_step(params, grad):
+        entered.set()
+        release.wait(10)
+        step(params, grad)
+
+    frag.outer.step = slow_step
+    c = clients[0]
+    assert c.push(0, _vec(1)).round_version == 1
+    assert entered.wait(10)  # round 1's outer step is running
+    assert c.push(0, _vec(2), base=0).round_version == 2
+    assert c.push(0, _vec(3), base=0).round_version == 2  # joins the same open round
+    assert frag.version == 0 and frag.round is not None and len(frag.round.contributions) == 2
+    release.set()
+    version, served = c.pull(0, min_version=2, wait_s=10)
+    assert version == 2
+    torch.testing.assert_close(served, init - _vec(1) - (_vec(2) + _vec(3)) / 2)
