@@ -582,14 +582,18 @@ class Assembler:
     pass ``max_bytes`` wherever the header comes from the network.
     """
 
-    def __init__(self, header: pb.PayloadHeader, max_bytes: int | None = None) -> None:
+    def __init__(self, header: pb.PayloadHeader, max_bytes: int | None = None, buffer: torch.Tensor | None = None) -> None:
+        """``buffer``: a uint8 CPU tensor of ``total_bytes`` to fill instead of a fresh one
+        (receivers reuse buffers: fresh large allocations cost page faults on every push)."""
         self.total_bytes = int(header.total_bytes)
         if max_bytes is not None and self.total_bytes > max_bytes:
             raise CodecError(
                 f"payload of {self.total_bytes} bytes exceeds the limit of {max_bytes} bytes"
             )
         self.received = 0
-        self._buf = torch.empty(self.total_bytes, dtype=torch.uint8)
+        if buffer is not None and (buffer.dtype != torch.uint8 or buffer.numel() != self.total_bytes or buffer.device.type != "cpu" or not buffer.is_contiguous()):
+            raise CodecError(f"Assembler buffer must be a contiguous CPU uint8 tensor of {self.total_bytes} bytes")
+        self._buf = buffer if buffer is not None else torch.empty(self.total_bytes, dtype=torch.uint8)
 
     def add(self, chunk: pb.Chunk) -> None:
         data = chunk.data  # read the field once: each read of a bytes field copies it

@@ -138,7 +138,7 @@ class FragmentState:
         self.spare: Accumulator | None = None
         self.merged_buf = torch.empty(0)
         self.prev_buf = torch.empty(0)
-        self.scratch: list[torch.Tensor] = []  # decode buffers, reused across pushes
+        self.buffers: dict[int, list[torch.Tensor]] = {}  # push buffers by size (-1: FP32 decode)
         self.snapshots: dict[pb.Codec, tuple[int, pb.PayloadHeader, torch.Tensor]] = {}
         self.metrics.fragment_version.labels(str(self.fid)).set(0)
 
@@ -168,17 +168,24 @@ class FragmentState:
 
     # Pushes ----------------------------------------------------------------------------------
 
-    def take_scratch(self) -> torch.Tensor:
-        """An FP32 buffer of the fragment's size to decode one push into (give it back after)."""
+    def take_buffer(self, nbytes: int | None = None) -> torch.Tensor:
+        """A reusable buffer for one push: FP32 of the fragment's size (decoding), or uint8 of
+        `nbytes` (receiving). Fresh large allocations page-fault on every push; these do not."""
+        key = -1 if nbytes is None else nbytes
         with self.lock:
-            if self.scratch:
-                return self.scratch.pop()
-        return torch.empty(self.numel, dtype=torch.float32)
+            pool = self.buffers.get(key)
+            if pool:
+                return pool.pop()
+        if nbytes is None:
+            return torch.empty(self.numel, dtype=torch.float32)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
-    def give_scratch(self, buf: torch.Tensor) -> None:
+    def give_buffer(self, buf: torch.Tensor) -> None:
+        key = -1 if buf.dtype == torch.float32 else buf.numel()
         with self.lock:
-            if len(self.scratch) < 2:
-                self.scratch.append(buf)
+            pool = self.buffers.setdefault(key, [])
+            if len(pool) < 2:
+                pool.append(buf)
 
     def submit(self, learner_id: str, base_version: int, tokens: int, steps: int, compute_s: float, delta: torch.Tensor) -> tuple[Verdict, Round | None]:
         """Judges and accumulates one decoded push; returns the verdict and its round.
@@ -280,7 +287,7 @@ class FragmentState:
             self.residual = torch.zeros(self.numel)
         update.add_(self.residual)
         header = codec.make_header(self.chain_codec, self.numel)
-        encoded = codec.encode(update, self.chain_codec)
+        encoded = codec.encode(update, self.chain_codec)  # fresh: pulls may still be streaming old links
         decoded = codec.decode(encoded, header, self.params)  # params is rebuilt below from old
         torch.sub(update, decoded, out=self.residual)
         self.params.add_(old)  # == old + decoded, the same single add a learner applying the chain does

@@ -239,7 +239,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
                 if fid in got:
                     raise _invalid("bad_stream", f"fragment {fid} was sent twice")
                 header = msg.fragment.payload
-                asm = self._assembler(header, frag.numel, (pb.CODEC_FP32,))
+                self._validate_payload(header, frag.numel, (pb.CODEC_FP32,))
+                asm = codec.Assembler(header)
             elif kind == "chunk":
                 if asm is None:
                     raise _invalid("bad_stream", "a chunk arrived before its InitFragmentHeader")
@@ -316,15 +317,17 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
             for _ in request_iterator:  # drain: the client may still be streaming the repeat
                 pass
             return self._duplicate(seen)
-        asm = self._assembler(h.payload, frag.numel, PUSH_CODECS)
-        for msg in request_iterator:
-            if msg.WhichOneof("kind") != "chunk":
-                raise _invalid("bad_stream", "only chunks may follow the PushHeader")
-            self._add_chunk(asm, msg.chunk)
-        if not asm.complete:
-            raise _invalid("incomplete", f"stream ended after {asm.received} of {asm.total_bytes} bytes; nothing was applied")
-        scratch = frag.take_scratch()
+        self._validate_payload(h.payload, frag.numel, PUSH_CODECS)
+        received = frag.take_buffer(int(h.payload.total_bytes))
+        scratch = frag.take_buffer()
         try:
+            asm = codec.Assembler(h.payload, buffer=received)
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise _invalid("bad_stream", "only chunks may follow the PushHeader")
+                self._add_chunk(asm, msg.chunk)
+            if not asm.complete:
+                raise _invalid("incomplete", f"stream ended after {asm.received} of {asm.total_bytes} bytes; nothing was applied")
             delta = self._decode(asm, h.payload, scratch)
             self.metrics.bytes_in.labels(codec.codec_name(h.payload.codec)).inc(asm.total_bytes)
             with rec.push_lock:  # judging and recording a seq is atomic per learner
@@ -342,7 +345,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
                 )
                 self.registry.record_reply(rec, h.seq, reply)
         finally:
-            frag.give_scratch(scratch)
+            frag.give_buffer(received)
+            frag.give_buffer(scratch)
         self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
         if rnd is not None and self.rounds is not None:
             self.rounds.check(frag)
@@ -357,12 +361,11 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
         self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
         return reply
 
-    def _assembler(self, header: pb.PayloadHeader, numel: int, allowed: tuple[int, ...]) -> codec.Assembler:
+    def _validate_payload(self, header: pb.PayloadHeader, numel: int, allowed: tuple[int, ...]) -> None:
         try:
             codec.validate_header(header, numel, allowed)
         except codec.CodecError as e:
             raise _invalid("bad_payload_header", str(e)) from None
-        return codec.Assembler(header)
 
     def _add_chunk(self, asm: codec.Assembler, chunk: pb.Chunk) -> None:
         if chunk.offset + chunk.ByteSize() > asm.total_bytes:  # ByteSize >= len(data), and copies nothing
