@@ -313,6 +313,21 @@ class Learner:
         logger.debug("learner=%s fragment=%d version=%d merged (%s) at step %d",
                      self.engine.client.learner_id, p, a.version, "round" if a.job else "re-sync", self.clock.step)
 
+    def _merge_until(self, done: Callable[[], bool], deadline: float, merged: set[int]) -> bool:
+        """Merges arrivals as they come until `done()` or the monotonic deadline; True if done."""
+        assert self.engine is not None
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                arrival = self.engine.inbox.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                continue
+            self._merge(arrival)
+            merged.add(arrival.fragment)
+        return True
+
     def _wait_overlap(self) -> set[int]:
         """strict_overlap: waits for fragments pushed at least tau steps ago (bounded)."""
         assert self.engine is not None
@@ -321,19 +336,11 @@ class Learner:
         if not late:
             return merged
         t0 = time.perf_counter()
-        deadline = t0 + self.cfg.pull_wait_s + self.cfg.rpc_timeout_s
-        while any(p in self.strict_waits for p in late) and self.engine.healthy:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                logger.warning("learner=%s strict overlap: fragments %s not back in time, carrying on",
-                               self.engine.client.learner_id, [p for p in late if p in self.strict_waits])
-                break
-            try:
-                arrival = self.engine.inbox.get(timeout=min(left, 0.1))
-            except queue.Empty:
-                continue
-            self._merge(arrival)
-            merged.add(arrival.fragment)
+        deadline = time.monotonic() + self.cfg.pull_wait_s + self.cfg.rpc_timeout_s
+        engine = self.engine
+        if not self._merge_until(lambda: not engine.healthy or not any(p in self.strict_waits for p in late), deadline, merged):
+            logger.warning("learner=%s strict overlap: fragments %s not back in time, carrying on",
+                           engine.client.learner_id, [p for p in late if p in self.strict_waits])
         for p in late:
             self.strict_waits.pop(p, None)  # wait for a push at most once
         self.clock.blocked_s += time.perf_counter() - t0
@@ -366,22 +373,12 @@ class Learner:
         done, merged = True, set()
         if self.leader and self.engine is not None and not self.closed:
             deadline = time.monotonic() + (self.cfg.finish_timeout_s if timeout_s is None else timeout_s)
-            while True:
-                merged |= self._apply_arrivals()
-                if self.engine.in_flight() == 0:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    done = False
-                    logger.warning("learner=%s flush: %d syncs still in flight, giving up waiting",
-                                   self.engine.client.learner_id, self.engine.in_flight())
-                    break
-                try:
-                    arrival = self.engine.inbox.get(timeout=min(left, 0.1))
-                except queue.Empty:
-                    continue
-                self._merge(arrival)
-                merged.add(arrival.fragment)
+            engine = self.engine
+            merged |= self._apply_arrivals()
+            done = self._merge_until(lambda: engine.in_flight() == 0, deadline, merged)
+            if not done:
+                logger.warning("learner=%s flush: %d syncs still in flight, giving up waiting",
+                               engine.client.learner_id, engine.in_flight())
         if self.world > 1:
             self._broadcast(merged)
         return done
