@@ -1,0 +1,170 @@
+"""Convergence at equal tokens: M = 4 learners of the bundled example, DiLoCo variants against
+data parallel and against one learner alone, with the bytes each learner put on its link.
+
+Configurations, run one after another (each learner process on its own link, see bench/net.py;
+every one trains `steps` inner steps of the same batch, so tokens are equal):
+
+  dp              (a) gradients all-reduced every step (torch.distributed, gloo)
+  diloco_sync     (b) synchronous DiLoCo: quorum = every live learner, FP32, P = 1, each learner
+                      blocks one step after a push until the round is back (strict overlap)
+  decoupled_fp32  (c) Decoupled DiLoCo: quorum 1 + adaptive grace, token weights, FP32, P = 1
+  decoupled_int4  (c) the same with INT4 pushes (error feedback)
+  streaming_int4  (d) (c) INT4 with P = 4 streaming fragments
+  alone           (e) one learner, the same per-learner tokens, no syncing
+
+All DiLoCo runs share H = 100 (`--sync-every`), the mix merge (alpha 0.5), outer Nesterov
+(lr 1.0, momentum 0.9), anchoring at the current global fragment and INT8 delta pulls. The
+adaptive grace is sized by the Synchronizer's tau (`--overlap-steps`) = H, capped at 5 s: a
+learner needs fragment p back only before its next push of it, H steps later, so waiting half
+of that for more pushes to share the round is free. One round per fragment and cycle is what
+keeps each delta pull to one INT8 update (and the outer momentum to one step per cycle). These
+settings were picked by measuring (docs/performance.md has the sweep).
+
+Eval loss is the global model's (pulled from the Synchronizer after the last learner finished),
+data parallel's final model, or the lone learner's. Bytes per step: sent + received on the
+learner's link, mean over learners, in the steady state (between each learner's first and last
+progress line: the rate a long run pays) and over the whole run (join, first full pull of the
+model and final pull included).
+
+Headline, for the best Decoupled configuration (the lowest eval loss among (c) and (d) that
+reach 500x fewer bytes than data parallel, or the lowest eval loss if none does):
+`bandwidth_ratio` = (a)'s steady bytes per step over its; `loss_gap` = its eval loss over (a)'s,
+minus 1; `m1_gain` = (e)'s eval loss over its, minus 1.
+
+    python -m bench.convergence [--quick | --smoke] [--json PATH] [--steps S] [--sync-every H]
+        [--only dp,streaming_int4,...] [--set field=value ...] [--net auto|netns|proxy]
+Modes: --smoke a tiny model, 2 learners, 100 steps; --quick 300 steps (under 4 minutes here); full
+3000 steps (about 27 minutes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine, parser, table, write_json
+from bench.dp import DPJob
+from bench.jobs import SMOKE, Decoupled, DilocoJob, Workload, alone
+from bench.net import open_links
+from bench.plots import loss_curves, png_path
+
+TARGET_RATIO = 500
+DECOUPLED = Decoupled(name="decoupled_int4", quorum=1, grace="adaptive", sync_every=100, fragments=1, codec="int4")
+BEST = DECOUPLED.with_(name="streaming_int4", fragments=4)  # what wan and goodput run
+
+
+def configs(base: Decoupled) -> dict[str, Decoupled]:
+    return {
+        "diloco_sync": base.with_(name="diloco_sync", quorum=0, codec="fp32", strict_overlap=True),
+        "decoupled_fp32": base.with_(name="decoupled_fp32", codec="fp32"),
+        "decoupled_int4": base.with_(name="decoupled_int4"),
+        "streaming_int4": base.with_(name="streaming_int4", fragments=4),
+    }
+
+
+ORDER = ["dp", "diloco_sync", "decoupled_fp32", "decoupled_int4", "streaming_int4", "alone"]
+CANDIDATES = ("decoupled_fp32", "decoupled_int4", "streaming_int4")
+
+
+def parse_set(items: list[str], base: Decoupled) -> Decoupled:
+    """--set field=value over the Decoupled settings (typed like the field's default)."""
+    fields = {f.name: f for f in dataclasses.fields(Decoupled)}
+    changes: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields or key == "name":
+            raise SystemExit(f"--set {item!r}: expected field=value with field one of {sorted(set(fields) - {'name'})}")
+        default = getattr(base, key)
+        if isinstance(default, bool):
+            changes[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(default, list):
+            changes[key] = value.split()
+        else:
+            changes[key] = type(default)(value)
+    return base.with_(**changes)
+
+
+def headline(rows: dict[str, dict]) -> dict[str, Any]:
+    dp = rows.get("dp")
+
+    def per_step(r: dict) -> float | None:
+        return r.get("steady_bytes_per_step") or r.get("bytes_per_step")
+
+    for r in rows.values():
+        if dp and r is not dp and per_step(dp) and per_step(r):
+            r["dp_over_bytes"] = per_step(dp) / per_step(r)
+            r["dp_over_bytes_total"] = dp["bytes_per_step"] / r["bytes_per_step"] if r.get("bytes_per_step") else None
+        if dp and r is not dp:
+            r["gap_to_dp"] = r["eval_loss"] / dp["eval_loss"] - 1
+    candidates = [rows[n] for n in CANDIDATES if n in rows]
+    if not candidates:
+        return {}
+    eligible = [r for r in candidates if (r.get("dp_over_bytes") or 0) >= TARGET_RATIO] or candidates
+    best = min(eligible, key=lambda r: r["eval_loss"])
+    out: dict[str, Any] = {"best": best["name"], "best_config": best["config"]}
+    if dp:
+        out["bandwidth_ratio"] = best.get("dp_over_bytes")
+        out["bandwidth_ratio_total"] = best.get("dp_over_bytes_total")
+        out["loss_gap"] = best["eval_loss"] / dp["eval_loss"] - 1
+    if "alone" in rows:
+        out["m1_gain"] = rows["alone"]["eval_loss"] / best["eval_loss"] - 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, help="inner steps per learner")
+    p.add_argument("--sync-every", type=int, help="H for every DiLoCo configuration")
+    p.add_argument("--only", help=f"comma-separated subset of {','.join(ORDER)}")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a Decoupled setting for every DiLoCo configuration (e.g. alpha=0.7, grace=fixed)")
+    p.add_argument("--net", choices=("auto", "netns", "proxy"), default="auto", help="links: namespaces (root) or proxies")
+    p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
+    args = p.parse_args(argv)
+    if args.smoke:
+        w, base = dataclasses.replace(SMOKE), DECOUPLED.with_(sync_every=10)
+    else:
+        w, base = Workload(steps=300 if args.quick else 3000), DECOUPLED
+    if args.steps:
+        w.steps = args.steps
+    if args.sync_every:
+        base = base.with_(sync_every=args.sync_every)
+    base = parse_set(args.set, base)
+    names = args.only.split(",") if args.only else ORDER
+    unknown = set(names) - set(ORDER)
+    if unknown:
+        raise SystemExit(f"--only: unknown {sorted(unknown)}; choose from {ORDER}")
+    decoupled = configs(base)
+
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-convergence-") as tmp:
+        root = args.out or Path(tmp)
+        with open_links(args.net, w.learners) as links:
+            print(f"{w.learners} learners x {w.steps} steps, links: {links.kind}", flush=True)
+            for name in [n for n in ORDER if n in names]:
+                if name == "dp":
+                    rows[name] = DPJob(w, links, root / name, eval_every=max(1, w.steps // 10)).run()
+                elif name == "alone":
+                    rows[name] = alone(w, root / name)
+                else:
+                    rows[name] = DilocoJob(decoupled[name], w, links, root / name).run()
+                r = rows[name]
+                print(f"  {name:15s} eval loss {r['eval_loss']:.4f}  {r.get('steady_bytes_per_step') or 0:12,.0f} B/step  {r['wall_s']:6.1f} s", flush=True)
+    head = headline(rows)
+    print()
+    print(table(list(rows.values()), ["name", "eval_loss", "gap_to_dp", "steady_bytes_per_step", "bytes_per_step", "dp_over_bytes", "dp_over_bytes_total", "wall_s", "steps_per_s", "config"]))
+    print()
+    print("  ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in head.items()))
+    tokens_per_step = w.batch_size * w.context
+    loss_curves(list(rows.values()), png_path(args.json, ""), f"Equal tokens: {w.learners} learners x {w.steps} steps", tokens_per_step)
+    for r in rows.values():
+        r.pop("results", None)
+    result = {**head, "steps": w.steps, "learners": w.learners, "workload": dataclasses.asdict(w),
+              "decoupled": dataclasses.asdict(base), "runs": rows, "machine": machine()}
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

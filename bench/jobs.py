@@ -1,0 +1,413 @@
+"""Running one benchmark job: a Synchronizer and M learner processes (or M data-parallel ranks,
+see bench/dp.py) over `bench.net` links, and what every benchmark reads off a finished job.
+
+- `Workload`: the model, data and inner optimizer every configuration of a benchmark shares
+  (the bundled example's defaults, or a tiny one for `--smoke`), as `learner train` flags.
+- `Decoupled`: one Synchronizer-plus-learners configuration (quorum, grace, H, P, codec, merge).
+- `DilocoJob`: starts the Synchronizer (`python -m synchronizer serve`, bound where the links
+  say) and the learners (`python -m learner train`, each on its own link), lets a `tick` hook
+  inject faults, and collects per-learner results, bytes on the wire (whole run and steady state)
+  and the Synchronizer's metrics. `GlobalModel` pulls the served model into this process and
+  evaluates it (the final loss of a DiLoCo run is the global model's, not a learner's).
+- `alone`: one learner with the same per-learner tokens and no syncing.
+
+Every process runs in its own process group (`Procs`) and is ended when the job ends, however it
+ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.net import Links
+from learner.client import SyncClient
+from learner.fragments import FragmentPlan
+from learner.local import metric, read_json, scrape
+from learner.train import TrainOptions, build
+from protos import diloco_pb2 as pb
+
+
+@dataclass
+class Workload:
+    """What every run of a benchmark trains: the same model, data, schedule and tokens."""
+
+    learners: int = 4
+    steps: int = 1000
+    n_layer: int = 2
+    d_model: int = 64
+    n_head: int = 2
+    context: int = 128
+    batch_size: int = 16
+    max_bytes: int = 4 << 20
+    lr: float = 8e-3
+    warmup_steps: int = 50
+    eval_windows: int = 256
+    seed: int = 0
+    log_every: int = 10
+
+    def train_flags(self) -> list[str]:
+        return [
+            "--n-layer", str(self.n_layer), "--d-model", str(self.d_model), "--n-head", str(self.n_head),
+            "--context", str(self.context), "--batch-size", str(self.batch_size), "--max-bytes", str(self.max_bytes),
+            "--lr", str(self.lr), "--warmup-steps", str(self.warmup_steps), "--eval-windows", str(self.eval_windows),
+            "--seed", str(self.seed), "--log-every", str(self.log_every), "--threads", "1",
+        ]
+
+    def options(self, learner_index: int = 0, **overrides: Any) -> TrainOptions:
+        """The same settings as TrainOptions (for data-parallel ranks and the evaluator)."""
+        return TrainOptions(
+            steps=self.steps, n_layer=self.n_layer, d_model=self.d_model, n_head=self.n_head, block=self.context,
+            batch_size=self.batch_size, max_bytes=self.max_bytes, lr=self.lr, warmup_steps=self.warmup_steps,
+            eval_windows=self.eval_windows, seed=self.seed, log_every=self.log_every, sync=None,
+            learner_index=learner_index, learners=self.learners, threads=1, **overrides,
+        )
+
+
+# The smallest mode, for the test suite: a tiny model, 2 learners, about a second of training.
+# Not much less: learners start together by polling for each other (train.wait_for_learners
+# counts live learners), so a run shorter than a poll could finish and leave unseen.
+SMOKE = Workload(learners=2, steps=100, n_layer=1, d_model=32, n_head=2, context=32, batch_size=8,
+                 max_bytes=1 << 18, warmup_steps=5, eval_windows=32, log_every=5)
+
+
+@dataclass
+class Decoupled:
+    """One Synchronizer + learners configuration."""
+
+    name: str
+    quorum: int = 1                 # 0: every live learner (synchronous DiLoCo)
+    grace: str = "adaptive"
+    grace_max_s: float = 5.0
+    grace_tau: int = 0              # the Synchronizer's tau (--overlap-steps) sizing the adaptive
+                                    # grace; 0 = H: fragment p is needed back before its next push
+    sync_every: int = 100           # H
+    fragments: int = 1              # P
+    codec: str = "int4"
+    merge: str = "mix"
+    alpha: float = 0.5
+    strict_overlap: bool = False    # block tau steps after a push until the round is back
+    token_weight: str = "tokens2_per_step"
+    outer: str = "nesterov"
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.9
+    lease_s: float = 10.0
+    synchronizer_args: list[str] = field(default_factory=list)
+    train_args: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        k = "all" if self.quorum == 0 else str(self.quorum)
+        s = f"K={k} H={self.sync_every} P={self.fragments} {self.codec} {self.merge}"
+        if self.merge == "mix":
+            s += f" a={self.alpha:g}"
+        s += f" outer={self.outer}({self.outer_lr:g},{self.outer_momentum:g})"
+        if self.quorum:
+            s += f" grace={self.grace}" + (f"(tau={self.grace_tau or self.sync_every},max={self.grace_max_s:g}s)" if self.grace == "adaptive" else f"({self.grace_max_s:g}s)")
+        return s + (" strict" if self.strict_overlap else "")
+
+    def with_(self, **changes: Any) -> Decoupled:
+        return dataclasses.replace(self, **changes)
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def signal_group(proc: Any, sig: int) -> None:
+    """Signals the process group of proc (whatever it started goes too)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class JobError(RuntimeError):
+    """A benchmark job failed; the message names the log to read."""
+
+
+class Procs:
+    """The processes a job started, each in its own process group, logging to a file."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], log: Path) -> subprocess.Popen:
+        with open(log, "ab") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    @staticmethod
+    def kill(p: subprocess.Popen) -> None:
+        signal_group(p, signal.SIGCONT)  # a stopped process cannot die of SIGTERM; SIGKILL works anyway
+        signal_group(p, signal.SIGKILL)
+        p.wait()
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM to every group (the Synchronizer checkpoints and exits), then SIGKILL the rest."""
+        for p in self.procs:
+            if p.poll() is None:
+                signal_group(p, signal.SIGCONT)
+                signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            self.kill(p)
+
+
+def start_synchronizer(c: Decoupled, procs: Procs, out: Path, host: str = "127.0.0.1") -> tuple[Any, dict]:
+    """`python -m synchronizer serve` with c's settings on port 0; (process, ready-file info)."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    ready = out / "synchronizer.ready.json"
+    ready.unlink(missing_ok=True)
+    cmd = python(
+        "-m", "synchronizer", "serve", "--host", host, "--port", "0", "--metrics-port", "0",
+        "--state-dir", str(out / "state"), "--ready-file", str(ready), "--quorum", str(c.quorum),
+        "--grace", c.grace, "--grace-max-s", str(c.grace_max_s), "--overlap-steps", str(c.grace_tau or c.sync_every),
+        "--lease-s", str(c.lease_s), "--forget-after-s", str(max(10.0, 3 * c.lease_s)), "--goodput-window-s", "3600",
+        "--token-weight", c.token_weight, "--outer", c.outer, "--outer-lr", str(c.outer_lr),
+        "--outer-momentum", str(c.outer_momentum), "--checkpoint-interval-s", "0", "--shutdown-grace-s", "1",
+        "--log-level", "WARNING", *c.synchronizer_args,
+    )
+    proc = procs.start(cmd, out / "logs" / "synchronizer.log")
+    deadline = time.monotonic() + 60
+    while (info := read_json(ready)) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise JobError(f"the Synchronizer did not start; see {out / 'logs' / 'synchronizer.log'}")
+        time.sleep(0.05)
+    return proc, info
+
+
+def learner_cmd(c: Decoupled | None, w: Workload, index: int, out: Path, address: str = "", *, start_step: int = 0,
+                learner_id: str = "", wait_for: int = 0) -> list[str]:
+    """`python -m learner train` for learner `index` of the workload; c None: without syncing."""
+    cmd = python("-m", "learner", "train", "--learner-index", str(index), "--learners", str(w.learners),
+                 "--steps", str(w.steps), "--start-step", str(start_step), "--out", str(out), *w.train_flags())
+    if c is None:
+        return [*cmd, "--no-sync"]
+    cmd += ["--synchronizer", address, "--name", f"l{index}", "--sync-every", str(c.sync_every),
+            "--fragments", str(c.fragments), "--codec", c.codec, "--merge", c.merge, "--alpha", str(c.alpha),
+            "--retry-max-s", "2", *c.train_args]
+    if c.strict_overlap:
+        cmd += ["--strict-overlap"]
+    if wait_for:
+        cmd += ["--wait-for-learners", str(wait_for)]
+    if learner_id:
+        cmd += ["--learner-id", learner_id]
+    return cmd
+
+
+@dataclass
+class Incarnation:
+    """One learner process on a slot: a restarted learner has several."""
+
+    proc: Any
+    out: Path
+    start_step: int
+
+    def result(self) -> dict:
+        return read_json(self.out) or {}
+
+
+@dataclass
+class Slot:
+    index: int
+    runs: list[Incarnation] = field(default_factory=list)
+    down: bool = False  # killed on purpose and not restarted yet
+
+    @property
+    def proc(self) -> Any:
+        return self.runs[-1].proc if self.runs else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def finished(self) -> bool:
+        return bool(self.runs) and not self.down and self.proc.poll() == 0
+
+
+class DilocoJob:
+    """A Synchronizer and `workload.learners` learner processes, one per link."""
+
+    def __init__(self, cfg: Decoupled, workload: Workload, links: Links, out: Path) -> None:
+        self.cfg, self.workload, self.links, self.out = cfg, workload, links, out
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        self.children = Procs()
+        self.slots = [Slot(i) for i in range(workload.learners)]
+        self.address = ""
+        self.metrics_url = ""
+        self.sync_proc: Any = None
+
+    def start(self) -> None:
+        self.sync_proc, info = start_synchronizer(self.cfg, self.children, self.out, self.links.bind_host())
+        self.port = info["port"]
+        self.address = f"{self.links.bind_host()}:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{info['metrics_port']}/metrics"
+        for s in self.slots:
+            self.start_learner(s, wait_for=self.workload.learners)
+
+    def start_learner(self, slot: Slot, start_step: int = 0, learner_id: str = "", wait_for: int = 0) -> None:
+        out = self.out / f"learner-{slot.index}.run{len(slot.runs)}.json"
+        out.unlink(missing_ok=True)
+        cmd = learner_cmd(self.cfg, self.workload, slot.index, out, self.links.synchronizer_address(slot.index, self.port),
+                          start_step=start_step, learner_id=learner_id, wait_for=wait_for)
+        proc = self.children.start(self.links.wrap(slot.index, cmd), self.out / "logs" / f"learner-{slot.index}.log")
+        slot.runs.append(Incarnation(proc, out, start_step))
+        slot.down = False
+
+    def check(self) -> None:
+        if self.sync_proc.poll() is not None:
+            raise JobError(f"the Synchronizer exited with code {self.sync_proc.returncode}; see {self.out / 'logs' / 'synchronizer.log'}")
+        for s in self.slots:
+            if not s.down and s.proc is not None and s.proc.poll() not in (None, 0):
+                raise JobError(f"learner {s.index} exited with code {s.proc.returncode}; see {self.out / 'logs' / f'learner-{s.index}.log'}")
+
+    def run(self, tick: Callable[[DilocoJob], None] | None = None, timeout_s: float = 1800,
+            evaluator: GlobalModel | None = None, eval_every_s: float = 0.0) -> dict:
+        """Runs to the end; returns the summary. `tick` is called about 20 times a second."""
+        evals: list[dict] = []
+        try:
+            self.start()
+            self.links.start_sampling()
+            deadline = time.monotonic() + timeout_s
+            next_eval = time.time() + eval_every_s
+            while not all(s.finished() for s in self.slots):
+                time.sleep(0.05)
+                self.check()
+                if tick is not None:
+                    tick(self)
+                if time.monotonic() > deadline:
+                    raise JobError(f"{self.cfg.name} did not finish within {timeout_s:.0f} s")
+                if evaluator is not None and eval_every_s and time.time() >= next_eval and self.training_started():
+                    evals.append(evaluator.timed(self.address))
+                    next_eval = time.time() + eval_every_s
+            self.links.stop_sampling()
+            samples = scrape(self.metrics_url)
+            final = (evaluator or GlobalModel(self.workload, self.cfg.fragments)).timed(self.address)
+        finally:
+            self.links.stop_sampling()
+            self.children.stop_all()
+        return self.summarize(samples, final, evals)
+
+    def training_started(self) -> bool:
+        return all(s.runs and "started_at" in s.runs[0].result() for s in self.slots)
+
+    def summarize(self, samples: dict, final: dict, evals: list[dict]) -> dict:
+        results = [[r.result() for r in s.runs] for s in self.slots]
+        t_start = min(rs[0]["started_at"] for rs in results)
+        t_end = max(rs[-1]["series"][-1]["t"] for rs in results)
+        wire = wire_bytes(self.links, [rs[0] for rs in results] if all(len(rs) == 1 for rs in results) else None, self.workload.steps)
+        learner_counted = statistics.mean(sum(r.get("bytes_sent", 0) + r.get("bytes_received", 0) for r in rs) for rs in results)
+        return {
+            "name": self.cfg.name,
+            "config": self.cfg.describe(),
+            "eval_loss": final["eval_loss"],
+            "wall_s": t_end - t_start,
+            "steps": self.workload.steps,
+            "steps_per_s": statistics.mean(rs[-1].get("steps_per_s", 0.0) for rs in results),
+            **wire,
+            "learner_counted_bytes_per_step": learner_counted / self.workload.steps,
+            "outer_steps": metric(samples, "diloco_outer_steps_total"),
+            "synchronizer_goodput": metric(samples, "diloco_goodput_ratio"),
+            "merged_compute_s": metric(samples, "diloco_compute_seconds_total", bucket="merged"),
+            "capacity_s": metric(samples, "diloco_learner_capacity_seconds_total"),
+            "pushes": {dict(k).get("outcome", ""): v for k, v in samples.get("diloco_pushes_total", {}).items()},
+            "eval_series": [{"t": e["t"] - t_start, "eval_loss": e["eval_loss"]} for e in evals]
+                           + [{"t": t_end - t_start, "eval_loss": final["eval_loss"]}],
+            "t_start": t_start,
+            "results": results,
+        }
+
+
+def wire_bytes(links: Links, results: list[dict] | None, steps: int) -> dict:
+    """Bytes per inner step each learner sent plus received, mean over learners: over the whole
+    run (join, first full pull and final pull included) and in the steady state (between the
+    first and the last progress line of each learner, from the sampled link counters)."""
+    s = links.samples
+    if not s:
+        return {"wire": "none", "bytes_per_step": None, "steady_bytes_per_step": None}
+    first, last = s[0][1], s[-1][1]
+    total = [(last[i][0] - first[i][0]) + (last[i][1] - first[i][1]) for i in range(len(first))]
+    out: dict[str, Any] = {
+        "wire": links.kind,
+        "bytes_per_step": statistics.mean(total) / steps,
+        "sent_per_step": statistics.mean(last[i][0] - first[i][0] for i in range(len(first))) / steps,
+        "received_per_step": statistics.mean(last[i][1] - first[i][1] for i in range(len(first))) / steps,
+        "steady_bytes_per_step": None,
+    }
+    if results:
+        steady = []
+        for i, r in enumerate(results):
+            series = r.get("series") or []
+            if len(series) < 2:
+                continue
+            a, b = links.at(i, series[0]["t"]), links.at(i, series[-1]["t"])
+            if a is not None and b is not None:
+                steady.append((b[0] - a[0] + b[1] - a[1]) / (series[-1]["step"] - series[0]["step"]))
+        if steady:
+            out["steady_bytes_per_step"] = statistics.mean(steady)
+    return out
+
+
+class GlobalModel:
+    """The served global model, pulled into this process and evaluated on the held-out windows."""
+
+    _built: dict[str, tuple] = {}  # one model and evaluation set per workload, for every run
+
+    def __init__(self, workload: Workload, fragments: int) -> None:
+        torch.set_num_threads(1)
+        key = repr(workload)
+        if key not in self._built:
+            self._built[key] = build(workload.options(), torch.device("cpu"))
+        self.model, _, self.eval_fn = self._built[key]
+        self.plan = FragmentPlan(self.model, fragments)
+
+    def evaluate(self, address: str) -> float:
+        client = SyncClient(address, rpc_timeout_s=60)
+        try:
+            client.join("bench-eval", self.plan.spec)
+            for p in range(len(self.plan)):
+                _, _, flat = client.pull(p, numel=self.plan.numel(p))
+                self.plan.scatter(p, flat)
+            client.leave(pb.LearnerCounters())
+        finally:
+            client.close()
+        return self.eval_fn(self.model)
+
+    def timed(self, address: str) -> dict:
+        t = time.time()
+        return {"t": t, "eval_loss": self.evaluate(address), "eval_s": time.time() - t}
+
+
+def alone(workload: Workload, out: Path) -> dict:
+    """One learner, learner 0's shard, the same steps, no syncing: the M = 1 baseline."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    path = out / "alone.json"
+    procs = Procs()
+    try:
+        proc = procs.start(learner_cmd(None, workload, 0, path), out / "logs" / "alone.log")
+        if proc.wait() != 0:
+            raise JobError(f"the lone learner exited with code {proc.returncode}; see {out / 'logs' / 'alone.log'}")
+    finally:
+        procs.stop_all()
+    r = read_json(path) or {}
+    return {"name": "alone", "config": "M=1, no sync", "eval_loss": r["eval_loss_end"], "wall_s": r["train_s"],
+            "steps": workload.steps, "steps_per_s": r["steps_per_s"], "bytes_per_step": 0.0,
+            "steady_bytes_per_step": 0.0, "wire": "none", "results": [[r]],
+            "eval_series": [{"t": r["train_s"], "eval_loss": r["eval_loss_end"]}]}
+
+
