@@ -34,7 +34,7 @@ minus 1; `m1_gain` = (e)'s eval loss over its, minus 1.
     python -m bench.convergence [--quick | --smoke] [--json PATH] [--steps S] [--sync-every H]
         [--only dp,streaming_int4,...] [--set field=value ...] [--net auto|netns|proxy]
 Modes: --smoke a tiny model, 2 learners, 100 steps; --quick 300 steps (under 4 minutes here); full
-3000 steps (about 27 minutes).
+3000 steps (18 minutes in the recorded run; up to about 27 when the machine is busier).
 """
 
 from __future__ import annotations

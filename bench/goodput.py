@@ -44,8 +44,8 @@ would count against Decoupled (`--set fragments=4` measures it).
 Headline: `goodput` (Decoupled), `goodput_sync`, `goodput_lockstep`.
 
     python -m bench.goodput [--quick | --smoke] [--json PATH] [--seed N] [--steps S]
-Modes: --smoke a tiny model, 2 learners, 150 steps; --quick 400 steps (about 3.5 minutes here);
-full 2000 steps (about 12 minutes).
+Modes: --smoke a tiny model, 2 learners, 150 steps; --quick 400 steps (about 2 minutes here);
+full 2000 steps (about 8 minutes).
 """
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ def run_diloco(cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: 
             summary = job.run(tick=tick)
         finally:
             injector.close()
-    return {**summary, **diloco_goodput(cfg, w, job.slots, summary), "timeline": timeline, "events": injector.log}
+    return {**summary, **diloco_goodput(cfg, w, job.slots, summary), "timeline": timeline,
+            "timeline_source": "curve: the Synchronizer's gauge", "events": injector.log}
 
 
 def _t0(first_results: list[dict]) -> float | None:

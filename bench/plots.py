@@ -78,7 +78,8 @@ def goodput_timelines(runs: list[dict], path: Path | None, title: str) -> None:
     for i, r in enumerate(runs):
         tl = r.get("timeline") or []
         if tl:
-            ax.plot([p[0] for p in tl], [p[1] for p in tl], color=f"C{i}", label=f"{r['name']} (final {r['goodput']:.2f})")
+            source = f", {r['timeline_source']}" if r.get("timeline_source") else ""
+            ax.plot([p[0] for p in tl], [p[1] for p in tl], color=f"C{i}", label=f"{r['name']} (final {r['goodput']:.2f}{source})")
     for f in runs[0].get("faults", []) if runs else []:
         crash = f["kind"] == "crash"
         end = f["at_s"] + (f["restart_after_s"] if crash else f["duration_s"])
