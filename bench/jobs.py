@@ -18,10 +18,7 @@ ends.
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +31,7 @@ import torch
 from bench.net import Links
 from learner.client import SyncClient
 from learner.fragments import FragmentPlan
-from learner.local import metric, read_json, scrape
+from learner.local import Children, metric, read_json, scrape
 from learner.train import TrainOptions, build
 from protos import diloco_pb2 as pb
 
@@ -124,49 +121,14 @@ def python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
-def signal_group(proc: Any, sig: int) -> None:
-    """Signals the process group of proc (whatever it started goes too)."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+signal_group = Children.signal  # signals a process's whole group
 
 
 class JobError(RuntimeError):
     """A benchmark job failed; the message names the log to read."""
 
 
-class Procs:
-    """The processes a job started, each in its own process group, logging to a file."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, cmd: list[str], log: Path) -> subprocess.Popen:
-        with open(log, "ab") as f:
-            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    @staticmethod
-    def kill(p: subprocess.Popen) -> None:
-        signal_group(p, signal.SIGCONT)  # a stopped process cannot die of SIGTERM; SIGKILL works anyway
-        signal_group(p, signal.SIGKILL)
-        p.wait()
-
-    def stop_all(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM to every group (the Synchronizer checkpoints and exits), then SIGKILL the rest."""
-        for p in self.procs:
-            if p.poll() is None:
-                signal_group(p, signal.SIGCONT)
-                signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            self.kill(p)
+Procs = Children  # the launcher's process groups: started in their own session, ended together
 
 
 def start_synchronizer(c: Decoupled, procs: Procs, out: Path, host: str = "127.0.0.1") -> tuple[Any, dict]:

@@ -101,10 +101,17 @@ class Children:
         except ProcessLookupError:
             pass
 
+    @classmethod
+    def kill(cls, p: subprocess.Popen) -> None:
+        cls.signal(p, signal.SIGCONT)  # a stopped (SIGSTOP) group must run again to end
+        cls.signal(p, signal.SIGKILL)
+        p.wait()
+
     def stop_all(self, timeout_s: float = 10.0) -> None:
         """SIGTERM to every group (the Synchronizer checkpoints and exits), then SIGKILL the rest."""
         for p in self.procs:
             if p.poll() is None:
+                self.signal(p, signal.SIGCONT)
                 self.signal(p, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
@@ -112,8 +119,7 @@ class Children:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            self.signal(p, signal.SIGKILL)
-            p.wait()
+            self.kill(p)
 
 
 def start_synchronizer(o: LocalOptions, children: Children, state_dir: Path) -> tuple[subprocess.Popen, dict]:
