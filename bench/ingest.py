@@ -63,17 +63,20 @@ def client(address: str, mode: str, codec_id: int, params: int, fragments: int, 
     """One client process: pre-encodes a push per fragment, then streams them in a loop."""
     torch.set_num_threads(1)
     spec = model_spec(params, fragments)
-    payloads = []  # messages built once, as the raw baseline's bytes are: only headers change
+    # Messages are serialized once, as the raw baseline's bytes are: only the small push header
+    # is made per push, so both sides measure the receiving server, not the sending harness.
+    payloads = []
     for f in spec.fragments:
         buf = codec.encode(torch.randn(f.numel) * 1e-3, codec_id)
         chunks = list(codec.iter_chunks(buf))
-        payloads.append((f, codec.make_header(codec_id, f.numel), [c.data for c in chunks], [pb.PushRequest(chunk=c) for c in chunks]))
+        payloads.append((f, codec.make_header(codec_id, f.numel), [c.data for c in chunks], [pb.PushRequest(chunk=c).SerializeToString() for c in chunks]))
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     if mode == "raw":
         push = channel.stream_unary(SINK_METHOD)
         learner_id, seq = "", 0
     else:
         stub = pb_grpc.SynchronizerStub(channel)
+        push = channel.stream_unary("/diloco.v1.Synchronizer/PushFragment", response_deserializer=pb.PushReply.FromString)
         joined = stub.Join(pb.JoinRequest(learner_name="bench", spec=spec.to_proto()), timeout=60)
         learner_id, seq = joined.learner_id, joined.next_seq - 1
         versions = {v.fragment_id: v.version for v in joined.versions}
@@ -86,7 +89,7 @@ def client(address: str, mode: str, codec_id: int, params: int, fragments: int, 
             else:
                 seq += 1
                 h = pb.PushHeader(learner_id=learner_id, seq=seq, spec_hash=spec.spec_hash, fragment_id=f.fragment_id, base_version=versions[f.fragment_id], tokens=1000, steps=10, compute_s=1.0, payload=header)
-                reply = stub.PushFragment(iter([pb.PushRequest(header=h), *chunk_msgs]), timeout=120)
+                reply = push(iter([pb.PushRequest(header=h).SerializeToString(), *chunk_msgs]), timeout=120)
                 versions[f.fragment_id] = reply.current_version
             sent += header.total_bytes
     results.put((sent, time.perf_counter() - t0))
@@ -131,10 +134,15 @@ def measure_ingest(params: int, fragments: int, clients: int, codec_name: str, s
         sink.stop(0)
     with tempfile.TemporaryDirectory() as state:
         cfg = SynchronizerConfig(port=0, metrics_port=-1, state_dir=Path(state), quorum=quorum, grace="none", anchor="base", max_staleness=1_000_000, token_weight="uniform", checkpoint_interval_s=0, max_concurrent_streams=64, shutdown_grace_s=1)
-        with serving(cfg, Metrics()) as srv:
-            init_synchronizer(srv.address, params, fragments)
-            got = run_clients(srv.address, "sync", codec_id, params, fragments, clients, seconds)
-            steps = sum(f.version for f in srv.service.fragments)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.compute_threads)  # as `diloco-synchronizer serve` does
+        try:
+            with serving(cfg, Metrics()) as srv:
+                init_synchronizer(srv.address, params, fragments)
+                got = run_clients(srv.address, "sync", codec_id, params, fragments, clients, seconds)
+                steps = sum(f.version for f in srv.service.fragments)
+        finally:
+            torch.set_num_threads(threads)
     bytes_per_param = codec.encoded_nbytes(codec_id, params) / params
     return {
         "codec": codec_name,

@@ -398,11 +398,18 @@ def _encode_run(
     # A zero scale (all-zero block, or absmax below the scale format's range) must not divide:
     # dividing by 1 instead leaves values so small that they round to code 0.
     divisor = torch.where(scales > 0, scales, 1.0).unsqueeze(1)
+    # With FP32 scales |v| / (absmax / qmax) exceeds qmax by at most rounding, so round() stays
+    # in range; a rounded-down FP16 scale can push it past, hence the clamp there only.
+    clamp = scale_dtype == pb.SCALE_FP16
     if codec == pb.CODEC_INT8:
-        torch.div(v, divisor, out=w).round_().clamp_(-127, 127)
+        torch.div(v, divisor, out=w).round_()
+        if clamp:
+            w.clamp_(-127, 127)
         codes.view(torch.int8).copy_(w.view(-1))
     elif codec == pb.CODEC_INT4:
-        torch.div(v, divisor, out=w).round_().clamp_(-7, 7)
+        torch.div(v, divisor, out=w).round_()
+        if clamp:
+            w.clamp_(-7, 7)
         pairs = w.view(-1, 2)
         packed = work.i32[: nb * bs // 2].view(torch.float32)
         torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=packed)  # lo + 16 * hi
@@ -479,17 +486,7 @@ def _decode_blockwise(
 ) -> None:
     n, dev = out.numel(), out.device
     code_bytes = _code_bytes(codec, n)
-    scale_type = torch.float32 if scale_dtype == pb.SCALE_FP32 else torch.float16
-    scales = _aligned(buf[code_bytes:], scale_type).float()
-    # Checked on the (small) scales: scale * max|code| finite guarantees that every decoded
-    # value is finite, so the output itself need not be scanned (but see int8's -128 below).
-    bad = ~torch.isfinite(scales * _MAX_CODE[codec]) | (scales < 0)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise CodecError(
-            f"block {i} has scale {float(scales[i])}: scales must be finite, >= 0 and small "
-            "enough that scale * code stays finite"
-        )
+    scales = _checked_scales(buf, codec, n, scale_dtype)
     codes_per_byte = 1 if codec == pb.CODEC_INT8 else 2
     full = (n // bs) * bs
     run = max(1, _RUN_ELEMS // bs) * bs
@@ -522,6 +519,106 @@ def _decode_blockwise(
             raise CodecError("int8 payload decodes to Inf: code -128 with a scale near float32 max")
 
 
+def _checked_scales(buf: torch.Tensor, codec: int, n: int, scale_dtype: int) -> torch.Tensor:
+    """The payload's block scales as FP32; ``CodecError`` unless every decoded value is finite.
+
+    Checked on the (small) scales: scale * max|code| finite guarantees that every decoded value
+    is finite, so the values themselves need not be scanned (but see int8's -128 in decode).
+    """
+    scale_type = torch.float32 if scale_dtype == pb.SCALE_FP32 else torch.float16
+    scales = _aligned(buf[_code_bytes(codec, n) :], scale_type).float()
+    bad = ~torch.isfinite(scales * _MAX_CODE[codec]) | (scales < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise CodecError(
+            f"block {i} has scale {float(scales[i])}: scales must be finite, >= 0 and small "
+            "enough that scale * code stays finite"
+        )
+    return scales
+
+
+@torch.no_grad()
+def check(buf: torch.Tensor, header: pb.PayloadHeader) -> None:
+    """Validate a received payload as ``decode`` would, without decoding it.
+
+    Raises ``CodecError`` exactly when ``decode`` would. It reads only the scales of a quantized
+    payload (one read pass over FP32/BF16 values), so a receiver can accept a push at once and
+    decode it later (``values``) knowing that the decode will succeed.
+    """
+    validate_header(header, expected_numel=int(header.numel))
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != header.total_bytes:
+        raise CodecError(
+            f"payload buffer must be 1-D uint8 of {header.total_bytes} bytes, got {buf.dtype} "
+            f"of shape {tuple(buf.shape)}"
+        )
+    codec, n = header.codec, int(header.numel)
+    if n == 0:
+        return
+    if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
+        dtype = torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16
+        if not _all_finite(_aligned(buf.contiguous(), dtype)):
+            raise CodecError(f"{codec_name(codec)} payload contains NaN or Inf")
+        return
+    scales = _checked_scales(buf, codec, n, header.scale_dtype)
+    if codec == pb.CODEC_INT8 and not bool(torch.isfinite(scales * 128.0).all()):
+        decode(buf, header, torch.empty(n, dtype=torch.float32, device=buf.device))  # rare: scans
+
+
+@torch.no_grad()
+def accumulate(
+    buf: torch.Tensor,
+    header: pb.PayloadHeader,
+    out: torch.Tensor,
+    weight: float,
+    overwrite: bool = False,
+    scratch: torch.Tensor | None = None,
+) -> None:
+    """``out += weight * decode(buf)`` (``out = ...`` with ``overwrite``), for a payload that
+    passed ``check``: one pass over ``out`` for FP32, BF16 and whole-block INT8/INT4 payloads
+    (the weight is folded into the block scales), through ``scratch`` (FP32, numel) otherwise.
+    """
+    codec, n = header.codec, int(header.numel)
+    if out.dtype != torch.float32 or out.shape != (n,) or not out.is_contiguous():
+        raise CodecError(f"out must be a contiguous 1-D float32 tensor of {n} elements")
+    if n == 0:
+        return
+    bs = int(header.block_size)
+    whole = codec in (pb.CODEC_INT8, pb.CODEC_INT4) and n % bs == 0 and (codec == pb.CODEC_INT8 or (bs * (n // bs) // 2) % 4 == 0)
+    if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
+        vals = _aligned(buf.contiguous(), torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16)
+    elif whole and buf.data_ptr() % 4 == 0:
+        # Not in place: FP32 scales are a view of the payload, which must stay as received.
+        scales = (_checked_scales(buf, codec, n, header.scale_dtype) * weight).unsqueeze(1)
+        per_byte = 1 if codec == pb.CODEC_INT8 else 2
+        run = max(1, _RUN_ELEMS // bs) * bs
+        for start in range(0, n, run):
+            stop = min(start + run, n)
+            codes = buf[start // per_byte : stop // per_byte]
+            q = codes.view(torch.int8) if codec == pb.CODEC_INT8 else _int4_values(codes)
+            o, sc = out[start:stop].view(-1, bs), scales[start // bs : stop // bs]
+            if overwrite:
+                torch.mul(q.view(o.shape), sc, out=o)
+            else:
+                o.addcmul_(q.view(o.shape), sc)
+        return
+    else:
+        if scratch is None:
+            scratch = torch.empty(n, dtype=torch.float32, device=out.device)
+        vals = decode(buf, header, scratch)
+    if overwrite:
+        torch.mul(vals, weight, out=out)
+    else:
+        out.add_(vals, alpha=weight)
+
+
+def values(buf: torch.Tensor, header: pb.PayloadHeader, scratch: torch.Tensor) -> torch.Tensor:
+    """The payload's values as flat FP32: an FP32 payload's own bytes when they are aligned (no
+    copy: valid while ``buf`` is), otherwise decoded into ``scratch`` (as ``decode``)."""
+    if header.codec == pb.CODEC_FP32 and header.numel > 0 and buf.is_contiguous() and buf.data_ptr() % 4 == 0 and buf.numel() == header.numel * 4:
+        return buf.view(torch.float32)
+    return decode(buf, header, scratch)
+
+
 def _decode_run(
     codes: torch.Tensor, codec: int, scales: torch.Tensor, out: torch.Tensor, idx: torch.Tensor
 ) -> None:
@@ -529,10 +626,35 @@ def _decode_run(
     if codec == pb.CODEC_INT8:
         torch.mul(codes.view(torch.int8).view(out.shape), scales.unsqueeze(1), out=out)
         return
+    if codec == pb.CODEC_INT4 and codes.numel() % 4 == 0 and codes.data_ptr() % 4 == 0:
+        torch.mul(_int4_values(codes).view(out.shape), scales.unsqueeze(1), out=out)
+        return
     # 4-bit: each byte indexes a 256 x 2 table of the (low, high) code values.
     idx = idx[: codes.numel()].copy_(codes)
     torch.index_select(_pair_table(codec, out.device), 0, idx, out=out.view(-1, 2))
     out.mul_(scales.unsqueeze(1))
+
+
+_SPREAD = ((16, 0x0000FFFF0000FFFF), (8, 0x00FF00FF00FF00FF), (4, 0x0F0F0F0F0F0F0F0F))
+_PLUS_120 = 0x7878787878787878
+_TOP_BITS = 0x8080808080808080 - (1 << 64)  # as a signed int64
+
+
+def _int4_values(codes: torch.Tensor) -> torch.Tensor:
+    """INT4 code values (int8, two per byte, low nibble first) of ``codes`` (4-byte aligned,
+    a multiple of 4 bytes): the table lookup's results, from whole-word integer operations.
+
+    Each 32-bit word of 8 nibbles is spread to 64 bits, one nibble per byte (shift, or, mask
+    three times). Byte b in 0..15 becomes b - 8 as int8 without carries between bytes:
+    (b + 120) ^ 0x80. Nibble 0 (never encoded) decodes to -7, as in the table.
+    """
+    x = codes.view(torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)
+    shifted = torch.empty_like(x)
+    for shift, mask in _SPREAD:
+        torch.bitwise_left_shift(x, shift, out=shifted)
+        x.bitwise_or_(shifted).bitwise_and_(mask)
+    x.add_(_PLUS_120).bitwise_xor_(_TOP_BITS)
+    return x.view(torch.int8).clamp_(min=-7)
 
 
 @functools.lru_cache(maxsize=16)
@@ -596,24 +718,32 @@ class Assembler:
         self._buf = buffer if buffer is not None else torch.empty(self.total_bytes, dtype=torch.uint8)
 
     def add(self, chunk: pb.Chunk) -> None:
-        data = chunk.data  # read the field once: each read of a bytes field copies it
-        n = len(data)
+        self.add_data(chunk.offset, chunk.data)  # read the field once: each read copies it
+
+    def add_data(self, offset: int, data: bytes, start: int = 0, size: int | None = None) -> None:
+        """The bytes of one chunk at ``offset`` (``add`` without the message): ``data``, or its
+        ``size`` bytes from ``start`` (copied from there, not sliced first)."""
+        n = len(data) - start if size is None else size
+        if start < 0 or n < 0 or start + n > len(data):
+            raise CodecError(f"{n} bytes from {start} are not within a chunk of {len(data)} bytes")
         if n == 0:
-            raise CodecError(f"empty chunk at offset {chunk.offset}")
-        if chunk.offset != self.received:
+            raise CodecError(f"empty chunk at offset {offset}")
+        if offset != self.received:
             raise CodecError(
-                f"chunk at offset {chunk.offset} arrived, expected offset {self.received}: "
+                f"chunk at offset {offset} arrived, expected offset {self.received}: "
                 "chunks must arrive in order"
             )
         if self.received + n > self.total_bytes:
             raise CodecError(
-                f"chunk of {n} bytes at offset {chunk.offset} overflows the payload of "
+                f"chunk of {n} bytes at offset {offset} overflows the payload of "
                 f"{self.total_bytes} bytes"
             )
         # The one copy: from the message's bytes straight into the preallocated buffer, in bounds
         # as checked above (as fast as torch.frombuffer + slice assignment, without its warning
         # about read-only buffers).
-        ctypes.memmove(self._buf.data_ptr() + self.received, data, n)
+        src = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value  # data's own buffer
+        assert src is not None
+        ctypes.memmove(self._buf.data_ptr() + self.received, src + start, n)
         self.received += n
 
     @property

@@ -57,7 +57,8 @@ class SynchronizerConfig(BaseModel):
     max_message_bytes: int = Field(8 << 20, ge=1 << 16, description="Largest single gRPC message accepted or sent")
     max_concurrent_streams: int = Field(64, ge=1, description="Push and pull streams served at once; more get RESOURCE_EXHAUSTED")
     max_workers: int = Field(32, ge=2, description="gRPC worker threads")
-    apply_threads: int = Field(2, ge=1, description="Threads that merge rounds and apply outer steps (fragments in parallel)")
+    apply_threads: int = Field(1, ge=1, description="Threads that decode pushes, merge rounds and apply outer steps; more apply fragments in parallel on machines with cores to spare, and take CPU from receiving pushes on small ones")
+    compute_threads: int = Field(1, ge=1, description="Torch threads for decoding and outer steps; memory-bound work gains little from more, which the gRPC threads need")
 
     # Durability
     checkpoint_interval_s: float = Field(60.0, ge=0, description="Seconds between periodic checkpoints; 0 checkpoints only on shutdown")

@@ -14,6 +14,12 @@ at once when every live learner has contributed, otherwise after the grace windo
 fragment's previous outer step is still being applied its open round keeps collecting instead
 of closing, so a busy Synchronizer batches pushes rather than queueing outer steps (and holds
 at most two round buffers per fragment).
+
+A push is acknowledged once its bytes are received and validated (`codec.check`): the round
+holds the encoded payload and the outer step's worker decodes it into the accumulator, weight
+folded into the block scales (`codec.accumulate`). Held payloads are bounded by a budget of two
+FP32 copies of the fragment; past it a push is decoded on arrival, after the ones held before
+it, so the sums are taken in arrival order either way.
 """
 
 from __future__ import annotations
@@ -95,6 +101,9 @@ class Round:
     timer: threading.Timer | None = None
     expired: bool = False  # the grace window ran out
     closing: bool = False
+    # Accepted pushes not yet added to `acc`: (payload bytes, header, weight), already validated.
+    # The outer-step worker decodes and adds them, so acknowledging a push costs no decode.
+    deferred: list[tuple[torch.Tensor, pb.PayloadHeader, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -139,6 +148,11 @@ class FragmentState:
         self.merged_buf = torch.empty(0)
         self.prev_buf = torch.empty(0)
         self.buffers: dict[int, list[torch.Tensor]] = {}  # push buffers by size (-1: FP32 decode)
+        # Payload bytes held by rounds for decoding at the outer step; beyond the budget (two
+        # FP32 copies of the fragment) pushes are decoded on arrival instead, bounding memory.
+        self.deferred_bytes = 0
+        self.defer_budget = 2 * 4 * spec.numel
+        self.drain_buf = torch.empty(0)  # decode scratch for draining an open round, under `lock`
         self.snapshots: dict[pb.Codec, tuple[int, pb.PayloadHeader, torch.Tensor]] = {}
         self.metrics.fragment_version.labels(str(self.fid)).set(0)
 
@@ -184,15 +198,41 @@ class FragmentState:
         key = -1 if buf.dtype == torch.float32 else buf.numel()
         with self.lock:
             pool = self.buffers.setdefault(key, [])
-            if len(pool) < 2:
+            if len(pool) < 4:
                 pool.append(buf)
 
-    def submit(self, learner_id: str, base_version: int, tokens: int, steps: int, compute_s: float, delta: torch.Tensor) -> tuple[Verdict, Round | None]:
-        """Judges and accumulates one decoded push; returns the verdict and its round.
+    def reserve(self, nbytes: int) -> bool:
+        """Claims room to hold a payload of `nbytes` until the outer step (False: decode it now)."""
+        with self.lock:
+            if self.deferred_bytes + nbytes > self.defer_budget:
+                return False
+            self.deferred_bytes += nbytes
+            return True
 
-        The caller has validated the base version (not ahead of `version`) and the delta
-        (finite, right size). Holds only the round lock, for one weighted add.
+    def release(self, nbytes: int) -> None:
+        with self.lock:
+            self.deferred_bytes -= nbytes
+
+    def submit(
+        self,
+        learner_id: str,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        compute_s: float,
+        delta: torch.Tensor | None = None,
+        payload: tuple[torch.Tensor, pb.PayloadHeader] | None = None,
+    ) -> tuple[Verdict, Round | None]:
+        """Judges one push and adds it to the open round; returns the verdict and its round.
+
+        Give either the decoded `delta` (added now, under the round lock) or the `payload`
+        (bytes and header, `reserve`d by the caller): an accepted payload belongs to the round,
+        whose outer step decodes and adds it. The caller has validated the base version (not
+        ahead of `version`) and the values (`codec.check`: finite, right size).
         """
+        if (delta is None) == (payload is None):
+            raise ValueError("submit takes exactly one of delta and payload")
+        spent: list[torch.Tensor] = []
         share = Share(tokens * self.share, compute_s * self.share)
         with self.lock:
             start = self.round.start_version if self.round is not None else self.pending_version
@@ -207,10 +247,30 @@ class FragmentState:
             if self.round is None:
                 self.round = Round(start, self._new_accumulator())
             rnd = self.round
-            rnd.acc.add(delta, weight)
+            if delta is not None:
+                spent = self._add_deferred_locked(rnd)  # first, to keep arrival order
+                rnd.acc.add(delta, weight)
+            else:
+                assert payload is not None
+                rnd.deferred.append((payload[0], payload[1], weight))
             rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
             self.goodput.accepted(learner_id, share)
-            return Verdict(pb.PUSH_ACCEPTED, start + 1, self.version, staleness, weight), rnd
+            verdict = Verdict(pb.PUSH_ACCEPTED, start + 1, self.version, staleness, weight)
+        for buf in spent:
+            self.give_buffer(buf)
+        return verdict, rnd
+
+    def _add_deferred_locked(self, rnd: Round) -> list[torch.Tensor]:
+        """Adds an open round's deferred pushes now, in arrival order; returns their buffers for
+        the pool. Caller holds `lock` (which also guards `drain_buf`)."""
+        spent = [buf for buf, _, _ in rnd.deferred]
+        for buf, header, weight in rnd.deferred:
+            if self.drain_buf.numel() != self.numel:
+                self.drain_buf = torch.empty(self.numel)
+            rnd.acc.add_payload(buf, header, weight, self.drain_buf)
+        rnd.deferred.clear()
+        self.deferred_bytes -= sum(buf.numel() for buf in spent)
+        return spent
 
     def closability(self, live: set[str]) -> tuple[Round | None, bool, bool]:
         """(open round, close it now, quorum reached), judged together under the round lock."""
@@ -246,12 +306,31 @@ class FragmentState:
 
     # Outer step ------------------------------------------------------------------------------
 
+    def _add_deferred(self, rnd: Round) -> None:
+        """Decodes the round's deferred pushes into its accumulator (outside the locks: a taken
+        round belongs to its outer step alone)."""
+        if not rnd.deferred:
+            return
+        scratch = self.take_buffer()
+        held = sum(buf.numel() for buf, _, _ in rnd.deferred)
+        try:
+            for buf, header, weight in rnd.deferred:
+                rnd.acc.add_payload(buf, header, weight, scratch)
+                self.give_buffer(buf)
+        finally:
+            self.give_buffer(scratch)
+            rnd.deferred.clear()
+            self.release(held)
+
     def apply(self, rnd: Round) -> float:
         """Merges a taken round and applies the outer step, in version order; returns seconds."""
+        t_decode = time.perf_counter()
+        self._add_deferred(rnd)
+        t_decode = time.perf_counter() - t_decode
         with self.cv:
             while self.version != rnd.start_version:
                 self.cv.wait()
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() - t_decode
             assert self.params is not None
             if self.merged_buf.numel() != self.numel:
                 self.merged_buf = torch.empty(self.numel, dtype=torch.float32)
@@ -276,21 +355,23 @@ class FragmentState:
         return seconds
 
     def _step_through_chain(self, merged: torch.Tensor, version: int) -> None:
-        """Outer step, then canonical params = old + decode(encode(update + residual))."""
+        """Outer step through the update chain: canonical params += decode(encode(update + residual)).
+
+        The outer optimizer's update f * d is folded into the residual in one pass, so the
+        parameters are written once, by the same single add a learner applying the chain does.
+        """
         assert self.params is not None
-        old = self.prev_buf = self.prev_buf if self.prev_buf.numel() == self.numel else torch.empty(self.numel)
-        old.copy_(self.params)
-        self.outer.step(self.params, merged)
-        update = merged  # the merged delta is no longer needed: reuse its buffer
-        torch.sub(self.params, old, out=update)
         if self.residual is None:
             self.residual = torch.zeros(self.numel)
-        update.add_(self.residual)
+        factor = self.outer.direction(merged)
+        update = torch.add(self.residual, merged, alpha=factor, out=merged)  # merged is scratch now
         header = codec.make_header(self.chain_codec, self.numel)
         encoded = codec.encode(update, self.chain_codec)  # fresh: pulls may still be streaming old links
-        decoded = codec.decode(encoded, header, self.params)  # params is rebuilt below from old
+        if self.prev_buf.numel() != self.numel:
+            self.prev_buf = torch.empty(self.numel)
+        decoded = codec.values(encoded, header, self.prev_buf)
         torch.sub(update, decoded, out=self.residual)
-        self.params.add_(old)  # == old + decoded, the same single add a learner applying the chain does
+        self.params.add_(decoded)
         self.chain.append((version, header, encoded))
         while len(self.chain) > self.cfg.update_history:
             self.chain.popleft()

@@ -14,6 +14,9 @@ import math
 
 import torch
 
+from protos import codec
+from protos import diloco_pb2 as pb
+
 TOKEN_WEIGHTS = ("uniform", "tokens", "tokens2_per_step")
 STALENESS_FACTORS = ("none", "poly", "hinge", "exp")
 
@@ -108,7 +111,8 @@ class Accumulator:
         self.segments = segments
         self.mean_segments = mean_segments
         self._radial_segments = [i for i in range(len(segments)) if i not in mean_segments]
-        self._sum = torch.zeros(numel, dtype=torch.float32, device=device)  # S, or U per segment
+        self._sum = torch.empty(numel, dtype=torch.float32, device=device)  # S, or U per segment
+        self._fresh = True  # _sum holds nothing yet: the first add writes it (no zeroing pass)
         self._norm_sums = [0.0] * len(segments)  # R per segment (radial mode only)
         self._total_weight = 0.0
         self._count = 0
@@ -125,7 +129,7 @@ class Accumulator:
 
     def reset(self) -> None:
         """Empty the sums for the next round, keeping the buffer."""
-        self._sum.zero_()
+        self._fresh = True
         self._norm_sums = [0.0] * len(self.segments)
         self._total_weight = 0.0
         self._count = 0
@@ -137,8 +141,13 @@ class Accumulator:
         if weight == 0.0:
             return
         if not self.radial:
-            self._sum.add_(delta, alpha=weight)
+            if self._fresh:
+                torch.mul(delta, weight, out=self._sum)
+                self._fresh = False
+            else:
+                self._sum.add_(delta, alpha=weight)
         else:
+            self._materialize()
             norms = _segment_norms(delta, [self.segments[i] for i in self._radial_segments])
             for i, norm in zip(self._radial_segments, norms, strict=True):
                 if norm > 0.0:
@@ -148,6 +157,22 @@ class Accumulator:
             for i in self.mean_segments:
                 start, end = self.segments[i]
                 self._sum[start:end].add_(delta[start:end], alpha=weight)
+        self._total_weight += weight
+        self._count += 1
+
+    def add_payload(self, buf: torch.Tensor, header: pb.PayloadHeader, weight: float, scratch: torch.Tensor) -> None:
+        """`add` of an encoded contribution that passed `codec.check`: decoded and weighted in
+        one pass in mean mode (`codec.accumulate`), through `scratch` in radial mode."""
+        if self.radial:
+            self.add(codec.decode(buf, header, scratch), weight)
+            return
+        weight = _check_weight("weight", weight)
+        if int(header.numel) != self.numel:
+            raise ValueError(f"payload must have {self.numel} elements, got {header.numel}")
+        if weight == 0.0:
+            return
+        codec.accumulate(buf, header, self._sum, weight, overwrite=self._fresh, scratch=scratch)
+        self._fresh = False
         self._total_weight += weight
         self._count += 1
 
@@ -162,6 +187,7 @@ class Accumulator:
             raise NotImplementedError("add_tensor_weighted is only defined in mean mode")
         weight_sum = _check_weight("weight_sum", weight_sum)
         self._check_vector("vec", vec)
+        self._materialize()
         self._sum.add_(vec)
         self._total_weight += weight_sum
 
@@ -173,6 +199,7 @@ class Accumulator:
             raise ValueError("cannot merge a round whose total weight is 0")
         if not self.radial:
             return torch.div(self._sum, total, out=out)
+        self._materialize()
         radial = self._radial_segments
         direction_norms = _segment_norms(self._sum, [self.segments[i] for i in radial])
         for i, direction_norm in zip(radial, direction_norms, strict=True):
@@ -186,6 +213,11 @@ class Accumulator:
             start, end = self.segments[i]
             torch.div(self._sum[start:end], total, out=out[start:end])
         return out
+
+    def _materialize(self) -> None:
+        if self._fresh:
+            self._sum.zero_()
+            self._fresh = False
 
     def _check_vector(self, name: str, t: torch.Tensor) -> None:
         if t.dtype != torch.float32:

@@ -58,8 +58,23 @@ class OuterOptimizer(ABC):
         self.lr = _check_lr(lr)
         self.device = torch.device(device)
 
+    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+        """params <- params + factor * direction, with `grad` (scratch) turned into the direction."""
+        if params.dtype != torch.float32:
+            raise TypeError(f"params must be float32, got {params.dtype}")
+        if params.shape != (self.numel,):
+            raise ValueError(f"params must be flat with {self.numel} elements, got {tuple(params.shape)}")
+        self._check_grad(grad)  # before direction() changes any state
+        params.add_(grad, alpha=self.direction(grad))
+
     @abstractmethod
-    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None: ...
+    def direction(self, grad: torch.Tensor) -> float:
+        """Advance the state by one pseudo-gradient `grad` and turn `grad` in place into the step's
+        direction d; returns the factor f of the update f * d (params_new = params + f * d).
+
+        Split from `step` so that a caller can fold f into its own pass over d (the update chain
+        adds f * d to its error-feedback residual in one pass).
+        """
 
     @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]: ...
@@ -70,14 +85,11 @@ class OuterOptimizer(ABC):
     def _zeros(self) -> torch.Tensor:
         return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
-    def _check_step_args(self, params: torch.Tensor, grad: torch.Tensor) -> None:
-        for name, t in (("params", params), ("grad", grad)):
-            if t.dtype != torch.float32:
-                raise TypeError(f"{name} must be float32, got {t.dtype}")
-            if t.shape != (self.numel,):
-                raise ValueError(
-                    f"{name} must be flat with {self.numel} elements, got {tuple(t.shape)}"
-                )
+    def _check_grad(self, grad: torch.Tensor) -> None:
+        if grad.dtype != torch.float32:
+            raise TypeError(f"grad must be float32, got {grad.dtype}")
+        if grad.shape != (self.numel,):
+            raise ValueError(f"grad must be flat with {self.numel} elements, got {tuple(grad.shape)}")
 
     @staticmethod
     def _load_into(state: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
@@ -102,9 +114,9 @@ class OuterOptimizer(ABC):
 class SGD(OuterOptimizer):
     """Plain outer SGD: params -= lr * g. No state."""
 
-    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
-        self._check_step_args(params, grad)
-        params.add_(grad, alpha=-self.lr)
+    def direction(self, grad: torch.Tensor) -> float:
+        self._check_grad(grad)
+        return -self.lr
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -130,11 +142,11 @@ class Nesterov(OuterOptimizer):
         self.momentum = _check_range("momentum", momentum, 0.0, 1.0, high_open=True)
         self.momentum_buffer = self._zeros()
 
-    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
-        self._check_step_args(params, grad)
+    def direction(self, grad: torch.Tensor) -> float:
+        self._check_grad(grad)
         self.momentum_buffer.mul_(self.momentum).add_(grad)
         grad.add_(self.momentum_buffer, alpha=self.momentum)
-        params.add_(grad, alpha=-self.lr)
+        return -self.lr
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"momentum_buffer": self.momentum_buffer}
@@ -188,8 +200,8 @@ class DelayedNesterov(OuterOptimizer):
         self.grad_buffer = self._zeros()  # Delta: sum of the g since the last m update
         self.steps = 0  # t: arrivals so far
 
-    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
-        self._check_step_args(params, grad)
+    def direction(self, grad: torch.Tensor) -> float:
+        self._check_grad(grad)
         n, beta, c = self.delay, self.momentum, self.momentum_activation
         self.grad_buffer.add_(grad)
         self.steps += 1
@@ -203,7 +215,7 @@ class DelayedNesterov(OuterOptimizer):
         # are exactly Nesterov's operations, and `grad` is the scratch the contract allows.
         if momentum_coeff != 0.0:
             grad.add_(self.momentum_buffer, alpha=momentum_coeff * n)
-        params.add_(grad, alpha=-self.lr / n)
+        return -self.lr / n
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {

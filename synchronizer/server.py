@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
+from synchronizer import wire
 from synchronizer.config import SynchronizerConfig
 from synchronizer.metrics import Metrics
 from synchronizer.service import SynchronizerService
@@ -107,6 +109,31 @@ def _credentials(cfg: SynchronizerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
+class _Handlers:
+    """Stands in for the server to catch the generated code's method handlers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.handlers = dict(handlers)
+
+
+def _add_service(service: SynchronizerService, server: grpc.Server) -> None:
+    """The generated registration, with PushFragment's chunks read without copies (`wire`)."""
+    caught = _Handlers()
+    pb_grpc.add_SynchronizerServicer_to_server(service, caught)  # type: ignore[arg-type]
+    handlers = caught.handlers
+    handlers["PushFragment"] = grpc.stream_unary_rpc_method_handler(
+        service.PushFragment, request_deserializer=wire.parse_push_request, response_serializer=pb.PushReply.SerializeToString
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningServer:
     """Starts the service; raises OSError if a port cannot be bound."""
     metrics = metrics or Metrics()
@@ -122,7 +149,7 @@ def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningSer
             ("grpc.max_concurrent_streams", cfg.max_concurrent_streams * 2),
         ],
     )
-    pb_grpc.add_SynchronizerServicer_to_server(service, server)
+    _add_service(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -166,7 +193,9 @@ def serving(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> Iterator
 
 
 def serve(cfg: SynchronizerConfig, on_ready: Callable[[RunningServer], None] | None = None) -> None:
-    """Runs until SIGTERM or SIGINT, then shuts down cleanly."""
+    """Runs until SIGTERM or SIGINT, then shuts down cleanly. Owns the process: sets its signal
+    handlers and torch's thread count (`compute_threads`)."""
+    torch.set_num_threads(cfg.compute_threads)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

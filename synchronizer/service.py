@@ -26,7 +26,7 @@ from protos import codec
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.spec import ModelSpec
-from synchronizer import checkpoint
+from synchronizer import checkpoint, wire
 from synchronizer.config import SynchronizerConfig
 from synchronizer.fragments import FragmentState, GraceWindow, Rounds
 from synchronizer.goodput import Goodput, Share
@@ -278,7 +278,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
             self.grace.observe(step_time=step_time_s)
 
     @_rpc("PushFragment")
-    def PushFragment(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> pb.PushReply:
+    def PushFragment(self, request_iterator: Iterator[pb.PushRequest | wire.RawChunk], context: grpc.ServicerContext) -> pb.PushReply:
         if not self.streams.acquire(blocking=False):
             raise Rejected(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -290,7 +290,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
         finally:
             self.streams.release()
 
-    def _push(self, request_iterator: Iterator[pb.PushRequest]) -> pb.PushReply:
+    def _push(self, request_iterator: Iterator[pb.PushRequest | wire.RawChunk]) -> pb.PushReply:
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "header":
             raise _invalid("bad_stream", "PushFragment must start with a PushHeader")
@@ -318,8 +318,10 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
                 pass
             return self._duplicate(seen)
         self._validate_payload(h.payload, frag.numel, PUSH_CODECS)
-        received = frag.take_buffer(int(h.payload.total_bytes))
-        scratch = frag.take_buffer()
+        nbytes = int(h.payload.total_bytes)
+        received = frag.take_buffer(nbytes)
+        scratch: torch.Tensor | None = None
+        reserved = kept = False
         try:
             asm = codec.Assembler(h.payload, buffer=received)
             for msg in request_iterator:
@@ -328,13 +330,24 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
                 self._add_chunk(asm, msg.chunk)
             if not asm.complete:
                 raise _invalid("incomplete", f"stream ended after {asm.received} of {asm.total_bytes} bytes; nothing was applied")
-            delta = self._decode(asm, h.payload, scratch)
+            # Validated now, decoded by the outer step: the reply need not wait for the decode.
+            # Past the memory budget for held payloads it is decoded here instead.
+            reserved = frag.reserve(nbytes)
+            header = pb.PayloadHeader()
+            header.CopyFrom(h.payload)
+            if reserved:
+                self._check_values(asm, header)
+                delta, payload = None, (received, header)
+            else:
+                scratch = frag.take_buffer()
+                delta, payload = self._decode(asm, header, scratch), None
             self.metrics.bytes_in.labels(codec.codec_name(h.payload.codec)).inc(asm.total_bytes)
             with rec.push_lock:  # judging and recording a seq is atomic per learner
                 seen = self.registry.seen_reply(rec, h.seq)  # a concurrent retry may have won the race
                 if seen is not None:
                     return self._duplicate(seen)
-                verdict, rnd = frag.submit(rec.learner_id, h.base_version, h.tokens, h.steps, h.compute_s, delta)
+                verdict, rnd = frag.submit(rec.learner_id, h.base_version, h.tokens, h.steps, h.compute_s, delta=delta, payload=payload)
+                kept = reserved and verdict.outcome == pb.PUSH_ACCEPTED  # the round owns it now
                 reply = pb.PushReply(
                     outcome=verdict.outcome,
                     round_version=verdict.round_version,
@@ -345,8 +358,12 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
                 )
                 self.registry.record_reply(rec, h.seq, reply)
         finally:
-            frag.give_buffer(received)
-            frag.give_buffer(scratch)
+            if not kept:
+                frag.give_buffer(received)
+                if reserved:
+                    frag.release(nbytes)
+            if scratch is not None:
+                frag.give_buffer(scratch)
         self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
         if rnd is not None and self.rounds is not None:
             self.rounds.check(frag)
@@ -367,19 +384,28 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
         except codec.CodecError as e:
             raise _invalid("bad_payload_header", str(e)) from None
 
-    def _add_chunk(self, asm: codec.Assembler, chunk: pb.Chunk) -> None:
-        if chunk.offset + chunk.ByteSize() > asm.total_bytes:  # ByteSize >= len(data), and copies nothing
-            size = len(chunk.data)
-            if chunk.offset + size > asm.total_bytes:
-                raise Rejected(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "oversized",
-                    f"chunk at offset {chunk.offset} of {size} bytes runs past the payload's {asm.total_bytes} bytes",
-                )
+    def _add_chunk(self, asm: codec.Assembler, chunk: pb.Chunk | wire.RawChunk) -> None:
+        if isinstance(chunk, wire.RawChunk):  # bytes as received, not copied into a message
+            offset, data, start, size = chunk.offset, chunk.source, chunk.start, chunk.size
+        else:  # read the bytes field once: each read copies it (so would ByteSize())
+            offset, data, start = chunk.offset, chunk.data, 0
+            size = len(data)
+        if offset + size > asm.total_bytes:
+            raise Rejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "oversized",
+                f"chunk at offset {offset} of {size} bytes runs past the payload's {asm.total_bytes} bytes",
+            )
         try:
-            asm.add(chunk)
+            asm.add_data(offset, data, start, size)
         except codec.CodecError as e:
             raise _invalid("bad_chunk", str(e)) from None
+
+    def _check_values(self, asm: codec.Assembler, header: pb.PayloadHeader) -> None:
+        try:
+            codec.check(asm.finish(), header)
+        except codec.CodecError as e:
+            raise _invalid("bad_values", f"payload rejected: {e}") from None
 
     def _decode(self, asm: codec.Assembler, header: pb.PayloadHeader, out: torch.Tensor) -> torch.Tensor:
         try:

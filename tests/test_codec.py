@@ -540,3 +540,89 @@ def test_cuda_encode_rejects_nan():
     x[999] = float("nan")
     with pytest.raises(C.CodecError, match="NaN or Inf"):
         C.encode(x, INT4)
+
+
+# ---------------------------------------------------------------------------------------------
+# check, accumulate and the word-wise INT4 decode
+
+
+def _bad_payloads() -> list[tuple[str, torch.Tensor, pb.PayloadHeader]]:
+    """Payloads that decode rejects, one of each kind."""
+    cases = []
+    for codec in (FP32, BF16):
+        buf = C.encode(gaussian(10), codec)
+        buf.view(torch.float32 if codec == FP32 else torch.bfloat16)[4] = float("nan")
+        cases.append((C.codec_name(codec) + "-nan", buf, C.make_header(codec, 10)))
+    for codec in BLOCKWISE:
+        buf = C.encode(gaussian(512), codec)
+        scales = buf[C.encoded_nbytes(codec, 512) - 8 :].view(torch.float32)
+        scales[1] = float("inf")
+        cases.append((C.codec_name(codec) + "-inf-scale", buf, C.make_header(codec, 512)))
+    buf = C.encode(torch.full((512,), 3.4e38), INT8)  # 127 * scale fits, 128 * scale does not
+    buf[300] = 128
+    cases.append(("int8-minus-128-overflow", buf, C.make_header(INT8, 512)))
+    return cases
+
+
+@pytest.mark.parametrize("name,buf,header", _bad_payloads(), ids=lambda v: v if isinstance(v, str) else "")
+def test_check_rejects_exactly_what_decode_rejects(name, buf, header):
+    with pytest.raises(C.CodecError):
+        C.decode(buf, header, torch.empty(header.numel))
+    with pytest.raises(C.CodecError):
+        C.check(buf, header)
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("n", [1, 300, 4096])
+def test_check_accepts_what_decode_accepts(codec, n):
+    buf = C.encode(gaussian(n), codec)
+    C.check(buf, C.make_header(codec, n))
+    with pytest.raises(C.CodecError, match="bytes"):
+        C.check(buf[:-1], C.make_header(codec, n))
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("n", [7, 512, 256 * 4099 + 100, 1 << 21])
+def test_accumulate_adds_weight_times_the_decoded_values(codec, n):
+    x = gaussian(n)
+    buf, header = C.encode(x, codec), C.make_header(codec, n)
+    received = buf.clone()
+    decoded = C.decode(buf, header, torch.empty(n)).double()
+    base = gaussian(n, seed=1)
+    out = base.clone()
+    C.accumulate(buf, header, out, 0.375)
+    torch.testing.assert_close(out.double(), base.double() + 0.375 * decoded, rtol=1e-6, atol=1e-6)
+    C.accumulate(buf, header, out, 2.0, overwrite=True, scratch=torch.empty(n))
+    torch.testing.assert_close(out.double(), 2.0 * decoded, rtol=1e-6, atol=1e-7)
+    assert torch.equal(buf, received)  # the weight is folded into copies of the scales
+
+
+def test_accumulate_rejects_an_output_of_the_wrong_size():
+    buf = C.encode(gaussian(10), INT8)
+    with pytest.raises(C.CodecError, match="10 elements"):
+        C.accumulate(buf, C.make_header(INT8, 10), torch.empty(11), 1.0)
+
+
+def test_int4_word_wise_decode_matches_the_table_for_every_byte():
+    # Every byte value, as whole aligned words (the word-wise path) and at an odd offset (the
+    # table path), must give the same values.
+    n = 512
+    codes = torch.arange(256, dtype=torch.uint8)
+    buf = torch.cat([codes, torch.ones(2, dtype=torch.float32).view(torch.uint8)])
+    header = C.make_header(INT4, n)
+    fast = C.decode(buf, header, torch.empty(n))
+    table = C._pair_table(INT4, torch.device("cpu"))[codes.long()].reshape(-1)
+    assert torch.equal(fast, table)
+    shifted = torch.empty(buf.numel() + 1, dtype=torch.uint8)
+    shifted[1:] = buf
+    assert torch.equal(C.decode(shifted[1:], header, torch.empty(n)), table)
+
+
+def test_values_is_the_payload_itself_for_fp32_and_a_decode_otherwise():
+    x = gaussian(100)
+    buf = C.encode(x, FP32)
+    v = C.values(buf, C.make_header(FP32, 100), torch.empty(100))
+    assert v.data_ptr() == buf.data_ptr() and torch.equal(v, x)
+    buf8 = C.encode(x, INT8)
+    scratch = torch.empty(100)
+    assert C.values(buf8, C.make_header(INT8, 100), scratch) is scratch

@@ -168,3 +168,28 @@ def test_step_rejects_wrong_dtype_or_length() -> None:
         opt.step(torch.zeros(NUMEL), torch.zeros(NUMEL, dtype=torch.float64))
     with pytest.raises(ValueError, match="params must be flat"):
         opt.step(torch.zeros(NUMEL - 1), torch.zeros(NUMEL))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "nesterov", "delayed_nesterov"])
+def test_direction_and_factor_are_the_step(kind: str) -> None:
+    # step(params, g) == params + factor * direction(g), with the same state afterwards.
+    stepped, split = make_outer(kind, NUMEL, delay=2), make_outer(kind, NUMEL, delay=2)
+    p1 = torch.linspace(-1, 1, NUMEL)
+    p2 = p1.clone()
+    for i in range(5):
+        g = torch.randn(NUMEL, generator=torch.Generator().manual_seed(i))
+        stepped.step(p1, g.clone())
+        d = g.clone()
+        factor = split.direction(d)
+        p2.add_(d, alpha=factor)
+        assert torch.equal(p1, p2)
+    for key, value in stepped.state_dict().items():
+        assert torch.equal(value, split.state_dict()[key])
+
+
+def test_step_with_bad_params_changes_no_state() -> None:
+    opt = make_outer("nesterov", NUMEL)
+    before = opt.state_dict()["momentum_buffer"].clone()
+    with pytest.raises(ValueError, match="params must be flat"):
+        opt.step(torch.zeros(NUMEL - 1), torch.ones(NUMEL))
+    assert torch.equal(opt.state_dict()["momentum_buffer"], before)

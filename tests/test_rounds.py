@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from protos import codec
 from protos import diloco_pb2 as pb
 from tests.helpers import Client, small_spec
 
@@ -199,3 +200,32 @@ def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(ma
     version, served = c.pull(0, min_version=2, wait_s=10)
     assert version == 2
     torch.testing.assert_close(served, init - _vec(1) - (_vec(2) + _vec(3)) / 2)
+
+
+@pytest.mark.parametrize("codec_id", [pb.CODEC_FP32, pb.CODEC_INT8], ids=["fp32", "int8"])
+def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_alike(make_server, codec_id):
+    # Accepted pushes are held encoded until the outer step, within a budget of two FP32 copies
+    # of the fragment; past it they are decoded on arrival (FP32: from the third push on).
+    # Either way the round merges the same weighted mean, every held byte is given back, and a
+    # duplicate or stale push holds nothing.
+    learners = 6
+    srv, clients, init = _setup(make_server, learners, quorum=0, grace="none", outer="sgd", outer_lr=1.0, token_weight="tokens", max_staleness=0)
+    frag = srv.service.fragments[0]
+    deltas = [_vec(100 + i) for i in range(learners)]
+    decoded = []
+    for i, (c, d) in enumerate(zip(clients, deltas, strict=True)):
+        reply = c.push(0, d, codec_id=codec_id, tokens=100 * (i + 1))
+        assert reply.outcome == pb.PUSH_ACCEPTED
+        decoded.append(codec.decode(codec.encode(d, codec_id), codec.make_header(codec_id, N), torch.empty(N)))
+        if i == 0:
+            assert frag.deferred_bytes > 0  # held, not decoded
+            dup = c.push(0, d, codec_id=codec_id, seq=c.seq)
+            assert dup.outcome == pb.PUSH_DUPLICATE
+    version, served = clients[0].pull(0, min_version=1, wait_s=10)
+    assert version == 1
+    weights = [100.0 * (i + 1) for i in range(learners)]
+    mean = sum(w * d for w, d in zip(weights, decoded, strict=True)) / sum(weights)
+    torch.testing.assert_close(served, init - mean)
+    stale = clients[1].push(0, deltas[1], codec_id=codec_id, base=0)
+    assert stale.outcome == pb.PUSH_DROPPED_STALE
+    assert frag.deferred_bytes == 0
