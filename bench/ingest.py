@@ -14,10 +14,12 @@ Full mode: 100M parameters, 1/4/8 clients, FP32/BF16/INT8/INT4 (about 10 minutes
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,8 @@ from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer.config import SynchronizerConfig
+from synchronizer.fragments import FragmentState
+from synchronizer.goodput import Goodput
 from synchronizer.merge import Accumulator
 from synchronizer.metrics import Metrics
 from synchronizer.outer import make_outer
@@ -125,6 +129,17 @@ def init_synchronizer(address: str, params: int, fragments: int) -> None:
     stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id), timeout=60)
 
 
+@contextlib.contextmanager
+def service_threads() -> Iterator[None]:
+    """Torch's thread count as `diloco-synchronizer serve` sets it (`compute_threads`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SynchronizerConfig().compute_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure_ingest(params: int, fragments: int, clients: int, codec_name: str, seconds: float, quorum: int) -> dict[str, Any]:
     codec_id = codec.parse_codec(codec_name)
     sink, sink_address = start_sink()
@@ -134,15 +149,10 @@ def measure_ingest(params: int, fragments: int, clients: int, codec_name: str, s
         sink.stop(0)
     with tempfile.TemporaryDirectory() as state:
         cfg = SynchronizerConfig(port=0, metrics_port=-1, state_dir=Path(state), quorum=quorum, grace="none", anchor="base", max_staleness=1_000_000, token_weight="uniform", checkpoint_interval_s=0, max_concurrent_streams=64, shutdown_grace_s=1)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(cfg.compute_threads)  # as `diloco-synchronizer serve` does
-        try:
-            with serving(cfg, Metrics()) as srv:
-                init_synchronizer(srv.address, params, fragments)
-                got = run_clients(srv.address, "sync", codec_id, params, fragments, clients, seconds)
-                steps = sum(f.version for f in srv.service.fragments)
-        finally:
-            torch.set_num_threads(threads)
+        with service_threads(), serving(cfg, Metrics()) as srv:
+            init_synchronizer(srv.address, params, fragments)
+            got = run_clients(srv.address, "sync", codec_id, params, fragments, clients, seconds)
+            steps = sum(f.version for f in srv.service.fragments)
     bytes_per_param = codec.encoded_nbytes(codec_id, params) / params
     return {
         "codec": codec_name,
@@ -156,7 +166,12 @@ def measure_ingest(params: int, fragments: int, clients: int, codec_name: str, s
 
 
 def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
-    """Decode one INT8 push + weighted merge + Nesterov, against one plain add_ pass."""
+    """The outer step as the Synchronizer runs it, against one plain add_ pass over the tensors.
+
+    apply = an INT8 push decoded into the round's accumulator (weight folded into the scales)
+    + weighted merge + Nesterov; `with_chain_s` is the whole `FragmentState.apply` of a one-push
+    round with the default INT8 update chain that delta pulls are served from.
+    """
     g = torch.Generator().manual_seed(0)
     params = torch.randn(numel, generator=g)
     delta = torch.randn(numel, generator=g) * 1e-3
@@ -165,24 +180,35 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
     scratch, merged = torch.empty(numel), torch.empty(numel)
     acc = Accumulator(numel)
     outer = make_outer("nesterov", numel)
-    plain, apply, parts = [], [], {"decode": [], "merge": [], "nesterov": []}
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        params.add_(delta)
-        plain.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        codec.decode(payload, header, scratch)
-        t1 = time.perf_counter()
-        acc.reset()
-        acc.add(scratch, 2.0)
-        acc.merged(merged)
-        t2 = time.perf_counter()
-        outer.step(params, merged)
-        t3 = time.perf_counter()
-        apply.append(t3 - t0)
-        parts["decode"].append(t1 - t0)
-        parts["merge"].append(t2 - t1)
-        parts["nesterov"].append(t3 - t2)
+    with tempfile.TemporaryDirectory() as state:
+        cfg = SynchronizerConfig(state_dir=Path(state), anchor="base", token_weight="uniform")
+        metrics = Metrics()
+        spec = plan_fragments([TensorInfo("w", (numel,))], 1).fragments[0]
+        frag = FragmentState(spec, cfg, metrics, Goodput(metrics, cfg.goodput_window_s), numel)
+        frag.initialize(params)
+    plain, apply, chain, parts = [], [], [], {"decode": [], "merge": [], "nesterov": []}
+    with service_threads():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            params.add_(delta)
+            plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            acc.reset()
+            acc.add_payload(payload, header, 2.0, scratch)
+            t1 = time.perf_counter()
+            acc.merged(merged)
+            t2 = time.perf_counter()
+            outer.step(params, merged)
+            t3 = time.perf_counter()
+            apply.append(t3 - t0)
+            parts["decode"].append(t1 - t0)
+            parts["merge"].append(t2 - t1)
+            parts["nesterov"].append(t3 - t2)
+            assert frag.reserve(payload.numel())
+            frag.submit("bench", frag.version, 1000, 10, 1.0, payload=(payload.clone(), header))
+            rnd = frag.round
+            assert rnd is not None and frag.take_round(rnd)
+            chain.append(frag.apply(rnd))
     plain_s, apply_s = statistics.median(plain), statistics.median(apply)
     return {
         "numel": numel,
@@ -191,6 +217,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
         "apply_GBps_fp32": numel * 4 / apply_s / 1e9,
         "plain_GBps_fp32": numel * 4 / plain_s / 1e9,
         "apply_ratio": plain_s / apply_s,
+        "with_chain_s": statistics.median(chain),
         **{f"{k}_s": statistics.median(v) for k, v in parts.items()},
     }
 
@@ -217,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table(rows, ["codec", "clients", "raw_MBps", "sync_MBps", "ratio", "params_per_s", "outer_steps"]))
     applied = measure_apply(params)
     print()
-    print(table([applied], ["numel", "plain_add_s", "apply_s", "decode_s", "merge_s", "nesterov_s", "apply_GBps_fp32", "apply_ratio"]))
+    print(table([applied], ["numel", "plain_add_s", "apply_s", "decode_s", "merge_s", "nesterov_s", "apply_GBps_fp32", "apply_ratio", "with_chain_s"]))
     result = {
         "ingest_ratio": min(r["ratio"] for r in rows),
         "ingest_ratio_median": statistics.median(r["ratio"] for r in rows),

@@ -292,7 +292,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
 
     def _push(self, request_iterator: Iterator[pb.PushRequest | wire.RawChunk]) -> pb.PushReply:
         first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "header":
+        if not isinstance(first, pb.PushRequest) or first.WhichOneof("kind") != "header":
             raise _invalid("bad_stream", "PushFragment must start with a PushHeader")
         h = first.header
         rec = self.registry.alive(h.learner_id)
