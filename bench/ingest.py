@@ -205,7 +205,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
             parts["merge"].append(t2 - t1)
             parts["nesterov"].append(t3 - t2)
             assert frag.reserve(payload.numel())
-            frag.submit("bench", frag.version, 1000, 10, 1.0, payload=(payload.clone(), header))
+            frag.submit("bench", frag.version, 1000, 10, 1.0, (payload.clone(), header), hold=True)
             rnd = frag.round
             assert rnd is not None and frag.take_round(rnd)
             chain.append(frag.apply(rnd))

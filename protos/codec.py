@@ -583,16 +583,18 @@ def accumulate(
     if n == 0:
         return
     bs = int(header.block_size)
-    whole = codec in (pb.CODEC_INT8, pb.CODEC_INT4) and n % bs == 0 and (codec == pb.CODEC_INT8 or (bs * (n // bs) // 2) % 4 == 0)
+    per_byte = 1 if codec == pb.CODEC_INT8 else 2
+    full = (n // bs) * bs if codec in (pb.CODEC_INT8, pb.CODEC_INT4) else 0
+    words = codec == pb.CODEC_INT8 or (bs % 8 == 0 and buf.data_ptr() % 4 == 0)
     if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
         vals = _aligned(buf.contiguous(), torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16)
-    elif whole and buf.data_ptr() % 4 == 0:
+    elif full > 0 and words:
+        raw_scales = _checked_scales(buf, codec, n, header.scale_dtype)
         # Not in place: FP32 scales are a view of the payload, which must stay as received.
-        scales = (_checked_scales(buf, codec, n, header.scale_dtype) * weight).unsqueeze(1)
-        per_byte = 1 if codec == pb.CODEC_INT8 else 2
+        scales = (raw_scales * weight).unsqueeze(1)
         run = max(1, _RUN_ELEMS // bs) * bs
-        for start in range(0, n, run):
-            stop = min(start + run, n)
+        for start in range(0, full, run):
+            stop = min(start + run, full)
             codes = buf[start // per_byte : stop // per_byte]
             q = codes.view(torch.int8) if codec == pb.CODEC_INT8 else _int4_values(codes)
             o, sc = out[start:stop].view(-1, bs), scales[start // bs : stop // bs]
@@ -600,6 +602,17 @@ def accumulate(
                 torch.mul(q.view(o.shape), sc, out=o)
             else:
                 o.addcmul_(q.view(o.shape), sc)
+        if full < n:  # the partial last block, decoded alone through a zero-padded copy
+            code_bytes = _code_bytes(codec, n)
+            tail_codes = torch.zeros(bs // per_byte, dtype=torch.uint8, device=buf.device)
+            tail_codes[: code_bytes - full // per_byte] = buf[full // per_byte : code_bytes]
+            tail = torch.empty(1, bs, dtype=torch.float32, device=out.device)
+            _decode_run(tail_codes, codec, raw_scales[-1:], tail, torch.empty(bs // 2, dtype=torch.int32, device=buf.device))
+            vals = tail.view(-1)[: n - full]
+            if overwrite:
+                torch.mul(vals, weight, out=out[full:])
+            else:
+                out[full:].add_(vals, alpha=weight)
         return
     else:
         if scratch is None:

@@ -147,12 +147,15 @@ class FragmentState:
         self.spare: Accumulator | None = None
         self.merged_buf = torch.empty(0)
         self.prev_buf = torch.empty(0)
-        self.buffers: dict[int, list[torch.Tensor]] = {}  # push buffers by size (-1: FP32 decode)
+        # Push buffers by size (-1: FP32 decode), kept for reuse up to four FP32 copies of the
+        # fragment: a fresh 100 MB buffer costs about 30 ms of page faults here, 8x a reuse.
+        self.buffers: dict[int, list[torch.Tensor]] = {}
+        self.pooled_bytes = 0
+        self.pool_budget = 4 * 4 * spec.numel
         # Payload bytes held by rounds for decoding at the outer step; beyond the budget (two
         # FP32 copies of the fragment) pushes are decoded on arrival instead, bounding memory.
         self.deferred_bytes = 0
         self.defer_budget = 2 * 4 * spec.numel
-        self.drain_buf = torch.empty(0)  # decode scratch for draining an open round, under `lock`
         self.snapshots: dict[pb.Codec, tuple[int, pb.PayloadHeader, torch.Tensor]] = {}
         self.metrics.fragment_version.labels(str(self.fid)).set(0)
 
@@ -189,7 +192,9 @@ class FragmentState:
         with self.lock:
             pool = self.buffers.get(key)
             if pool:
-                return pool.pop()
+                buf = pool.pop()
+                self.pooled_bytes -= buf.nbytes
+                return buf
         if nbytes is None:
             return torch.empty(self.numel, dtype=torch.float32)
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -197,9 +202,9 @@ class FragmentState:
     def give_buffer(self, buf: torch.Tensor) -> None:
         key = -1 if buf.dtype == torch.float32 else buf.numel()
         with self.lock:
-            pool = self.buffers.setdefault(key, [])
-            if len(pool) < 4:
-                pool.append(buf)
+            if self.pooled_bytes + buf.nbytes <= self.pool_budget:
+                self.buffers.setdefault(key, []).append(buf)
+                self.pooled_bytes += buf.nbytes
 
     def reserve(self, nbytes: int) -> bool:
         """Claims room to hold a payload of `nbytes` until the outer step (False: decode it now)."""
@@ -220,18 +225,17 @@ class FragmentState:
         tokens: int,
         steps: int,
         compute_s: float,
-        delta: torch.Tensor | None = None,
-        payload: tuple[torch.Tensor, pb.PayloadHeader] | None = None,
+        payload: tuple[torch.Tensor, pb.PayloadHeader],
+        hold: bool = False,
     ) -> tuple[Verdict, Round | None]:
-        """Judges one push and adds it to the open round; returns the verdict and its round.
+        """Judges one push (its encoded bytes and header) and adds it to the open round; returns
+        the verdict and its round.
 
-        Give either the decoded `delta` (added now, under the round lock) or the `payload`
-        (bytes and header, `reserve`d by the caller): an accepted payload belongs to the round,
-        whose outer step decodes and adds it. The caller has validated the base version (not
-        ahead of `version`) and the values (`codec.check`: finite, right size).
+        With `hold` (room `reserve`d by the caller) an accepted payload belongs to the round,
+        whose outer step decodes and adds it; otherwise it is added now, under the round lock,
+        after the pushes held before it. The caller has validated the base version (not ahead
+        of `version`) and the values (`codec.check`: finite, right size).
         """
-        if (delta is None) == (payload is None):
-            raise ValueError("submit takes exactly one of delta and payload")
         spent: list[torch.Tensor] = []
         share = Share(tokens * self.share, compute_s * self.share)
         with self.lock:
@@ -247,12 +251,11 @@ class FragmentState:
             if self.round is None:
                 self.round = Round(start, self._new_accumulator())
             rnd = self.round
-            if delta is not None:
-                spent = self._add_deferred_locked(rnd)  # first, to keep arrival order
-                rnd.acc.add(delta, weight)
-            else:
-                assert payload is not None
+            if hold:
                 rnd.deferred.append((payload[0], payload[1], weight))
+            else:
+                spent = self._add_deferred_locked(rnd)  # first, to keep arrival order
+                rnd.acc.add_payload(payload[0], payload[1], weight)
             rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
             self.goodput.accepted(learner_id, share)
             verdict = Verdict(pb.PUSH_ACCEPTED, start + 1, self.version, staleness, weight)
@@ -262,12 +265,10 @@ class FragmentState:
 
     def _add_deferred_locked(self, rnd: Round) -> list[torch.Tensor]:
         """Adds an open round's deferred pushes now, in arrival order; returns their buffers for
-        the pool. Caller holds `lock` (which also guards `drain_buf`)."""
+        the pool. Caller holds `lock`."""
         spent = [buf for buf, _, _ in rnd.deferred]
         for buf, header, weight in rnd.deferred:
-            if self.drain_buf.numel() != self.numel:
-                self.drain_buf = torch.empty(self.numel)
-            rnd.acc.add_payload(buf, header, weight, self.drain_buf)
+            rnd.acc.add_payload(buf, header, weight)
         rnd.deferred.clear()
         self.deferred_bytes -= sum(buf.numel() for buf in spent)
         return spent
@@ -311,14 +312,16 @@ class FragmentState:
         round belongs to its outer step alone)."""
         if not rnd.deferred:
             return
-        scratch = self.take_buffer()
+        # A decode buffer only where one is needed (radial merge, FP4): the rest add in place.
+        scratch = self.take_buffer() if rnd.acc.radial or any(h.codec == pb.CODEC_FP4_E3M0 for _, h, _ in rnd.deferred) else None
         held = sum(buf.numel() for buf, _, _ in rnd.deferred)
         try:
             for buf, header, weight in rnd.deferred:
                 rnd.acc.add_payload(buf, header, weight, scratch)
                 self.give_buffer(buf)
         finally:
-            self.give_buffer(scratch)
+            if scratch is not None:
+                self.give_buffer(scratch)
             rnd.deferred.clear()
             self.release(held)
 

@@ -60,6 +60,13 @@ def _rpc(method: str, streaming_reply: bool = False) -> Callable[[Callable[..., 
                     self.metrics.pushes.labels("rejected").inc()
                 logger.info("%s refused (%s): %s", method, exc.code.name, exc.message)
                 context.abort(exc.code, exc.message)
+            if isinstance(exc, grpc.RpcError):
+                # Raised by a request stream whose client went away mid-call (killed, cancelled,
+                # timed out; the service makes no calls of its own): expected, and nothing of a
+                # half-received push was applied.
+                self.metrics.rpcs.labels(method, "CANCELLED").inc()
+                logger.warning("%s: the client went away before the call completed; nothing of it was applied", method)
+                raise exc
             if exc is not None:
                 code = context.code() if hasattr(context, "code") and context.code() is not None else grpc.StatusCode.UNKNOWN
                 self.metrics.rpcs.labels(method, getattr(code, "name", "UNKNOWN")).inc()
@@ -320,7 +327,6 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
         self._validate_payload(h.payload, frag.numel, PUSH_CODECS)
         nbytes = int(h.payload.total_bytes)
         received = frag.take_buffer(nbytes)
-        scratch: torch.Tensor | None = None
         reserved = kept = False
         try:
             asm = codec.Assembler(h.payload, buffer=received)
@@ -332,21 +338,16 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
                 raise _invalid("incomplete", f"stream ended after {asm.received} of {asm.total_bytes} bytes; nothing was applied")
             # Validated now, decoded by the outer step: the reply need not wait for the decode.
             # Past the memory budget for held payloads it is decoded here instead.
-            reserved = frag.reserve(nbytes)
             header = pb.PayloadHeader()
             header.CopyFrom(h.payload)
-            if reserved:
-                self._check_values(asm, header)
-                delta, payload = None, (received, header)
-            else:
-                scratch = frag.take_buffer()
-                delta, payload = self._decode(asm, header, scratch), None
+            self._check_values(asm, header)
+            reserved = frag.reserve(nbytes)
             self.metrics.bytes_in.labels(codec.codec_name(h.payload.codec)).inc(asm.total_bytes)
             with rec.push_lock:  # judging and recording a seq is atomic per learner
                 seen = self.registry.seen_reply(rec, h.seq)  # a concurrent retry may have won the race
                 if seen is not None:
                     return self._duplicate(seen)
-                verdict, rnd = frag.submit(rec.learner_id, h.base_version, h.tokens, h.steps, h.compute_s, delta=delta, payload=payload)
+                verdict, rnd = frag.submit(rec.learner_id, h.base_version, h.tokens, h.steps, h.compute_s, (received, header), hold=reserved)
                 kept = reserved and verdict.outcome == pb.PUSH_ACCEPTED  # the round owns it now
                 reply = pb.PushReply(
                     outcome=verdict.outcome,
@@ -362,8 +363,6 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
                 frag.give_buffer(received)
                 if reserved:
                     frag.release(nbytes)
-            if scratch is not None:
-                frag.give_buffer(scratch)
         self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
         if rnd is not None and self.rounds is not None:
             self.rounds.check(frag)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
@@ -15,7 +17,8 @@ from tests.helpers import Client, small_spec
 SPEC = small_spec(fragments=1)
 
 
-def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server):
+def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server, caplog):
+    caplog.set_level(logging.WARNING, logger="synchronizer.service")
     srv = make_server(quorum=1, grace="none")
     c = Client(srv.address, SPEC)
     c.join()
@@ -35,6 +38,15 @@ def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server):
     future.cancel()
     never.set()
     assert future.cancelled() or future.exception() is not None
+    cancelled = srv.service.metrics.rpcs.labels("PushFragment", "CANCELLED")
+    deadline = time.monotonic() + 10
+    while cancelled._value.get() < 1 and time.monotonic() < deadline:  # the handler sees it soon
+        time.sleep(0.01)
+    assert cancelled._value.get() == 1
+    # An expected event: one warning line, no error with a traceback.
+    records = [r for r in caplog.records if r.name == "synchronizer.service"]
+    assert not [r for r in records if r.levelno >= logging.ERROR]
+    assert [r.levelno for r in records if "went away" in r.getMessage()] == [logging.WARNING]
     frag = srv.service.fragments[0]
     assert frag.round is None and frag.version == 0 and torch.equal(frag.params, torch.zeros(frag.numel))
     retry = c.push(0, torch.full((SPEC.fragments[0].numel,), 0.25), seq=1)  # same seq: not a duplicate
