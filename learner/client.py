@@ -165,8 +165,8 @@ class SyncClient:
 
         return self._retry("InitModel", call)
 
-    def heartbeat(self, counters: pb.LearnerCounters, step_time_s: float = 0.0) -> pb.HeartbeatReply:
-        req = pb.HeartbeatRequest(learner_id=self.learner_id, counters=counters, step_time_s=step_time_s)
+    def heartbeat(self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0) -> pb.HeartbeatReply:
+        req = pb.HeartbeatRequest(learner_id=self.learner_id, counters=counters, step_time_s=step_time_s, overlap_steps=overlap_steps)
         return self._unary("Heartbeat", self.stub.Heartbeat, req)
 
     def push(

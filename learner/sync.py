@@ -445,12 +445,19 @@ class SyncEngine:
             if self.stopping.wait(self.cfg.retry_initial_s):
                 return
 
+    def overlap_steps(self) -> int:
+        """Steps until this learner needs a pushed fragment back: the strict-overlap bound, or
+        its H (the next push of the same fragment), for the Synchronizer's adaptive grace."""
+        if self.cfg.strict_overlap:
+            return max(1, self.cfg.overlap_steps)
+        return max(1, self.inner_steps or self.cfg.sync_every)
+
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(self.heartbeat_s):
             generation = self.generation
             clock = self.clock
             try:
-                reply = self.client.heartbeat(clock.counters(), clock.step_time_s)
+                reply = self.client.heartbeat(clock.counters(), clock.step_time_s, self.overlap_steps())
             except grpc.RpcError as e:
                 if self.stopping.is_set():
                     return

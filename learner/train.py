@@ -155,14 +155,15 @@ def stats_dict(learner: Any) -> dict:
 
 
 def wait_for_learners(learner: Any, n: int, timeout_s: float = 120.0) -> None:
-    """Blocks until the Synchronizer reports n live learners, so a run starts together."""
+    """Blocks until n learners have joined the Synchronizer, so a run starts together. Learners
+    that already left count: a short run may finish between two polls of another."""
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = sum(1 for x in learner.client.status().learners if x.state == "alive")
-        if alive >= n:
+        joined = len(learner.client.status().learners)
+        if joined >= n:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {alive} of {n} learners joined within {timeout_s:.0f} s")
+            raise TimeoutError(f"only {joined} of {n} learners joined within {timeout_s:.0f} s")
         time.sleep(0.2)
 
 

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/diloco.proto\x12\tdiloco.v1\"\x94\x01\n\rPayloadHeader\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12*\n\x0bscale_dtype\x18\x04 \x01(\x0e\x32\x15.diloco.v1.ScaleDtype\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"H\n\x0c\x46ragmentSpec\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x14\n\x0ctensor_names\x18\x02 \x03(\t\x12\r\n\x05numel\x18\x03 \x01(\x04\"r\n\tModelSpec\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.diloco.v1.TensorSpec\x12*\n\tfragments\x18\x02 \x03(\x0b\x32\x17.diloco.v1.FragmentSpec\x12\x11\n\tspec_hash\x18\x03 \x01(\t\"7\n\x0f\x46ragmentVersion\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\"V\n\x0fLearnerCounters\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x11\n\tblocked_s\x18\x04 \x01(\x01\"[\n\x0bJoinRequest\x12\x14\n\x0clearner_name\x18\x01 \x01(\t\x12\"\n\x04spec\x18\x02 \x01(\x0b\x32\x14.diloco.v1.ModelSpec\x12\x12\n\nlearner_id\x18\x03 \x01(\t\"\xcd\x01\n\tJoinReply\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x14\n\x0cserver_epoch\x18\x04 \x01(\t\x12,\n\x08versions\x18\x05 \x03(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x12\n\nneeds_init\x18\x06 \x01(\x08\x12\x13\n\x0binner_steps\x18\x07 \x01(\r\x12\x10\n\x08next_seq\x18\x08 \x01(\x04\"2\n\tInitStart\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\t\"T\n\x12InitFragmentHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12)\n\x07payload\x18\x02 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\"\x97\x01\n\x10InitModelRequest\x12%\n\x05start\x18\x01 \x01(\x0b\x32\x14.diloco.v1.InitStartH\x00\x12\x31\n\x08\x66ragment\x18\x02 \x01(\x0b\x32\x1d.diloco.v1.InitFragmentHeaderH\x00\x12!\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\">\n\x0eInitModelReply\x12,\n\x08versions\x18\x01 \x03(\x0b\x32\x1a.diloco.v1.FragmentVersion\"i\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12,\n\x08\x63ounters\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.LearnerCounters\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\"z\n\x0eHeartbeatReply\x12\x14\n\x0cserver_epoch\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x13\n\x0binner_steps\x18\x03 \x01(\r\x12,\n\x08versions\x18\x04 \x03(\x0b\x32\x1a.diloco.v1.FragmentVersion\"\xc8\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\tspec_hash\x18\x03 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x11\n\tcompute_s\x18\x08 \x01(\x01\x12)\n\x07payload\x18\t \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\"a\n\x0bPushRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"\x98\x01\n\tPushReply\x12\'\n\x07outcome\x18\x01 \x01(\x0e\x32\x16.diloco.v1.PushOutcome\x12\x15\n\rround_version\x18\x02 \x01(\x04\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\x04\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x0f\n\x07message\x18\x06 \x01(\t\"\xa4\x01\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x13\n\x0bmin_version\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x1f\n\x05\x63odec\x18\x05 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\x10\n\x08\x64\x65lta_ok\x18\x06 \x01(\x08\x12\x14\n\x0chave_version\x18\x07 \x01(\x04\"\xa8\x01\n\nPullHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0cserver_epoch\x18\x03 \x01(\t\x12)\n\x07payload\x18\x04 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\x12\x12\n\ndelta_from\x18\x05 \x01(\x04\x12\r\n\x05links\x18\x06 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\r\"G\n\tDeltaLink\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12)\n\x07payload\x18\x02 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\"\x85\x01\n\tPullReply\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PullHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x12$\n\x04link\x18\x03 \x01(\x0b\x32\x14.diloco.v1.DeltaLinkH\x00\x42\x06\n\x04kind\"P\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12,\n\x08\x63ounters\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.LearnerCounters\"\x0c\n\nLeaveReply\"\x0f\n\rStatusRequest\"\x83\x01\n\rLearnerStatus\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12,\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x1a.diloco.v1.LearnerCounters\x12\x13\n\x0binner_steps\x18\x05 \x01(\r\"\xba\x01\n\x0bStatusReply\x12\x14\n\x0cserver_epoch\x18\x01 \x01(\t\x12\x13\n\x0binitialized\x18\x02 \x01(\x08\x12\x11\n\tspec_hash\x18\x03 \x01(\t\x12,\n\x08versions\x18\x04 \x03(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12*\n\x08learners\x18\x05 \x03(\x0b\x32\x18.diloco.v1.LearnerStatus\x12\x13\n\x0bouter_steps\x18\x06 \x01(\x04*r\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x12\x0e\n\nCODEC_INT4\x10\x04\x12\x12\n\x0e\x43ODEC_FP4_E3M0\x10\x05*,\n\nScaleDtype\x12\x0e\n\nSCALE_FP32\x10\x00\x12\x0e\n\nSCALE_FP16\x10\x01*j\n\x0bPushOutcome\x12\x1c\n\x18PUSH_OUTCOME_UNSPECIFIED\x10\x00\x12\x11\n\rPUSH_ACCEPTED\x10\x01\x12\x16\n\x12PUSH_DROPPED_STALE\x10\x02\x12\x12\n\x0ePUSH_DUPLICATE\x10\x03\x32\xc5\x03\n\x0cSynchronizer\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12\x45\n\tInitModel\x12\x1b.diloco.v1.InitModelRequest\x1a\x19.diloco.v1.InitModelReply(\x01\x12\x43\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x19.diloco.v1.HeartbeatReply\x12>\n\x0cPushFragment\x12\x16.diloco.v1.PushRequest\x1a\x14.diloco.v1.PushReply(\x01\x12>\n\x0cPullFragment\x12\x16.diloco.v1.PullRequest\x1a\x14.diloco.v1.PullReply0\x01\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12:\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x16.diloco.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/diloco.proto\x12\tdiloco.v1\"\x94\x01\n\rPayloadHeader\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12*\n\x0bscale_dtype\x18\x04 \x01(\x0e\x32\x15.diloco.v1.ScaleDtype\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"H\n\x0c\x46ragmentSpec\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x14\n\x0ctensor_names\x18\x02 \x03(\t\x12\r\n\x05numel\x18\x03 \x01(\x04\"r\n\tModelSpec\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.diloco.v1.TensorSpec\x12*\n\tfragments\x18\x02 \x03(\x0b\x32\x17.diloco.v1.FragmentSpec\x12\x11\n\tspec_hash\x18\x03 \x01(\t\"7\n\x0f\x46ragmentVersion\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\"V\n\x0fLearnerCounters\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x11\n\tblocked_s\x18\x04 \x01(\x01\"[\n\x0bJoinRequest\x12\x14\n\x0clearner_name\x18\x01 \x01(\t\x12\"\n\x04spec\x18\x02 \x01(\x0b\x32\x14.diloco.v1.ModelSpec\x12\x12\n\nlearner_id\x18\x03 \x01(\t\"\xcd\x01\n\tJoinReply\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x14\n\x0cserver_epoch\x18\x04 \x01(\t\x12,\n\x08versions\x18\x05 \x03(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12\x12\n\nneeds_init\x18\x06 \x01(\x08\x12\x13\n\x0binner_steps\x18\x07 \x01(\r\x12\x10\n\x08next_seq\x18\x08 \x01(\x04\"2\n\tInitStart\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\t\"T\n\x12InitFragmentHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12)\n\x07payload\x18\x02 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\"\x97\x01\n\x10InitModelRequest\x12%\n\x05start\x18\x01 \x01(\x0b\x32\x14.diloco.v1.InitStartH\x00\x12\x31\n\x08\x66ragment\x18\x02 \x01(\x0b\x32\x1d.diloco.v1.InitFragmentHeaderH\x00\x12!\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\">\n\x0eInitModelReply\x12,\n\x08versions\x18\x01 \x03(\x0b\x32\x1a.diloco.v1.FragmentVersion\"\x80\x01\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12,\n\x08\x63ounters\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.LearnerCounters\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\x12\x15\n\roverlap_steps\x18\x04 \x01(\r\"z\n\x0eHeartbeatReply\x12\x14\n\x0cserver_epoch\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x13\n\x0binner_steps\x18\x03 \x01(\r\x12,\n\x08versions\x18\x04 \x03(\x0b\x32\x1a.diloco.v1.FragmentVersion\"\xc8\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\tspec_hash\x18\x03 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x11\n\tcompute_s\x18\x08 \x01(\x01\x12)\n\x07payload\x18\t \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\"a\n\x0bPushRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"\x98\x01\n\tPushReply\x12\'\n\x07outcome\x18\x01 \x01(\x0e\x32\x16.diloco.v1.PushOutcome\x12\x15\n\rround_version\x18\x02 \x01(\x04\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\x04\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x0f\n\x07message\x18\x06 \x01(\t\"\xa4\x01\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x13\n\x0bmin_version\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x1f\n\x05\x63odec\x18\x05 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\x10\n\x08\x64\x65lta_ok\x18\x06 \x01(\x08\x12\x14\n\x0chave_version\x18\x07 \x01(\x04\"\xa8\x01\n\nPullHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0cserver_epoch\x18\x03 \x01(\t\x12)\n\x07payload\x18\x04 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\x12\x12\n\ndelta_from\x18\x05 \x01(\x04\x12\r\n\x05links\x18\x06 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\r\"G\n\tDeltaLink\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12)\n\x07payload\x18\x02 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\"\x85\x01\n\tPullReply\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PullHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x12$\n\x04link\x18\x03 \x01(\x0b\x32\x14.diloco.v1.DeltaLinkH\x00\x42\x06\n\x04kind\"P\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12,\n\x08\x63ounters\x18\x02 \x01(\x0b\x32\x1a.diloco.v1.LearnerCounters\"\x0c\n\nLeaveReply\"\x0f\n\rStatusRequest\"\x83\x01\n\rLearnerStatus\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12,\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x1a.diloco.v1.LearnerCounters\x12\x13\n\x0binner_steps\x18\x05 \x01(\r\"\xba\x01\n\x0bStatusReply\x12\x14\n\x0cserver_epoch\x18\x01 \x01(\t\x12\x13\n\x0binitialized\x18\x02 \x01(\x08\x12\x11\n\tspec_hash\x18\x03 \x01(\t\x12,\n\x08versions\x18\x04 \x03(\x0b\x32\x1a.diloco.v1.FragmentVersion\x12*\n\x08learners\x18\x05 \x03(\x0b\x32\x18.diloco.v1.LearnerStatus\x12\x13\n\x0bouter_steps\x18\x06 \x01(\x04*r\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x12\x0e\n\nCODEC_INT4\x10\x04\x12\x12\n\x0e\x43ODEC_FP4_E3M0\x10\x05*,\n\nScaleDtype\x12\x0e\n\nSCALE_FP32\x10\x00\x12\x0e\n\nSCALE_FP16\x10\x01*j\n\x0bPushOutcome\x12\x1c\n\x18PUSH_OUTCOME_UNSPECIFIED\x10\x00\x12\x11\n\rPUSH_ACCEPTED\x10\x01\x12\x16\n\x12PUSH_DROPPED_STALE\x10\x02\x12\x12\n\x0ePUSH_DUPLICATE\x10\x03\x32\xc5\x03\n\x0cSynchronizer\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12\x45\n\tInitModel\x12\x1b.diloco.v1.InitModelRequest\x1a\x19.diloco.v1.InitModelReply(\x01\x12\x43\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x19.diloco.v1.HeartbeatReply\x12>\n\x0cPushFragment\x12\x16.diloco.v1.PushRequest\x1a\x14.diloco.v1.PushReply(\x01\x12>\n\x0cPullFragment\x12\x16.diloco.v1.PullRequest\x1a\x14.diloco.v1.PullReply0\x01\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12:\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x16.diloco.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.diloco_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=2945
-  _globals['_CODEC']._serialized_end=3059
-  _globals['_SCALEDTYPE']._serialized_start=3061
-  _globals['_SCALEDTYPE']._serialized_end=3105
-  _globals['_PUSHOUTCOME']._serialized_start=3107
-  _globals['_PUSHOUTCOME']._serialized_end=3213
+  _globals['_CODEC']._serialized_start=2969
+  _globals['_CODEC']._serialized_end=3083
+  _globals['_SCALEDTYPE']._serialized_start=3085
+  _globals['_SCALEDTYPE']._serialized_end=3129
+  _globals['_PUSHOUTCOME']._serialized_start=3131
+  _globals['_PUSHOUTCOME']._serialized_end=3237
   _globals['_PAYLOADHEADER']._serialized_start=35
   _globals['_PAYLOADHEADER']._serialized_end=183
   _globals['_CHUNK']._serialized_start=185
@@ -63,34 +63,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INITMODELREQUEST']._serialized_end=1208
   _globals['_INITMODELREPLY']._serialized_start=1210
   _globals['_INITMODELREPLY']._serialized_end=1272
-  _globals['_HEARTBEATREQUEST']._serialized_start=1274
-  _globals['_HEARTBEATREQUEST']._serialized_end=1379
-  _globals['_HEARTBEATREPLY']._serialized_start=1381
-  _globals['_HEARTBEATREPLY']._serialized_end=1503
-  _globals['_PUSHHEADER']._serialized_start=1506
-  _globals['_PUSHHEADER']._serialized_end=1706
-  _globals['_PUSHREQUEST']._serialized_start=1708
-  _globals['_PUSHREQUEST']._serialized_end=1805
-  _globals['_PUSHREPLY']._serialized_start=1808
-  _globals['_PUSHREPLY']._serialized_end=1960
-  _globals['_PULLREQUEST']._serialized_start=1963
-  _globals['_PULLREQUEST']._serialized_end=2127
-  _globals['_PULLHEADER']._serialized_start=2130
-  _globals['_PULLHEADER']._serialized_end=2298
-  _globals['_DELTALINK']._serialized_start=2300
-  _globals['_DELTALINK']._serialized_end=2371
-  _globals['_PULLREPLY']._serialized_start=2374
-  _globals['_PULLREPLY']._serialized_end=2507
-  _globals['_LEAVEREQUEST']._serialized_start=2509
-  _globals['_LEAVEREQUEST']._serialized_end=2589
-  _globals['_LEAVEREPLY']._serialized_start=2591
-  _globals['_LEAVEREPLY']._serialized_end=2603
-  _globals['_STATUSREQUEST']._serialized_start=2605
-  _globals['_STATUSREQUEST']._serialized_end=2620
-  _globals['_LEARNERSTATUS']._serialized_start=2623
-  _globals['_LEARNERSTATUS']._serialized_end=2754
-  _globals['_STATUSREPLY']._serialized_start=2757
-  _globals['_STATUSREPLY']._serialized_end=2943
-  _globals['_SYNCHRONIZER']._serialized_start=3216
-  _globals['_SYNCHRONIZER']._serialized_end=3669
+  _globals['_HEARTBEATREQUEST']._serialized_start=1275
+  _globals['_HEARTBEATREQUEST']._serialized_end=1403
+  _globals['_HEARTBEATREPLY']._serialized_start=1405
+  _globals['_HEARTBEATREPLY']._serialized_end=1527
+  _globals['_PUSHHEADER']._serialized_start=1530
+  _globals['_PUSHHEADER']._serialized_end=1730
+  _globals['_PUSHREQUEST']._serialized_start=1732
+  _globals['_PUSHREQUEST']._serialized_end=1829
+  _globals['_PUSHREPLY']._serialized_start=1832
+  _globals['_PUSHREPLY']._serialized_end=1984
+  _globals['_PULLREQUEST']._serialized_start=1987
+  _globals['_PULLREQUEST']._serialized_end=2151
+  _globals['_PULLHEADER']._serialized_start=2154
+  _globals['_PULLHEADER']._serialized_end=2322
+  _globals['_DELTALINK']._serialized_start=2324
+  _globals['_DELTALINK']._serialized_end=2395
+  _globals['_PULLREPLY']._serialized_start=2398
+  _globals['_PULLREPLY']._serialized_end=2531
+  _globals['_LEAVEREQUEST']._serialized_start=2533
+  _globals['_LEAVEREQUEST']._serialized_end=2613
+  _globals['_LEAVEREPLY']._serialized_start=2615
+  _globals['_LEAVEREPLY']._serialized_end=2627
+  _globals['_STATUSREQUEST']._serialized_start=2629
+  _globals['_STATUSREQUEST']._serialized_end=2644
+  _globals['_LEARNERSTATUS']._serialized_start=2647
+  _globals['_LEARNERSTATUS']._serialized_end=2778
+  _globals['_STATUSREPLY']._serialized_start=2781
+  _globals['_STATUSREPLY']._serialized_end=2967
+  _globals['_SYNCHRONIZER']._serialized_start=3240
+  _globals['_SYNCHRONIZER']._serialized_end=3693
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class SynchronizerConfig(BaseModel):
     grace: Literal["adaptive", "fixed", "none"] = Field("adaptive", description="After the quorum: wait adaptively while waiting is free, a fixed grace_max_s, or not at all")
     grace_max_s: float = Field(2.0, ge=0, description="Upper bound on the grace window after the quorum is reached")
     grace_gamma: float = Field(0.5, gt=0, le=1, description="Adaptive grace = gamma * (overlap_steps * step time - quorum time - apply time)")
-    overlap_steps: int = Field(1, ge=1, description="Steps a learner trains between pushing a fragment and needing it back (tau); sizes the adaptive grace")
+    overlap_steps: int = Field(0, ge=0, description="Steps a learner trains between pushing a fragment and needing it back (tau); sizes the adaptive grace. 0: as the learners report it in heartbeats (their H, or their strict-overlap bound)")
     max_staleness: int = Field(16, ge=0, description="Pushes staler than this many outer steps are dropped and the learner told to re-pull")
     token_weight: Literal["uniform", "tokens", "tokens2_per_step"] = Field("tokens2_per_step", description="Weight of a contribution by work done: uniform, tokens, or tokens^2/steps (Decoupled DiLoCo)")
     staleness_weight: Literal["none", "poly", "hinge", "exp"] = Field("none", description="Down-weighting of stale contributions: none, poly (1+s)^-a, hinge, exp(-a s)")

@@ -50,12 +50,17 @@ EMBEDDING_HINTS = ("emb", "wte", "wpe")  # tensors merged by plain mean in radia
 
 
 class GraceWindow:
-    """Adaptive grace: gamma * (tau * step_time - quorum_time - apply_time), capped (EMAs)."""
+    """Adaptive grace: gamma * (tau * step_time - quorum_time - apply_time), capped (EMAs).
+
+    tau is `overlap_steps` when configured, else what the learners report in heartbeats (their
+    H, or their strict-overlap bound), else 1.
+    """
 
     def __init__(self, cfg: SynchronizerConfig, beta: float = 0.8) -> None:
         self.cfg = cfg
         self.beta = beta
         self.step_time = 0.0
+        self.overlap_steps = 0.0  # tau as the learners report it, when the config leaves it to them
         self.quorum_time = 0.0
         self.apply_time = 0.0
         self.lock = threading.Lock()
@@ -63,10 +68,12 @@ class GraceWindow:
     def _ema(self, old: float, new: float) -> float:
         return new if old == 0.0 else self.beta * old + (1 - self.beta) * new
 
-    def observe(self, step_time: float = 0.0, quorum_time: float = -1.0, apply_time: float = -1.0) -> None:
+    def observe(self, step_time: float = 0.0, quorum_time: float = -1.0, apply_time: float = -1.0, overlap_steps: int = 0) -> None:
         with self.lock:
             if step_time > 0:
                 self.step_time = self._ema(self.step_time, step_time)
+            if overlap_steps > 0:
+                self.overlap_steps = self._ema(self.overlap_steps, float(overlap_steps))
             if quorum_time >= 0:
                 self.quorum_time = self._ema(self.quorum_time, quorum_time)
             if apply_time >= 0:
@@ -79,7 +86,8 @@ class GraceWindow:
         if cfg.grace == "fixed":
             return cfg.grace_max_s
         with self.lock:
-            free = cfg.overlap_steps * self.step_time - self.quorum_time - self.apply_time
+            tau = cfg.overlap_steps or self.overlap_steps or 1.0
+            free = tau * self.step_time - self.quorum_time - self.apply_time
         return min(cfg.grace_max_s, max(0.0, cfg.grace_gamma * free))
 
 
@@ -147,11 +155,11 @@ class FragmentState:
         self.spare: Accumulator | None = None
         self.merged_buf = torch.empty(0)
         self.prev_buf = torch.empty(0)
-        # Push buffers by size (-1: FP32 decode), kept for reuse up to four FP32 copies of the
+        # Push buffers by size (-1: FP32 decode), kept for reuse up to two FP32 copies of the
         # fragment: a fresh 100 MB buffer costs about 30 ms of page faults here, 8x a reuse.
         self.buffers: dict[int, list[torch.Tensor]] = {}
         self.pooled_bytes = 0
-        self.pool_budget = 4 * 4 * spec.numel
+        self.pool_budget = 2 * 4 * spec.numel
         # Payload bytes held by rounds for decoding at the outer step; beyond the budget (two
         # FP32 copies of the fragment) pushes are decoded on arrival instead, bounding memory.
         self.deferred_bytes = 0

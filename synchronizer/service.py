@@ -268,6 +268,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         rec = self.registry.alive(request.learner_id)
         self._report(rec, request.counters, request.step_time_s)
+        self.grace.observe(overlap_steps=request.overlap_steps)
         return pb.HeartbeatReply(
             server_epoch=self.epoch,
             lease_s=self.cfg.lease_s,

@@ -81,8 +81,10 @@ class Client:
         out = torch.empty(header.payload.numel, dtype=torch.float32)
         return header.version, codec.decode(asm.finish(), header.payload, out)
 
-    def heartbeat(self, steps: int = 0, tokens: int = 0, compute_s: float = 0.0, step_time_s: float = 0.0) -> pb.HeartbeatReply:
-        return self.stub.Heartbeat(pb.HeartbeatRequest(learner_id=self.learner_id, counters=pb.LearnerCounters(steps=steps, tokens=tokens, compute_s=compute_s), step_time_s=step_time_s), timeout=TIMEOUT, metadata=self.md)
+    def heartbeat(self, steps: int = 0, tokens: int = 0, compute_s: float = 0.0, step_time_s: float = 0.0, overlap_steps: int = 0) -> pb.HeartbeatReply:
+        counters = pb.LearnerCounters(steps=steps, tokens=tokens, compute_s=compute_s)
+        request = pb.HeartbeatRequest(learner_id=self.learner_id, counters=counters, step_time_s=step_time_s, overlap_steps=overlap_steps)
+        return self.stub.Heartbeat(request, timeout=TIMEOUT, metadata=self.md)
 
     def leave(self) -> None:
         self.stub.Leave(pb.LeaveRequest(learner_id=self.learner_id), timeout=TIMEOUT, metadata=self.md)

@@ -409,3 +409,36 @@ def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
     assert torch.equal(ranks[0]["flat"], ranks[1]["flat"])
     assert torch.equal(in_fragment_order, global_flat)
     assert [lr.name for lr in learners if lr.name.startswith("rank")] == ["rank0"]  # only rank 0 joined
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_heartbeats_tell_the_synchronizer_when_a_fragment_is_needed_back(tmp_path, strict):
+    # The adaptive grace is sized by tau: a learner reports its H, or its strict-overlap bound.
+    with running(server_config(tmp_path, grace="adaptive")) as srv:
+        model = mlp(seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        lrn = Learner(model, opt, synchronizer=srv.address, sync_every=40, fragments=2, heartbeat_interval_s=0.05,
+                      strict_overlap=strict, overlap_steps=3)
+        try:
+            deadline = time.monotonic() + 20
+            while srv.service.grace.overlap_steps == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)  # the first heartbeat
+            assert srv.service.grace.overlap_steps == (3 if strict else 40)
+        finally:
+            lrn.finish()
+
+
+def test_waiting_for_learners_counts_one_that_already_finished(tmp_path):
+    from learner.train import wait_for_learners
+
+    with running(server_config(tmp_path)) as srv:
+        early = Learner(mlp(0), torch.optim.SGD(mlp(0).parameters(), lr=0.01), synchronizer=srv.address, sync_every=5, name="early")
+        early.finish()  # a short run that ended before the other looked
+        model = mlp(1)
+        late = Learner(model, torch.optim.SGD(model.parameters(), lr=0.01), synchronizer=srv.address, sync_every=5, name="late")
+        try:
+            wait_for_learners(late, 2, timeout_s=5)
+            with pytest.raises(TimeoutError, match="only 2 of 3"):
+                wait_for_learners(late, 3, timeout_s=0.5)
+        finally:
+            late.finish()

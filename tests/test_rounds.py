@@ -229,3 +229,28 @@ def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_al
     stale = clients[1].push(0, deltas[1], codec_id=codec_id, base=0)
     assert stale.outcome == pb.PUSH_DROPPED_STALE
     assert frag.deferred_bytes == 0
+
+
+def test_adaptive_grace_is_sized_by_the_tau_the_learners_report(make_server, tmp_path):
+    # gamma * (tau * step time - quorum time - apply time), capped; tau from the config when
+    # set, else from heartbeats (a learner's H), else 1 step.
+    from synchronizer.config import SynchronizerConfig
+    from synchronizer.fragments import GraceWindow
+
+    cfg = SynchronizerConfig(state_dir=tmp_path, grace="adaptive", grace_gamma=0.5, grace_max_s=3.0)
+    grace = GraceWindow(cfg)
+    grace.observe(step_time=0.1)
+    assert grace.seconds() == pytest.approx(0.05)  # nobody said: tau = 1
+    grace.observe(overlap_steps=40)
+    assert grace.seconds() == pytest.approx(2.0)
+    grace.observe(overlap_steps=100)  # an EMA of what learners report: 0.8 * 40 + 0.2 * 100
+    assert grace.seconds() == pytest.approx(0.5 * 52 * 0.1)
+    grace.observe(overlap_steps=1000)
+    assert grace.seconds() == pytest.approx(3.0)  # capped at grace_max_s
+    fixed = GraceWindow(cfg.model_copy(update={"overlap_steps": 10}))
+    fixed.observe(step_time=0.1, overlap_steps=100)
+    assert fixed.seconds() == pytest.approx(0.5)  # the operator's tau wins
+
+    srv, clients, _ = _setup(make_server, 1, quorum=1, grace="adaptive", grace_gamma=0.5, grace_max_s=30.0)
+    clients[0].heartbeat(step_time_s=0.05, overlap_steps=100)
+    assert srv.service.grace.seconds() == pytest.approx(2.5)
