@@ -485,7 +485,6 @@ def _decode_blockwise(
     buf: torch.Tensor, codec: int, bs: int, scale_dtype: int, out: torch.Tensor
 ) -> None:
     n, dev = out.numel(), out.device
-    code_bytes = _code_bytes(codec, n)
     scales = _checked_scales(buf, codec, n, scale_dtype)
     codes_per_byte = 1 if codec == pb.CODEC_INT8 else 2
     full = (n // bs) * bs
@@ -500,23 +499,25 @@ def _decode_blockwise(
             out[start:stop].view(-1, bs),
             idx,
         )
-    if full < n:  # the partial last block, through a zero-padded copy of its codes
-        tail_codes = torch.zeros(bs // codes_per_byte, dtype=torch.uint8, device=dev)
-        tail_codes[: code_bytes - full // codes_per_byte] = buf[full // codes_per_byte : code_bytes]
-        tail = torch.empty(1, bs, dtype=torch.float32, device=dev)
-        _decode_run(
-            tail_codes,
-            codec,
-            scales[-1:],
-            tail,
-            torch.empty(bs // codes_per_byte, dtype=torch.int32, device=dev),
-        )
-        out[full:] = tail.view(-1)[: n - full]
+    if full < n:
+        out[full:] = _decode_tail(buf, codec, bs, n, scales[-1:])
     # An int8 code of -128 (never written by encode) overflows where 127 * scale just fits;
     # only then, which needs a scale within 1% of float32's limit, is the output scanned.
     if codec == pb.CODEC_INT8 and not bool(torch.isfinite(scales * 128.0).all()):
         if not _all_finite(out):
             raise CodecError("int8 payload decodes to Inf: code -128 with a scale near float32 max")
+
+
+def _decode_tail(buf: torch.Tensor, codec: int, bs: int, n: int, scale: torch.Tensor) -> torch.Tensor:
+    """The values of the partial last block (``n % bs`` of them, FP32), decoded through a
+    zero-padded copy of its codes; ``scale`` is that block's (1-element) scale."""
+    per_byte = 1 if codec == pb.CODEC_INT8 else 2
+    full, code_bytes = (n // bs) * bs, _code_bytes(codec, n)
+    tail_codes = torch.zeros(bs // per_byte, dtype=torch.uint8, device=buf.device)
+    tail_codes[: code_bytes - full // per_byte] = buf[full // per_byte : code_bytes]
+    tail = torch.empty(1, bs, dtype=torch.float32, device=buf.device)
+    _decode_run(tail_codes, codec, scale, tail, torch.empty(bs // per_byte, dtype=torch.int32, device=buf.device))
+    return tail.view(-1)[: n - full]
 
 
 def _checked_scales(buf: torch.Tensor, codec: int, n: int, scale_dtype: int) -> torch.Tensor:
@@ -602,13 +603,8 @@ def accumulate(
                 torch.mul(q.view(o.shape), sc, out=o)
             else:
                 o.addcmul_(q.view(o.shape), sc)
-        if full < n:  # the partial last block, decoded alone through a zero-padded copy
-            code_bytes = _code_bytes(codec, n)
-            tail_codes = torch.zeros(bs // per_byte, dtype=torch.uint8, device=buf.device)
-            tail_codes[: code_bytes - full // per_byte] = buf[full // per_byte : code_bytes]
-            tail = torch.empty(1, bs, dtype=torch.float32, device=out.device)
-            _decode_run(tail_codes, codec, raw_scales[-1:], tail, torch.empty(bs // 2, dtype=torch.int32, device=buf.device))
-            vals = tail.view(-1)[: n - full]
+        if full < n:  # the partial last block, decoded alone
+            vals = _decode_tail(buf, codec, bs, n, raw_scales[-1:])
             if overwrite:
                 torch.mul(vals, weight, out=out[full:])
             else:

@@ -154,7 +154,7 @@ class FragmentState:
         self.round: Round | None = None
         self.spare: Accumulator | None = None
         self.merged_buf = torch.empty(0)
-        self.prev_buf = torch.empty(0)
+        self.chain_buf = torch.empty(0)  # the newest update as decoded, before it is added
         # Push buffers by size (-1: FP32 decode), kept for reuse up to two FP32 copies of the
         # fragment: a fresh 100 MB buffer costs about 30 ms of page faults here, 8x a reuse.
         self.buffers: dict[int, list[torch.Tensor]] = {}
@@ -271,13 +271,22 @@ class FragmentState:
             self.give_buffer(buf)
         return verdict, rnd
 
-    def _add_deferred_locked(self, rnd: Round) -> list[torch.Tensor]:
-        """Adds an open round's deferred pushes now, in arrival order; returns their buffers for
-        the pool. Caller holds `lock`."""
+    @staticmethod
+    def _drain(rnd: Round, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Adds the round's held pushes to its accumulator, in arrival order; returns their
+        buffers (for the pool, and for the held-bytes count)."""
         spent = [buf for buf, _, _ in rnd.deferred]
-        for buf, header, weight in rnd.deferred:
-            rnd.acc.add_payload(buf, header, weight)
-        rnd.deferred.clear()
+        try:
+            for buf, header, weight in rnd.deferred:
+                rnd.acc.add_payload(buf, header, weight, scratch)
+        finally:
+            rnd.deferred.clear()
+        return spent
+
+    def _add_deferred_locked(self, rnd: Round) -> list[torch.Tensor]:
+        """`_drain` of an open round (a push past the budget is about to be added). Caller
+        holds `lock`."""
+        spent = self._drain(rnd)
         self.deferred_bytes -= sum(buf.numel() for buf in spent)
         return spent
 
@@ -322,16 +331,15 @@ class FragmentState:
             return
         # A decode buffer only where one is needed (radial merge, FP4): the rest add in place.
         scratch = self.take_buffer() if rnd.acc.radial or any(h.codec == pb.CODEC_FP4_E3M0 for _, h, _ in rnd.deferred) else None
-        held = sum(buf.numel() for buf, _, _ in rnd.deferred)
+        held = [buf for buf, _, _ in rnd.deferred]
         try:
-            for buf, header, weight in rnd.deferred:
-                rnd.acc.add_payload(buf, header, weight, scratch)
-                self.give_buffer(buf)
+            self._drain(rnd, scratch)
         finally:
+            for buf in held:
+                self.give_buffer(buf)
             if scratch is not None:
                 self.give_buffer(scratch)
-            rnd.deferred.clear()
-            self.release(held)
+            self.release(sum(buf.numel() for buf in held))
 
     def apply(self, rnd: Round) -> float:
         """Merges a taken round and applies the outer step, in version order; returns seconds."""
@@ -378,9 +386,9 @@ class FragmentState:
         update = torch.add(self.residual, merged, alpha=factor, out=merged)  # merged is scratch now
         header = codec.make_header(self.chain_codec, self.numel)
         encoded = codec.encode(update, self.chain_codec)  # fresh: pulls may still be streaming old links
-        if self.prev_buf.numel() != self.numel:
-            self.prev_buf = torch.empty(self.numel)
-        decoded = codec.values(encoded, header, self.prev_buf)
+        if self.chain_buf.numel() != self.numel:
+            self.chain_buf = torch.empty(self.numel)
+        decoded = codec.values(encoded, header, self.chain_buf)
         torch.sub(update, decoded, out=self.residual)
         self.params.add_(decoded)
         self.chain.append((version, header, encoded))
