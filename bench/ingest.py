@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from bench.common import machine, parser, table, write_json
-from protos import codec
+from protos import codec, framing
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.spec import TensorInfo, plan_fragments
@@ -75,7 +75,7 @@ def client(address: str, mode: str, codec_id: int, params: int, fragments: int, 
     # hold 3.2 GB of them).
     payloads = []
     for f in spec.fragments:
-        chunks = codec.iter_chunks(codec.encode(torch.randn(f.numel) * 1e-3, codec_id))
+        chunks = framing.iter_chunks(codec.encode(torch.randn(f.numel) * 1e-3, codec_id))
         wire = [c.data if mode == "raw" else pb.PushRequest(chunk=c).SerializeToString() for c in chunks]
         payloads.append((f, codec.make_header(codec_id, f.numel), wire))
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
@@ -126,7 +126,7 @@ def init_synchronizer(address: str, params: int, fragments: int) -> None:
         yield pb.InitModelRequest(start=pb.InitStart(learner_id=joined.learner_id, spec_hash=spec.spec_hash))
         for f in spec.fragments:
             yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=f.fragment_id, payload=codec.make_header(pb.CODEC_FP32, f.numel)))
-            for c in codec.iter_chunks(codec.encode(torch.zeros(f.numel), pb.CODEC_FP32)):
+            for c in framing.iter_chunks(codec.encode(torch.zeros(f.numel), pb.CODEC_FP32)):
                 yield pb.InitModelRequest(chunk=c)
 
     stub.InitModel(msgs(), timeout=300)

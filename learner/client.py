@@ -22,7 +22,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from protos import codec
+from protos import codec, framing
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.spec import ModelSpec
@@ -62,7 +62,7 @@ class SyncClient:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         tls_server_name: str | None = None,
-        chunk_bytes: int = codec.CHUNK_BYTES,
+        chunk_bytes: int = framing.CHUNK_BYTES,
     ) -> None:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
@@ -153,7 +153,7 @@ class SyncClient:
                 buf = codec.encode(flat.detach().float().cpu().reshape(-1), pb.CODEC_FP32)
                 header = codec.make_header(pb.CODEC_FP32, flat.numel())
                 yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=fid, payload=header))
-                for chunk in codec.iter_chunks(buf, self.chunk_bytes):
+                for chunk in framing.iter_chunks(buf, self.chunk_bytes):
                     yield pb.InitModelRequest(chunk=chunk)
 
         def call() -> pb.InitModelReply:
@@ -195,7 +195,7 @@ class SyncClient:
 
         def messages() -> Iterator[pb.PushRequest]:
             yield pb.PushRequest(header=push_header)
-            for chunk in codec.iter_chunks(encoded, self.chunk_bytes):
+            for chunk in framing.iter_chunks(encoded, self.chunk_bytes):
                 yield pb.PushRequest(chunk=chunk)
 
         def call() -> pb.PushReply:
@@ -263,7 +263,7 @@ class SyncClient:
         if h.HasField("payload"):  # the whole fragment
             n = h.payload.numel if n is None else n
             codec.validate_header(h.payload, n, (pb.CODEC_FP32, pb.CODEC_BF16))
-            whole = codec.Assembler(h.payload)
+            whole = framing.Assembler(h.payload)
             for msg in messages:
                 self._count(received=msg.ByteSize())
                 if msg.WhichOneof("kind") != "chunk":
@@ -271,7 +271,7 @@ class SyncClient:
                 whole.add(msg.chunk)
             target = out if out is not None else torch.empty(n, dtype=torch.float32)
             codec.decode(whole.finish(), h.payload, target)
-            if h.checksum and h.payload.codec == pb.CODEC_FP32 and codec.checksum(target) != h.checksum:
+            if h.checksum and h.payload.codec == pb.CODEC_FP32 and framing.checksum(target) != h.checksum:
                 raise codec.CodecError(f"fragment {fragment_id} version {h.version}: checksum mismatch")
             return h.version, h.server_epoch, target
         # A delta: the updates after have[0], each turning version - 1 into version.
@@ -283,7 +283,7 @@ class SyncClient:
         scratch = torch.empty_like(target)
         expected = h.delta_from + 1
         link: pb.DeltaLink | None = None
-        asm: codec.Assembler | None = None
+        asm: framing.Assembler | None = None
         for msg in messages:
             self._count(received=msg.ByteSize())
             kind = msg.WhichOneof("kind")
@@ -292,7 +292,7 @@ class SyncClient:
                 if link.version != expected:
                     raise codec.CodecError(f"fragment {fragment_id}: update {link.version} arrived, {expected} expected")
                 codec.validate_header(link.payload, target.numel())
-                asm = codec.Assembler(link.payload)
+                asm = framing.Assembler(link.payload)
             elif kind == "chunk" and asm is not None:
                 asm.add(msg.chunk)
             else:
@@ -302,7 +302,7 @@ class SyncClient:
                 expected, asm = expected + 1, None
         if asm is not None or expected - 1 != h.version or expected - 1 - h.delta_from != h.links:
             raise codec.CodecError(f"fragment {fragment_id}: the delta to version {h.version} is incomplete")
-        if h.checksum and codec.checksum(target) != h.checksum:
+        if h.checksum and framing.checksum(target) != h.checksum:
             raise codec.CodecError(f"fragment {fragment_id} version {h.version}: checksum mismatch after the delta")
         return h.version, h.server_epoch, target
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from protos import codec
+from protos import codec, framing
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.configload import ConfigError, add_flags, load
@@ -95,7 +95,7 @@ def _init(args: argparse.Namespace) -> int:
             flat = torch.cat([tensors[t.name].to(torch.float32).reshape(-1) for t in frag.tensors])
             header = codec.make_header(pb.CODEC_FP32, frag.numel)
             yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=frag.fragment_id, payload=header))
-            for chunk in codec.iter_chunks(codec.encode(flat, pb.CODEC_FP32).cpu()):
+            for chunk in framing.iter_chunks(codec.encode(flat, pb.CODEC_FP32).cpu()):
                 yield pb.InitModelRequest(chunk=chunk)
 
     reply = stub.InitModel(requests(), timeout=args.timeout_s, metadata=md)

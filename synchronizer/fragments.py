@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from protos import codec
+from protos import codec, framing
 from protos import diloco_pb2 as pb
 from protos.spec import Fragment as FragmentSpec
 from synchronizer.config import SynchronizerConfig
@@ -470,7 +470,7 @@ class FragmentState:
             crc = self.checksums.get(self.version)
             if crc is None:
                 assert self.params is not None
-                crc = codec.checksum(self.params)
+                crc = framing.checksum(self.params)
                 self.checksums = {self.version: crc}
             return crc
 

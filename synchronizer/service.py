@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import grpc
 import torch
 
-from protos import codec
+from protos import codec, framing
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.spec import ModelSpec
@@ -233,7 +233,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
     def _receive_init(self, request_iterator: Iterator[pb.InitModelRequest]) -> list[torch.Tensor]:
         """Every fragment's FP32 parameters, each exactly once, checked finite."""
         got: dict[int, torch.Tensor] = {}
-        asm: codec.Assembler | None = None
+        asm: framing.Assembler | None = None
         header = pb.PayloadHeader()
         fid = -1
         for msg in request_iterator:
@@ -247,7 +247,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
                     raise _invalid("bad_stream", f"fragment {fid} was sent twice")
                 header = msg.fragment.payload
                 self._validate_payload(header, frag.numel, (pb.CODEC_FP32,))
-                asm = codec.Assembler(header)
+                asm = framing.Assembler(header)
             elif kind == "chunk":
                 if asm is None:
                     raise _invalid("bad_stream", "a chunk arrived before its InitFragmentHeader")
@@ -330,7 +330,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
         received = frag.take_buffer(nbytes)
         reserved = kept = False
         try:
-            asm = codec.Assembler(h.payload, buffer=received)
+            asm = framing.Assembler(h.payload, buffer=received)
             for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
                     raise _invalid("bad_stream", "only chunks may follow the PushHeader")
@@ -384,7 +384,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
         except codec.CodecError as e:
             raise _invalid("bad_payload_header", str(e)) from None
 
-    def _add_chunk(self, asm: codec.Assembler, chunk: pb.Chunk | wire.RawChunk) -> None:
+    def _add_chunk(self, asm: framing.Assembler, chunk: pb.Chunk | wire.RawChunk) -> None:
         if isinstance(chunk, wire.RawChunk):  # bytes as received, not copied into a message
             offset, data, start, size = chunk.offset, chunk.source, chunk.start, chunk.size
         else:  # read the bytes field once: each read copies it (so would ByteSize())
@@ -401,13 +401,13 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
         except codec.CodecError as e:
             raise _invalid("bad_chunk", str(e)) from None
 
-    def _check_values(self, asm: codec.Assembler, header: pb.PayloadHeader) -> None:
+    def _check_values(self, asm: framing.Assembler, header: pb.PayloadHeader) -> None:
         try:
             codec.check(asm.finish(), header)
         except codec.CodecError as e:
             raise _invalid("bad_values", f"payload rejected: {e}") from None
 
-    def _decode(self, asm: codec.Assembler, header: pb.PayloadHeader, out: torch.Tensor) -> torch.Tensor:
+    def _decode(self, asm: framing.Assembler, header: pb.PayloadHeader, out: torch.Tensor) -> torch.Tensor:
         try:
             return codec.decode(asm.finish(), header, out)
         except codec.CodecError as e:
@@ -439,12 +439,12 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):
             yield pb.PullReply(header=pb.PullHeader(fragment_id=frag.fid, version=version, server_epoch=self.epoch, delta_from=request.have_version, links=len(links), checksum=checksum))
             for v, link_header, link_buf in links:
                 yield pb.PullReply(link=pb.DeltaLink(version=v, payload=link_header))
-                for chunk in codec.iter_chunks(link_buf):
+                for chunk in framing.iter_chunks(link_buf):
                     yield pb.PullReply(chunk=chunk)
                 self.metrics.bytes_out.labels(codec.codec_name(link_header.codec)).inc(link_header.total_bytes)
             return
         yield pb.PullReply(header=pb.PullHeader(fragment_id=frag.fid, version=version, server_epoch=self.epoch, payload=header, checksum=checksum))
-        for chunk in codec.iter_chunks(buf):
+        for chunk in framing.iter_chunks(buf):
             yield pb.PullReply(chunk=chunk)
         self.metrics.bytes_out.labels(codec.codec_name(codec_id)).inc(header.total_bytes)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 import torch
 
-from protos import codec
+from protos import codec, framing
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.spec import ModelSpec, TensorInfo, plan_fragments
@@ -23,7 +23,7 @@ def small_spec(sizes: Sequence[int] = (300, 257, 100, 40), fragments: int = 2) -
 
 def push_messages(header: pb.PushHeader, buf: torch.Tensor, chunk_bytes: int = 512) -> Iterator[pb.PushRequest]:
     yield pb.PushRequest(header=header)
-    for chunk in codec.iter_chunks(buf, chunk_bytes):
+    for chunk in framing.iter_chunks(buf, chunk_bytes):
         yield pb.PushRequest(chunk=chunk)
 
 
@@ -51,7 +51,7 @@ class Client:
             yield pb.InitModelRequest(start=pb.InitStart(learner_id=self.learner_id, spec_hash=self.spec.spec_hash))
             for frag, flat in zip(self.spec.fragments, flats, strict=True):
                 yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=frag.fragment_id, payload=codec.make_header(pb.CODEC_FP32, frag.numel)))
-                for chunk in codec.iter_chunks(codec.encode(flat, pb.CODEC_FP32), 1000):
+                for chunk in framing.iter_chunks(codec.encode(flat, pb.CODEC_FP32), 1000):
                     yield pb.InitModelRequest(chunk=chunk)
 
         return self.stub.InitModel(msgs(), timeout=TIMEOUT, metadata=self.md)
@@ -75,7 +75,7 @@ class Client:
     def pull(self, fragment: int, min_version: int = 0, wait_s: float = 0.0, codec_id: int = pb.CODEC_FP32) -> tuple[int, torch.Tensor]:
         replies = self.stub.PullFragment(pb.PullRequest(learner_id=self.learner_id, fragment_id=fragment, min_version=min_version, wait_s=wait_s, codec=codec_id), timeout=TIMEOUT, metadata=self.md)
         header = next(replies).header
-        asm = codec.Assembler(header.payload)
+        asm = framing.Assembler(header.payload)
         for r in replies:
             asm.add(r.chunk)
         out = torch.empty(header.payload.numel, dtype=torch.float32)

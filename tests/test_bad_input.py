@@ -8,8 +8,8 @@ import grpc
 import pytest
 import torch
 
-from protos import codec
 from protos import diloco_pb2 as pb
+from protos import framing
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer.server import RunningServer
 from tests.helpers import Client, push_messages, small_spec, wait_until
@@ -135,7 +135,7 @@ def test_wrong_element_count_is_invalid_argument(ready):
 def test_out_of_order_chunks_are_invalid_argument(ready):
     srv, c = ready
     h, buf = c.header(0, _delta(), pb.CODEC_FP32, 0)
-    chunks = list(codec.iter_chunks(buf, 256))
+    chunks = list(framing.iter_chunks(buf, 256))
     chunks[0], chunks[1] = chunks[1], chunks[0]
     _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: _raw_push(c, h, iter(chunks)), "in order")
 
@@ -143,14 +143,14 @@ def test_out_of_order_chunks_are_invalid_argument(ready):
 def test_missing_chunks_are_invalid_argument(ready):
     srv, c = ready
     h, buf = c.header(0, _delta(), pb.CODEC_FP32, 0)
-    chunks = list(codec.iter_chunks(buf, 256))[:-1]
+    chunks = list(framing.iter_chunks(buf, 256))[:-1]
     _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: _raw_push(c, h, iter(chunks)), "stream ended")
 
 
 def test_oversized_stream_is_resource_exhausted(ready):
     srv, c = ready
     h, buf = c.header(0, _delta(), pb.CODEC_FP32, 0)
-    chunks = list(codec.iter_chunks(buf, 256)) + [pb.Chunk(offset=buf.numel(), data=b"x" * 64)]
+    chunks = list(framing.iter_chunks(buf, 256)) + [pb.Chunk(offset=buf.numel(), data=b"x" * 64)]
     _expect(srv, grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: _raw_push(c, h, iter(chunks)), "runs past")
 
 
@@ -160,7 +160,7 @@ def test_nan_after_decoding_is_invalid_argument(ready):
     h, _ = c.header(0, d, pb.CODEC_FP32, 0)
     d[5] = float("nan")
     raw = d.view(torch.uint8).clone()
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: _raw_push(c, h, codec.iter_chunks(raw, 256)), "NaN")
+    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: _raw_push(c, h, framing.iter_chunks(raw, 256)), "NaN")
 
 
 def test_inf_scale_is_invalid_argument(ready):

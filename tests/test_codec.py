@@ -10,6 +10,7 @@ import torch
 
 from protos import codec as C
 from protos import diloco_pb2 as pb
+from protos import framing as F
 
 FP32, BF16, INT8, INT4, FP4 = (
     pb.CODEC_FP32,
@@ -442,10 +443,10 @@ def test_payload_spanning_several_chunks_reassembles_and_decodes_identically():
     x = gaussian(10_000)
     header = C.make_header(INT8, x.numel(), 128)
     buf = C.encode(x, INT8, 128)
-    chunks = list(C.iter_chunks(buf, chunk_bytes=1000))
+    chunks = list(F.iter_chunks(buf, chunk_bytes=1000))
     assert len(chunks) == math.ceil(buf.numel() / 1000)
     assert [c.offset for c in chunks] == list(range(0, buf.numel(), 1000))
-    assembler = C.Assembler(header, max_bytes=header.total_bytes)
+    assembler = F.Assembler(header, max_bytes=header.total_bytes)
     for chunk in chunks:
         assert not assembler.complete
         assembler.add(chunk)
@@ -459,23 +460,23 @@ def test_payload_spanning_several_chunks_reassembles_and_decodes_identically():
 def test_empty_payload_is_no_chunks_and_assembles_immediately():
     header = C.make_header(INT8, 0)
     buf = C.encode(torch.empty(0), INT8)
-    assert header.total_bytes == 0 and list(C.iter_chunks(buf)) == []
-    assembler = C.Assembler(header)
+    assert header.total_bytes == 0 and list(F.iter_chunks(buf)) == []
+    assembler = F.Assembler(header)
     assert assembler.complete and assembler.finish().numel() == 0
     assert C.decode(assembler.finish(), header, torch.empty(0)).numel() == 0
 
 
 def test_iter_chunks_default_size_and_cpu_only():
-    buf = torch.arange(256, dtype=torch.uint8).repeat(C.CHUNK_BYTES // 256 * 2 + 1)
-    chunks = list(C.iter_chunks(buf))
-    assert [len(c.data) for c in chunks] == [C.CHUNK_BYTES, C.CHUNK_BYTES, 256]
+    buf = torch.arange(256, dtype=torch.uint8).repeat(F.CHUNK_BYTES // 256 * 2 + 1)
+    chunks = list(F.iter_chunks(buf))
+    assert [len(c.data) for c in chunks] == [F.CHUNK_BYTES, F.CHUNK_BYTES, 256]
     assert b"".join(c.data for c in chunks) == bytes(buf.tolist())
     with pytest.raises(C.CodecError, match="uint8 CPU"):
-        next(C.iter_chunks(torch.zeros(4)))
+        next(F.iter_chunks(torch.zeros(4)))
 
 
-def assembler_for(total: int, max_bytes: int | None = None) -> C.Assembler:
-    return C.Assembler(pb.PayloadHeader(total_bytes=total), max_bytes=max_bytes)
+def assembler_for(total: int, max_bytes: int | None = None) -> F.Assembler:
+    return F.Assembler(pb.PayloadHeader(total_bytes=total), max_bytes=max_bytes)
 
 
 def test_assembler_rejects_out_of_order_chunk():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from protos import codec
+from protos import codec, framing
 from protos import diloco_pb2 as pb
 from tests.helpers import Client, small_spec
 
@@ -19,14 +19,14 @@ def _delta_pull(c: Client, have: int, base: torch.Tensor) -> tuple[pb.PullHeader
     params, wire = base.clone(), 0
     asm, link = None, None
     if header.HasField("payload"):  # full pull: decode it instead
-        asm = codec.Assembler(header.payload)
+        asm = framing.Assembler(header.payload)
         for msg in stream:
             asm.add(msg.chunk)
         return header, codec.decode(asm.finish(), header.payload, torch.empty(N)), wire
     for msg in stream:
         wire += msg.ByteSize()
         if msg.WhichOneof("kind") == "link":
-            link, asm = msg.link, codec.Assembler(msg.link.payload)
+            link, asm = msg.link, framing.Assembler(msg.link.payload)
         else:
             asm.add(msg.chunk)
             if asm.complete:
@@ -53,7 +53,7 @@ def test_delta_chain_reproduces_the_served_parameters_bit_for_bit(make_server):
     version, served = c.pull(0)
     assert header.version == version == 3
     assert torch.equal(rebuilt, served)
-    assert codec.checksum(rebuilt) == header.checksum
+    assert framing.checksum(rebuilt) == header.checksum
     assert wire < N * 4 * 3 / 3  # three INT8 updates cost less than one FP32 pull
 
 

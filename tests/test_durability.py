@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
-from protos import codec
 from protos import diloco_pb2 as pb
+from protos import framing
 from synchronizer import checkpoint
 from tests.helpers import Client, small_spec
 
@@ -24,7 +24,7 @@ def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server, caplo
     c.join()
     c.init([torch.zeros(SPEC.fragments[0].numel)])
     h, buf = c.header(0, torch.full((SPEC.fragments[0].numel,), 0.25), pb.CODEC_FP32, 0, seq=1)
-    chunks = list(codec.iter_chunks(buf, 256))
+    chunks = list(framing.iter_chunks(buf, 256))
     half_sent, never = threading.Event(), threading.Event()
 
     def dying() -> Iterator[pb.PushRequest]:
