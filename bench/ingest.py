@@ -33,9 +33,10 @@ from bench.common import machine, parser, table, write_json
 from protos import codec, framing
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
+from protos.initmodel import init_model_requests
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer.config import SynchronizerConfig
-from synchronizer.fragments import FragmentState
+from synchronizer.fragments import Fragment
 from synchronizer.goodput import Goodput
 from synchronizer.merge import Accumulator
 from synchronizer.metrics import Metrics
@@ -122,14 +123,8 @@ def init_synchronizer(address: str, params: int, fragments: int) -> None:
     stub = pb_grpc.SynchronizerStub(grpc.insecure_channel(address, options=GRPC_OPTIONS))
     joined = stub.Join(pb.JoinRequest(learner_name="init", spec=spec.to_proto()), timeout=60)
 
-    def msgs():
-        yield pb.InitModelRequest(start=pb.InitStart(learner_id=joined.learner_id, spec_hash=spec.spec_hash))
-        for f in spec.fragments:
-            yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=f.fragment_id, payload=codec.make_header(pb.CODEC_FP32, f.numel)))
-            for c in framing.iter_chunks(codec.encode(torch.zeros(f.numel), pb.CODEC_FP32)):
-                yield pb.InitModelRequest(chunk=c)
-
-    stub.InitModel(msgs(), timeout=300)
+    zeros = (torch.zeros(f.numel) for f in spec.fragments)
+    stub.InitModel(init_model_requests(joined.learner_id, spec.spec_hash, zeros), timeout=300)
     stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id), timeout=60)
 
 
@@ -161,11 +156,11 @@ def measure_ingest(params: int, fragments: int, clients: int, codec_name: str, s
     finally:
         sink.stop(0)
     with tempfile.TemporaryDirectory() as state:
-        cfg = SynchronizerConfig(port=0, metrics_port=-1, state_dir=Path(state), quorum=quorum, grace="none", anchor="base", max_staleness=1_000_000, token_weight="uniform", checkpoint_interval_s=0, max_concurrent_streams=64, shutdown_grace_s=1)
+        cfg = SynchronizerConfig(port=0, metrics_port=-1, state_dir=Path(state), quorum=quorum, grace="none", anchor="base", max_staleness=1_000_000, token_weight="uniform", checkpoint_interval_s=0, max_concurrent_streams=24, shutdown_grace_s=1)
         with service_threads(), serving(cfg, Metrics()) as srv:
             init_synchronizer(srv.address, params, fragments)
             got = run_clients(srv.address, "sync", codec_id, params, fragments, clients, seconds)
-            steps = sum(f.version for f in srv.service.fragments)
+            steps = sum(f.version for f in srv.synchronizer.fragments)
     release_memory()
     bytes_per_param = codec.encoded_nbytes(codec_id, params) / params
     return {
@@ -183,7 +178,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
     """The outer step as the Synchronizer runs it, against one plain add_ pass over the tensors.
 
     apply = an INT8 push decoded into the round's accumulator (weight folded into the scales)
-    + weighted merge + Nesterov; `with_chain_s` is the whole `FragmentState.apply` of a one-push
+    + weighted merge + Nesterov; `with_chain_s` is the whole `Fragment.apply` of a one-push
     round with the default INT8 update chain that delta pulls are served from.
     """
     g = torch.Generator().manual_seed(0)
@@ -198,7 +193,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
         cfg = SynchronizerConfig(state_dir=Path(state), anchor="base", token_weight="uniform")
         metrics = Metrics()
         spec = plan_fragments([TensorInfo("w", (numel,))], 1).fragments[0]
-        frag = FragmentState(spec, cfg, metrics, Goodput(metrics, cfg.goodput_window_s), numel)
+        frag = Fragment(spec, cfg, metrics, Goodput(metrics, cfg.goodput_window_s), numel)
         frag.initialize(params)
     plain, apply, chain, parts = [], [], [], {"decode": [], "merge": [], "nesterov": []}
     with service_threads():
@@ -218,10 +213,10 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
             parts["decode"].append(t1 - t0)
             parts["merge"].append(t2 - t1)
             parts["nesterov"].append(t3 - t2)
-            assert frag.reserve(payload.numel())
+            assert frag.held.reserve(payload.numel())
             frag.submit("bench", frag.version, 1000, 10, 1.0, (payload.clone(), header), hold=True)
-            rnd = frag.round
-            assert rnd is not None and frag.take_round(rnd)
+            rnd = frag.admission.round
+            assert rnd is not None and frag.admission.take(rnd)
             chain.append(frag.apply(rnd))
     plain_s, apply_s = statistics.median(plain), statistics.median(apply)
     return {

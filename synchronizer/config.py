@@ -12,6 +12,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protos.framing import CHUNK_BYTES
+
+RESERVED_WORKERS = 8  # gRPC workers no stream may take: heartbeats, joins, health checks
+MIN_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)  # one wire chunk plus its framing
+
 
 class SynchronizerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -53,10 +58,10 @@ class SynchronizerConfig(BaseModel):
     inner_steps: int = Field(0, ge=0, description="H for the fastest learner under Dynamic Local Updates (required when they are on)")
 
     # Limits
-    max_pull_wait_s: float = Field(30.0, ge=0, description="Longest a pull may wait for a minimum version")
-    max_message_bytes: int = Field(8 << 20, ge=1 << 16, description="Largest single gRPC message accepted or sent")
-    max_concurrent_streams: int = Field(64, ge=1, description="Push and pull streams served at once; more get RESOURCE_EXHAUSTED")
-    max_workers: int = Field(32, ge=2, description="gRPC worker threads")
+    max_pull_wait_s: float = Field(30.0, ge=0, description="Longest a pull may wait for a minimum version (it holds a stream slot and a gRPC worker meanwhile)")
+    max_message_bytes: int = Field(8 << 20, ge=MIN_MESSAGE_BYTES, description=f"Largest single gRPC message accepted or sent; at least one wire chunk ({MIN_MESSAGE_BYTES} bytes)")
+    max_concurrent_streams: int = Field(32, ge=1, description="Push and pull streams served at once (each holds a gRPC worker); more get RESOURCE_EXHAUSTED")
+    max_workers: int = Field(40, ge=2, description=f"gRPC worker threads; at least max_concurrent_streams + {RESERVED_WORKERS}, so heartbeats, joins and health checks always find one")
     apply_threads: int = Field(1, ge=1, description="Threads that decode pushes, merge rounds and apply outer steps; more apply fragments in parallel on machines with cores to spare, and take CPU from receiving pushes on small ones")
     compute_threads: int = Field(1, ge=1, description="Torch threads for decoding and outer steps; memory-bound work gains little from more, which the gRPC threads need")
 
@@ -78,6 +83,11 @@ class SynchronizerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> SynchronizerConfig:
+        if self.max_workers < self.max_concurrent_streams + RESERVED_WORKERS:
+            raise ValueError(
+                f"max_workers ({self.max_workers}) must be at least max_concurrent_streams ({self.max_concurrent_streams}) + {RESERVED_WORKERS}: "
+                "every push or pull stream holds a gRPC worker, and heartbeats, joins and health checks need workers of their own"
+            )
         if self.dynamic_local_updates and self.inner_steps < 1:
             raise ValueError("dynamic_local_updates needs inner_steps >= 1 (H of the fastest learner)")
         if self.anchor == "current" and self.update_history < self.max_staleness:

@@ -16,21 +16,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from protos import diloco_pb2 as pb
+from synchronizer.errors import Code, Rejected
 
 logger = logging.getLogger(__name__)
 
 REPLIES_KEPT = 256  # push replies remembered per learner for duplicate detection
-
-
-class LeaseError(Exception):
-    """A request from a learner that is unknown or not alive; carries the gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
 
 
 @dataclass
@@ -78,8 +69,8 @@ class Registry:
                 return rec, revived
             present = sum(1 for r in self.learners.values() if r.state != "left")
             if present >= self.max_learners:
-                raise LeaseError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise Rejected(
+                    Code.RESOURCE_EXHAUSTED,
                     "too_many_learners",
                     f"the Synchronizer already has {present} learners (max_learners={self.max_learners})",
                 )
@@ -89,19 +80,19 @@ class Registry:
             return rec, False
 
     def alive(self, learner_id: str, renew: bool = True) -> LearnerRecord:
-        """The live record for an id, lease renewed; LeaseError if unknown, dead or gone."""
+        """The live record for an id, lease renewed: Rejected if unknown, dead or gone."""
         with self.lock:
             rec = self.learners.get(learner_id)
             if rec is None or rec.state == "left":
-                raise LeaseError(
-                    grpc.StatusCode.NOT_FOUND,
+                raise Rejected(
+                    Code.NOT_FOUND,
                     "unknown_learner",
                     f"learner {learner_id!r} is not joined; call Join first",
                 )
             now = time.monotonic()
             if rec.state == "dead" or now > rec.lease_deadline:
-                raise LeaseError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise Rejected(
+                    Code.FAILED_PRECONDITION,
                     "lease_expired",
                     f"the lease of learner {learner_id!r} expired; call Join again with this learner_id",
                 )
@@ -125,8 +116,8 @@ class Registry:
         with self.lock:
             rec = self.learners.get(learner_id)
             if rec is None or rec.state == "left":
-                raise LeaseError(
-                    grpc.StatusCode.NOT_FOUND, "unknown_learner", f"learner {learner_id!r} is not joined"
+                raise Rejected(
+                    Code.NOT_FOUND, "unknown_learner", f"learner {learner_id!r} is not joined"
                 )
             rec.state = "left"
             return rec

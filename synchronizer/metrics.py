@@ -101,6 +101,11 @@ class Metrics:
         self.fragment_version = Gauge(
             "diloco_fragment_version", "Current version of each fragment.", ["fragment"], registry=r
         )
+        self.fragments_failed = Gauge(
+            "diloco_fragments_failed",
+            "Fragments whose outer step failed; they serve nothing until a restart (health is NOT_SERVING).",
+            registry=r,
+        )
         self.rpcs = Counter(
             "diloco_rpcs_total", "RPCs handled, by method and status code.", ["method", "code"], registry=r
         )

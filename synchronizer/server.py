@@ -24,9 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from protos import diloco_pb2 as pb
-from protos import diloco_pb2_grpc as pb_grpc
-from synchronizer import wire
 from synchronizer.config import SynchronizerConfig
+from synchronizer.core import Synchronizer
 from synchronizer.metrics import Metrics
 from synchronizer.service import SynchronizerService
 
@@ -87,11 +86,12 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 @dataclass
 class RunningServer:
     server: grpc.Server
-    service: SynchronizerService
+    synchronizer: Synchronizer
     health: health.HealthServicer
     port: int
     metrics_port: int | None
     host: str
+    metrics_httpd: Any = None
 
     @property
     def address(self) -> str:
@@ -109,35 +109,16 @@ def _credentials(cfg: SynchronizerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
-class _Handlers:
-    """Stands in for the server to catch the generated code's method handlers."""
-
-    def __init__(self) -> None:
-        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        pass
-
-    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.handlers = dict(handlers)
-
-
-def _add_service(service: SynchronizerService, server: grpc.Server) -> None:
-    """The generated registration, with PushFragment's chunks read without copies (`wire`)."""
-    caught = _Handlers()
-    pb_grpc.add_SynchronizerServicer_to_server(service, caught)  # type: ignore[arg-type]
-    handlers = caught.handlers
-    handlers["PushFragment"] = grpc.stream_unary_rpc_method_handler(
-        service.PushFragment, request_deserializer=wire.parse_push_request, response_serializer=pb.PushReply.SerializeToString
-    )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+def _not_serving(servicer: health.HealthServicer, reason: str) -> None:
+    logger.error("health is NOT_SERVING: %s", reason)
+    for name in ("", SERVICE_NAME):
+        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningServer:
     """Starts the service; raises OSError if a port cannot be bound."""
     metrics = metrics or Metrics()
-    service = SynchronizerService(cfg, metrics)
+    core = Synchronizer(cfg, metrics)
     interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.admin_token)] if cfg.auth_token or cfg.admin_token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
@@ -149,7 +130,9 @@ def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningSer
             ("grpc.max_concurrent_streams", cfg.max_concurrent_streams * 2),
         ],
     )
-    _add_service(service, server)
+    handlers = SynchronizerService(core).handlers()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -157,29 +140,28 @@ def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningSer
     creds = _credentials(cfg)
     port = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
     if port == 0:
-        service.close()
+        core.close()
         raise OSError(f"could not bind the gRPC port {bind} (in use, or not an address of this host)")
-    metrics_port = None
+    metrics_port, httpd = None, None
     if cfg.metrics_port >= 0:
         httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
         metrics_port = httpd.server_port
-        service.metrics_httpd = httpd  # type: ignore[attr-defined]
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("Synchronizer serving gRPC on %s:%d, metrics on %s (epoch %s)", cfg.host, port, f"{cfg.metrics_host}:{metrics_port}" if metrics_port is not None else "nothing", service.epoch)
-    return RunningServer(server, service, health_servicer, port, metrics_port, cfg.host)
+    core.health_listeners.append(lambda reason: _not_serving(health_servicer, reason))
+    logger.info("Synchronizer serving gRPC on %s:%d, metrics on %s (epoch %s)", cfg.host, port, f"{cfg.metrics_host}:{metrics_port}" if metrics_port is not None else "nothing", core.epoch)
+    return RunningServer(server, core, health_servicer, port, metrics_port, cfg.host, httpd)
 
 
 def stop(running: RunningServer, grace_s: float) -> None:
     """Health NOT_SERVING, stop RPCs within grace, merge acknowledged work, checkpoint."""
     running.health.enter_graceful_shutdown()
     running.server.stop(grace_s).wait()
-    running.service.close()
-    httpd = getattr(running.service, "metrics_httpd", None)
-    if httpd is not None:
-        httpd.shutdown()
-        httpd.server_close()
+    running.synchronizer.close()
+    if running.metrics_httpd is not None:
+        running.metrics_httpd.shutdown()
+        running.metrics_httpd.server_close()
     logger.info("Synchronizer stopped")
 
 

@@ -28,12 +28,12 @@ def ready(make_server) -> tuple[RunningServer, Client]:
 
 
 def _state(srv: RunningServer) -> list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]]:
-    return [(f.version, f.params.clone(), {k: v.clone() for k, v in f.outer.state_dict().items()}) for f in srv.service.fragments]
+    return [(f.version, f.model.params.clone(), {k: v.clone() for k, v in f.model.outer.state_dict().items()}) for f in srv.synchronizer.fragments]
 
 
 def _rejections(srv: RunningServer, code: str) -> float:
     total = 0.0
-    for metric in srv.service.metrics.registry.collect():
+    for metric in srv.synchronizer.metrics.registry.collect():
         if metric.name == "diloco_rejected_requests":
             total += sum(s.value for s in metric.samples if s.name.endswith("_total") and s.labels["code"] == code)
     return total
@@ -75,7 +75,7 @@ def test_expired_lease_is_failed_precondition_until_rejoin(make_server):
     c = Client(srv.address, SPEC)
     c.join()
     c.init([torch.zeros(f.numel) for f in SPEC.fragments])
-    assert wait_until(lambda: srv.service.registry.counts()["dead"] == 1)
+    assert wait_until(lambda: srv.synchronizer.registry.counts()["dead"] == 1)
     _expect(srv, grpc.StatusCode.FAILED_PRECONDITION, lambda: c.push(0, _delta()), "lease")
     c.join(c.learner_id)  # coming back under the same id works
     assert c.push(0, _delta()).outcome == pb.PUSH_ACCEPTED

@@ -38,7 +38,7 @@ def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server, caplo
     future.cancel()
     never.set()
     assert future.cancelled() or future.exception() is not None
-    cancelled = srv.service.metrics.rpcs.labels("PushFragment", "CANCELLED")
+    cancelled = srv.synchronizer.metrics.rpcs.labels("PushFragment", "CANCELLED")
     deadline = time.monotonic() + 10
     while cancelled._value.get() < 1 and time.monotonic() < deadline:  # the handler sees it soon
         time.sleep(0.01)
@@ -47,8 +47,8 @@ def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server, caplo
     records = [r for r in caplog.records if r.name == "synchronizer.service"]
     assert not [r for r in records if r.levelno >= logging.ERROR]
     assert [r.levelno for r in records if "went away" in r.getMessage()] == [logging.WARNING]
-    frag = srv.service.fragments[0]
-    assert frag.round is None and frag.version == 0 and torch.equal(frag.params, torch.zeros(frag.numel))
+    frag = srv.synchronizer.fragments[0]
+    assert frag.admission.round is None and frag.version == 0 and torch.equal(frag.model.params, torch.zeros(frag.numel))
     retry = c.push(0, torch.full((SPEC.fragments[0].numel,), 0.25), seq=1)  # same seq: not a duplicate
     assert retry.outcome == pb.PUSH_ACCEPTED
 
@@ -77,7 +77,7 @@ def test_shutdown_merges_acknowledged_contributions_before_the_final_checkpoint(
     a.init([torch.zeros(SPEC.fragments[0].numel)])
     assert a.push(0, torch.ones(SPEC.fragments[0].numel)).outcome == pb.PUSH_ACCEPTED  # round waits for K=2
     srv.server.stop(0).wait()
-    srv.service.close()
+    srv.synchronizer.close()
     again = make_server(state_dir=state, outer="sgd")
     c = Client(again.address, SPEC)
     c.join()
@@ -105,7 +105,7 @@ def test_restart_with_another_outer_optimizer_keeps_parameters_and_starts_fresh_
     c.push(0, torch.ones(SPEC.fragments[0].numel))
     _, before = c.pull(0, min_version=1, wait_s=10)
     srv.server.stop(0).wait()
-    srv.service.close()
+    srv.synchronizer.close()
     again = make_server(state_dir=state, outer="sgd")
     c2 = Client(again.address, SPEC)
     c2.join()

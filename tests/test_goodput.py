@@ -15,7 +15,7 @@ SPEC = small_spec(sizes=(300, 100), fragments=2)
 
 
 def _buckets(srv) -> dict[str, float]:
-    reg = srv.service.metrics.registry
+    reg = srv.synchronizer.metrics.registry
     out = {b: reg.get_sample_value("diloco_tokens_total", {"bucket": b}) for b in ("merged", "discarded", "lost")}
     out["in_flight"] = reg.get_sample_value("diloco_tokens_in_flight")
     return out
@@ -40,12 +40,12 @@ def test_tokens_move_from_in_flight_to_merged_discarded_and_lost(make_server):
     assert got["discarded"] == pytest.approx(1000 * share[0])
     assert got["in_flight"] == pytest.approx(3000 - 2000 * share[0])
     # Both leases lapse: what they reported but never pushed is lost.
-    assert wait_until(lambda: srv.service.registry.counts()["dead"] == 2)
+    assert wait_until(lambda: srv.synchronizer.registry.counts()["dead"] == 2)
     got = _buckets(srv)
     assert got["lost"] == pytest.approx(3000 - 2000 * share[0])
     assert got["in_flight"] == pytest.approx(0)
     assert sum(got.values()) == pytest.approx(3000)
-    capacity = srv.service.metrics.registry.get_sample_value("diloco_learner_capacity_seconds_total")
+    capacity = srv.synchronizer.metrics.registry.get_sample_value("diloco_learner_capacity_seconds_total")
     assert capacity > 0
 
 

@@ -42,7 +42,7 @@ def test_quorum_all_without_grace_is_synchronous_diloco_bit_for_bit(make_server)
         for c, d in zip(clients[:2], deltas, strict=False):
             reply = c.push(0, d, base=r)
             assert reply.outcome == pb.PUSH_ACCEPTED and reply.round_version == r + 1
-        assert srv.service.fragments[0].version == r  # the round waits for the third learner
+        assert srv.synchronizer.fragments[0].version == r  # the round waits for the third learner
         clients[2].push(0, deltas[2], base=r)
         version, served = clients[0].pull(0, min_version=r + 1, wait_s=10)
         assert version == r + 1
@@ -114,7 +114,7 @@ def test_push_beyond_max_staleness_is_dropped_and_counted(make_server):
     reply = slow.push(0, _vec(9), base=0)
     assert reply.outcome == pb.PUSH_DROPPED_STALE and reply.staleness == 2 and "re-pull" in reply.message
     assert torch.equal(fast.pull(0)[1], before)
-    discarded = srv.service.metrics.registry.get_sample_value("diloco_tokens_total", {"bucket": "discarded"})
+    discarded = srv.synchronizer.metrics.registry.get_sample_value("diloco_tokens_total", {"bucket": "discarded"})
     assert discarded == pytest.approx(100.0)
 
 
@@ -180,22 +180,22 @@ def test_dynamic_local_updates_give_slow_learners_fewer_steps(make_server):
 
 def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(make_server):
     srv, clients, init = _setup(make_server, 1, quorum=1, grace="none", outer="sgd", outer_lr=1.0, token_weight="uniform")
-    frag = srv.service.fragments[0]
+    frag = srv.synchronizer.fragments[0]
     release, entered = threading.Event(), threading.Event()
-    step = frag.outer.step
+    step = frag.model.outer.step
 
     def slow_step(params, grad):
         entered.set()
         release.wait(10)
         step(params, grad)
 
-    frag.outer.step = slow_step
+    frag.model.outer.step = slow_step
     c = clients[0]
     assert c.push(0, _vec(1)).round_version == 1
     assert entered.wait(10)  # round 1's outer step is running
     assert c.push(0, _vec(2), base=0).round_version == 2
     assert c.push(0, _vec(3), base=0).round_version == 2  # joins the same open round
-    assert frag.version == 0 and frag.round is not None and len(frag.round.contributions) == 2
+    assert frag.version == 0 and frag.admission.round is not None and len(frag.admission.round.contributions) == 2
     release.set()
     version, served = c.pull(0, min_version=2, wait_s=10)
     assert version == 2
@@ -210,7 +210,7 @@ def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_al
     # duplicate or stale push holds nothing.
     learners = 6
     srv, clients, init = _setup(make_server, learners, quorum=0, grace="none", outer="sgd", outer_lr=1.0, token_weight="tokens", max_staleness=0)
-    frag = srv.service.fragments[0]
+    frag = srv.synchronizer.fragments[0]
     deltas = [_vec(100 + i) for i in range(learners)]
     decoded = []
     for i, (c, d) in enumerate(zip(clients, deltas, strict=True)):
@@ -218,7 +218,7 @@ def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_al
         assert reply.outcome == pb.PUSH_ACCEPTED
         decoded.append(codec.decode(codec.encode(d, codec_id), codec.make_header(codec_id, N), torch.empty(N)))
         if i == 0:
-            assert frag.deferred_bytes > 0  # held, not decoded
+            assert frag.held.held_bytes > 0  # held, not decoded
             dup = c.push(0, d, codec_id=codec_id, seq=c.seq)
             assert dup.outcome == pb.PUSH_DUPLICATE
     version, served = clients[0].pull(0, min_version=1, wait_s=10)
@@ -228,14 +228,14 @@ def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_al
     torch.testing.assert_close(served, init - mean)
     stale = clients[1].push(0, deltas[1], codec_id=codec_id, base=0)
     assert stale.outcome == pb.PUSH_DROPPED_STALE
-    assert frag.deferred_bytes == 0
+    assert frag.held.held_bytes == 0
 
 
 def test_adaptive_grace_is_sized_by_the_tau_the_learners_report(make_server, tmp_path):
     # gamma * (tau * step time - quorum time - apply time), capped; tau from the config when
     # set, else from heartbeats (a learner's H), else 1 step.
     from synchronizer.config import SynchronizerConfig
-    from synchronizer.fragments import GraceWindow
+    from synchronizer.grace import GraceWindow
 
     cfg = SynchronizerConfig(state_dir=tmp_path, grace="adaptive", grace_gamma=0.5, grace_max_s=3.0)
     grace = GraceWindow(cfg)
@@ -253,4 +253,4 @@ def test_adaptive_grace_is_sized_by_the_tau_the_learners_report(make_server, tmp
 
     srv, clients, _ = _setup(make_server, 1, quorum=1, grace="adaptive", grace_gamma=0.5, grace_max_s=30.0)
     clients[0].heartbeat(step_time_s=0.05, overlap_steps=100)
-    assert srv.service.grace.seconds() == pytest.approx(2.5)
+    assert srv.synchronizer.grace.seconds() == pytest.approx(2.5)

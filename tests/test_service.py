@@ -113,7 +113,7 @@ def test_restart_from_checkpoint_resumes_versions_parameters_and_optimizer_state
     _, before = c.pull(0)
     epoch = c.join(c.learner_id).server_epoch
     srv.server.stop(0).wait()
-    srv.service.close()  # what SIGTERM does: merge what is open, checkpoint
+    srv.synchronizer.close()  # what SIGTERM does: merge what is open, checkpoint
     again = make_server(**cfg)
     c2 = Client(again.address, spec, "again")
     joined = c2.join(c.learner_id)
@@ -126,8 +126,8 @@ def test_restart_from_checkpoint_resumes_versions_parameters_and_optimizer_state
     d = torch.randn(spec.fragments[0].numel, generator=g) * 0.1
     c2.push(0, d, base=3)
     v4, restored_next = c2.pull(0, min_version=4, wait_s=10)
-    frag = again.service.fragments[0]
-    assert v4 == 4 and torch.equal(restored_next, frag.params)
+    frag = again.synchronizer.fragments[0]
+    assert v4 == 4 and torch.equal(restored_next, frag.model.params)
 
 
 def test_metrics_endpoint_parses_and_holds_the_series(make_server):

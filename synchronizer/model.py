@@ -1,0 +1,169 @@
+"""The global parameters of one fragment and the outer step that moves them.
+
+Per fragment: FP32 flat parameters Theta_p, the outer optimizer's state, the version v_p (outer
+steps applied) and the `Downlink` that serves them. One condition variable guards all of it:
+outer steps are applied strictly in version order under it, and pullers wait on it for the
+version they want.
+
+A failed outer step fails the fragment loudly (`fail`): the reason is kept, every waiter (a later
+round's outer step, a pull waiting for a version) is woken and gets `FragmentFailed` instead of
+waiting for a version that will never come, and nothing is served from parameters that may be
+half-updated. Only a restart from the last checkpoint brings the fragment back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from protos import codec
+from protos import diloco_pb2 as pb
+from synchronizer.config import SynchronizerConfig
+from synchronizer.downlink import Downlink, Link
+from synchronizer.outer import make_outer
+
+logger = logging.getLogger(__name__)
+
+
+class FragmentFailed(Exception):
+    """The fragment's outer step failed earlier; its state is not trusted any more."""
+
+
+class Contributor(Protocol):
+    base_version: int
+    weight: float
+
+
+class FragmentModel:
+    def __init__(self, fid: int, numel: int, cfg: SynchronizerConfig) -> None:
+        self.fid = fid
+        self.numel = numel
+        self.cfg = cfg
+        self.cv = threading.Condition()
+        self.params: torch.Tensor | None = None
+        self.version = 0
+        self.failure: str | None = None
+        self.stopping = False  # shutting down: pulls stop waiting for new versions
+        self.outer = make_outer(cfg.outer, numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
+        self.downlink = Downlink(numel, cfg.update_codec, cfg.update_history)
+        self._merged = torch.empty(0)  # the merged round, reused
+
+    @property
+    def initialized(self) -> bool:
+        return self.params is not None
+
+    def initialize(self, params: torch.Tensor, version: int = 0) -> None:
+        with self.cv:
+            self.params = params.to(torch.float32).clone()
+            self.version = version
+            self.downlink.changed()
+            self.cv.notify_all()
+
+    def merged_buffer(self) -> torch.Tensor:
+        """Where a round's merged delta goes (owned by the outer step, reused every round)."""
+        if self._merged.numel() != self.numel:
+            self._merged = torch.empty(self.numel, dtype=torch.float32)
+        return self._merged
+
+    def step(self, start_version: int, merge: Any, contributions: Sequence[Contributor]) -> float:
+        """Applies one round's outer step once the fragment is at `start_version`; returns the
+        seconds it took. `merge(out)` writes the round's merged delta into `out` and returns it.
+        Raises `FragmentFailed` if the fragment failed while this round waited its turn."""
+        with self.cv:
+            while self.version != start_version and self.failure is None:
+                self.cv.wait()
+            self._check_healthy()
+            t0 = time.perf_counter()
+            assert self.params is not None
+            merged = merge(self.merged_buffer())
+            if self.cfg.anchor == "current":
+                self._reanchor(start_version, contributions, merged)
+            if self.cfg.update_history > 0:
+                self.downlink.step(self.params, merged, self.outer.direction(merged), start_version + 1)
+            else:
+                self.outer.step(self.params, merged)
+            self.version = start_version + 1
+            self.downlink.changed()
+            self.cv.notify_all()
+            return time.perf_counter() - t0
+
+    def _reanchor(self, start_version: int, contributions: Sequence[Contributor], merged: torch.Tensor) -> None:
+        """Adds sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current fragment."""
+        total = sum(c.weight for c in contributions)
+        stale = [c for c in contributions if c.base_version < start_version]
+        if total <= 0 or not stale:
+            return
+        update = torch.empty(self.numel)
+        for v, header, encoded in self.downlink.chain:
+            behind = sum(c.weight for c in stale if c.base_version < v)
+            if behind > 0:
+                merged.add_(codec.decode(encoded, header, update), alpha=behind / total)
+
+    def fail(self, reason: str) -> None:
+        """Marks the fragment failed and wakes every waiter."""
+        with self.cv:
+            if self.failure is None:
+                self.failure = reason
+            self.cv.notify_all()
+
+    def stop_waiting(self) -> None:
+        """Shutdown: pulls waiting for a version are answered with the one there is."""
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+
+    def _check_healthy(self) -> None:
+        if self.failure is not None:
+            raise FragmentFailed(f"fragment {self.fid} failed: {self.failure}")
+
+    # Pulls -----------------------------------------------------------------------------------
+
+    def wait_for(self, min_version: int, timeout_s: float) -> None:
+        """Waits (up to `timeout_s`) until the fragment is initialised and at `min_version`,
+        failed, or shutting down."""
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while (self.version < min_version or self.params is None) and self.failure is None and not self.stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cv.wait(left)
+
+    def served(self, codec_id: pb.Codec, have_version: int | None) -> tuple[Link | None, list[Link] | None, int, int]:
+        """What a pull gets, judged at one version: (full snapshot or None, delta links or None,
+        version, checksum). Links when `have_version` is given and the chain still covers it."""
+        with self.cv:
+            self._check_healthy()
+            assert self.params is not None
+            links = self.downlink.since(have_version, self.version) if have_version is not None else None
+            snap = None if links is not None else self.downlink.snapshot(self.params, self.version, codec_id)
+            return snap, links, self.version, self.downlink.checksum(self.params, self.version)
+
+    # Durability ------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        with self.cv:
+            self._check_healthy()
+            assert self.params is not None
+            p = f"frag.{self.fid}."
+            tensors = {p + "params": self.params.clone()}
+            tensors.update({p + "outer." + k: v.clone() for k, v in self.outer.state_dict().items()})
+            chain_tensors, chain = self.downlink.state(p)
+            tensors.update(chain_tensors)
+            return tensors, {"version": self.version, "outer": self.cfg.outer, "chain": chain}
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        p = f"frag.{self.fid}."
+        self.initialize(tensors[p + "params"], int(meta["version"]))
+        outer_prefix = p + "outer."
+        if meta.get("outer") == self.cfg.outer:
+            self.outer.load_state_dict({k[len(outer_prefix):]: v for k, v in tensors.items() if k.startswith(outer_prefix)})
+        else:
+            logger.warning("fragment %d: checkpoint has %s outer state, configured %s: starting it fresh", self.fid, meta.get("outer"), self.cfg.outer)
+        with self.cv:
+            self.downlink.restore(tensors, meta.get("chain", []), p)

@@ -1,0 +1,272 @@
+"""Rounds: which pushes go into a fragment's next outer step, and when that round closes.
+
+Per fragment, `Admission` keeps at most one open round collecting weighted outer gradients: it
+judges each push (staleness bound, token and staleness weight), holds its encoded payload for the
+outer step or adds it at once when the held-bytes budget is full (sums stay in arrival order
+either way), and says when the round may close. `Rounds` closes them, on worker threads, never on
+gRPC threads.
+
+Round policy (Decoupled DiLoCo): a round may close once it holds K contributions (K = quorum,
+capped by the live learners; quorum 0 = every live learner, i.e. synchronous DiLoCo). It closes
+at once when every live learner has contributed, otherwise after the grace window
+(`synchronizer.grace`). While a fragment's previous outer step is still being applied its open
+round keeps collecting instead of closing, so a busy Synchronizer batches pushes rather than
+queueing outer steps (and holds at most two round buffers per fragment).
+
+A round whose outer step raises fails its fragment (`on_failure`): the error reaches the health
+service, the waiters and the metrics instead of vanishing in a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from protos import diloco_pb2 as pb
+from synchronizer.buffers import BufferPool, HeldBudget
+from synchronizer.config import SynchronizerConfig
+from synchronizer.goodput import Goodput, Share
+from synchronizer.grace import GraceWindow
+from synchronizer.merge import Accumulator, staleness_factor, token_weight
+from synchronizer.metrics import Metrics
+
+if TYPE_CHECKING:
+    from synchronizer.fragments import Fragment
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Contribution:
+    learner_id: str
+    base_version: int
+    weight: float
+    share: Share
+
+
+@dataclass
+class Round:
+    start_version: int  # the round's outer step turns this version into start_version + 1
+    acc: Accumulator
+    opened_at: float = field(default_factory=time.monotonic)
+    contributions: list[Contribution] = field(default_factory=list)
+    quorum_at: float | None = None
+    timer: threading.Timer | None = None
+    expired: bool = False  # the grace window ran out
+    closing: bool = False
+    # Accepted pushes not yet added to `acc`: (payload bytes, header, weight), already validated.
+    # The outer-step worker decodes and adds them, so acknowledging a push costs no decode.
+    held: list[tuple[torch.Tensor, pb.PayloadHeader, float]] = field(default_factory=list)
+
+    def add_held(self, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Adds the held pushes to the accumulator, in arrival order; returns their buffers."""
+        spent = [buf for buf, _, _ in self.held]
+        try:
+            for buf, header, weight in self.held:
+                self.acc.add_payload(buf, header, weight, scratch)
+        finally:
+            self.held.clear()
+        return spent
+
+
+@dataclass
+class Verdict:
+    """What became of a push, as the fragment judged it."""
+
+    outcome: pb.PushOutcome
+    round_version: int
+    current_version: int
+    staleness: int
+    weight: float
+
+
+class Admission:
+    """One fragment's open round: judges pushes into it and says when it may close."""
+
+    def __init__(self, cfg: SynchronizerConfig, metrics: Metrics, goodput: Goodput, new_accumulator: Callable[[], Accumulator], pool: BufferPool, held: HeldBudget) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.goodput = goodput
+        self.new_accumulator = new_accumulator
+        self.pool = pool
+        self.held = held
+        self.lock = threading.Lock()  # held only to judge and accumulate one push
+        self.round: Round | None = None
+        self.pending_version = 0  # version after every round already handed to the closers
+        self.spare: Accumulator | None = None  # the previous round's buffer, reset after its step
+
+    def reset(self, version: int) -> None:
+        with self.lock:
+            self.pending_version = version
+
+    def applying(self, version: int) -> bool:
+        """A taken round's outer step has not finished yet."""
+        return self.pending_version != version
+
+    def submit(self, learner_id: str, base_version: int, tokens: int, steps: int, share: Share, current_version: int, payload: tuple[torch.Tensor, pb.PayloadHeader], hold: bool) -> tuple[Verdict, Round | None]:
+        """Judges one push (its encoded bytes and header) and adds it to the open round; returns
+        the verdict and its round.
+
+        With `hold` (room reserved in the held budget by the caller) an accepted payload belongs
+        to the round, whose outer step decodes and adds it; otherwise it is added now, after the
+        pushes held before it. The caller has validated the base version (not ahead of the
+        fragment's) and the values (`codec.check`: finite, right size).
+        """
+        spent: list[torch.Tensor] = []
+        with self.lock:
+            start = self.round.start_version if self.round is not None else self.pending_version
+            staleness = start - base_version
+            self.metrics.staleness.observe(staleness)
+            if staleness > self.cfg.max_staleness:
+                self.goodput.discarded(learner_id, share)
+                return Verdict(pb.PUSH_DROPPED_STALE, start + 1, current_version, staleness, 0.0), None
+            weight = token_weight(self.cfg.token_weight, tokens, steps) * staleness_factor(
+                self.cfg.staleness_weight, staleness, self.cfg.staleness_alpha, self.cfg.staleness_hinge
+            )
+            if self.round is None:
+                if self.spare is not None:
+                    acc, self.spare = self.spare, None
+                else:
+                    acc = self.new_accumulator()
+                self.round = Round(start, acc)
+            rnd = self.round
+            if hold:
+                rnd.held.append((payload[0], payload[1], weight))
+            else:
+                spent = rnd.add_held()  # first, to keep arrival order
+                self.held.release(sum(buf.numel() for buf in spent))
+                rnd.acc.add_payload(payload[0], payload[1], weight)
+            rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
+            self.goodput.accepted(learner_id, share)
+            verdict = Verdict(pb.PUSH_ACCEPTED, start + 1, current_version, staleness, weight)
+        for buf in spent:
+            self.pool.give(buf)
+        return verdict, rnd
+
+    def closability(self, live: set[str], version: int) -> tuple[Round | None, bool, bool]:
+        """(open round, close it now, quorum reached), judged together under the round lock."""
+        with self.lock:
+            rnd = self.round
+            if rnd is None or rnd.closing or not rnd.contributions:
+                return None, False, False
+            contributed = {c.learner_id for c in rnd.contributions}
+            busy = self.applying(version)
+            if self.cfg.quorum == 0:  # synchronous: every live learner, nobody else to wait for
+                done = live <= contributed
+                return rnd, done and not busy, done
+            k = max(1, min(self.cfg.quorum, len(live)))
+            if len(rnd.contributions) < k:
+                return rnd, False, False
+            if rnd.quorum_at is None:
+                rnd.quorum_at = time.monotonic()
+            ready = live <= contributed or self.cfg.grace == "none" or rnd.expired
+            # While the previous round's outer step is still being applied the open round keeps
+            # collecting (a busy Synchronizer batches pushes instead of queueing outer steps).
+            return rnd, ready and not busy, True
+
+    def take(self, rnd: Round) -> bool:
+        """Marks the round as closing and opens the way for the next; False if already taken."""
+        with self.lock:
+            if self.round is not rnd or rnd.closing:
+                return False
+            rnd.closing = True
+            self.round = None
+            self.pending_version = rnd.start_version + 1
+            if rnd.timer is not None:
+                rnd.timer.cancel()
+            return True
+
+    def recycle(self, acc: Accumulator) -> None:
+        """Keeps a closed round's (reset) accumulator for the next round."""
+        with self.lock:
+            self.spare = acc
+
+
+class Rounds:
+    """Decides when rounds close and closes them on worker threads (never on gRPC threads)."""
+
+    def __init__(self, fragments: list[Fragment], grace: GraceWindow, metrics: Metrics, goodput: Goodput, live: Callable[[], set[str]], threads: int, on_failure: Callable[[Fragment, str], None]) -> None:
+        self.fragments = fragments
+        self.grace = grace
+        self.metrics = metrics
+        self.goodput = goodput
+        self.live = live
+        self.on_failure = on_failure
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="outer-step")
+
+    def check(self, frag: Fragment) -> None:
+        """Re-evaluates a fragment's open round: close it now, or arm its grace timer."""
+        if frag.model.failure is not None:
+            return
+        rnd, close_now, quorum = frag.admission.closability(self.live(), frag.model.version)
+        if rnd is None:
+            return
+        if close_now:
+            self._close(frag, rnd)
+        elif quorum and rnd.timer is None:
+            timer = threading.Timer(self.grace.seconds(), self._expire, args=(frag, rnd))
+            timer.daemon = True
+            with frag.admission.lock:
+                if rnd.timer is None and not rnd.closing:
+                    rnd.timer = timer
+                    timer.start()
+
+    def _expire(self, frag: Fragment, rnd: Round) -> None:
+        with frag.admission.lock:
+            rnd.expired = True
+        self.check(frag)
+
+    def check_all(self) -> None:
+        for frag in self.fragments:
+            self.check(frag)
+
+    def _close(self, frag: Fragment, rnd: Round) -> None:
+        if not frag.admission.take(rnd):
+            return
+        now = time.monotonic()
+        if rnd.quorum_at is not None:
+            self.grace.observe(quorum_time=rnd.quorum_at - rnd.opened_at)
+        self.metrics.round_wait.observe(now - rnd.opened_at)
+        try:
+            self.pool.submit(self._apply, frag, rnd)
+        except RuntimeError:  # shutting down: the final flush applies it in order instead
+            self._apply(frag, rnd)
+
+    def _apply(self, frag: Fragment, rnd: Round) -> None:
+        try:
+            seconds = frag.apply(rnd)
+        except Exception as e:  # noqa: BLE001 - the failure becomes the fragment's state
+            if frag.model.failure is None:
+                logger.exception("outer step of fragment %d round %d failed", frag.fid, rnd.start_version + 1)
+                self.on_failure(frag, f"the outer step to version {rnd.start_version + 1} raised {type(e).__name__}: {e}")
+            return
+        self.grace.observe(apply_time=seconds)
+        self.metrics.round_apply.observe(seconds)
+        self.metrics.contributors.observe(len(rnd.contributions))
+        self.metrics.outer_steps.inc()
+        self.metrics.fragment_version.labels(str(frag.fid)).set(frag.model.version)
+        self.goodput.merged([c.share for c in rnd.contributions])
+        logger.debug("fragment %d -> version %d from %d contributions in %.4fs", frag.fid, frag.model.version, len(rnd.contributions), seconds)
+        self.check(frag)  # the next round may have filled up while this one was applied
+
+    def flush(self) -> None:
+        """Closes every open round that holds anything and waits for the outer steps (shutdown:
+        merge what was acknowledged). A failed fragment is skipped, never waited for."""
+        for frag in self.fragments:
+            rnd = frag.admission.round
+            if rnd is not None and rnd.contributions and frag.model.failure is None:
+                self._close(frag, rnd)
+        for frag in self.fragments:
+            with frag.model.cv:
+                while frag.model.version < frag.admission.pending_version and frag.model.failure is None:
+                    frag.model.cv.wait(1.0)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True)
