@@ -7,7 +7,8 @@ a fragment's due step (staggered: fragment p at offset p*H//P) encodes its outer
 model's device and hands it to the background. Nothing in `step()` waits on the network unless
 `strict_overlap` is set (then a push's result is waited for, bounded, overlap_steps after it).
 
-The background side (joins, pushes, pulls, heartbeats, retries) is `learner.sync.SyncEngine`.
+The background side is `learner.sync.SyncEngine` (pushes, pulls, retries), within a
+`learner.session.Session` (joins, re-joins, heartbeats); `Learner` uses only their public methods.
 
 Multi-GPU islands (torchrun, default process group initialised, replicated parameters as in
 DDP): rank 0 alone talks to the Synchronizer. At the end of every `step()` all ranks take part in
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import socket
 import time
 from collections.abc import Callable
@@ -41,7 +41,8 @@ from learner.fragments import (
     merge_fragment,
     schedule_offsets,
 )
-from learner.sync import Arrival, Clock, PushJob, SyncEngine
+from learner.session import Clock
+from learner.sync import Arrival, PushJob, SyncEngine
 from protos import codec
 from protos import diloco_pb2 as pb
 
@@ -234,9 +235,9 @@ class Learner:
 
     def _sync_step(self) -> set[int]:
         assert self.engine is not None
-        h = self.engine.inner_steps or self.cfg.sync_every
+        h = self.engine.session.inner_steps or self.cfg.sync_every
         if h != self.sync_every:
-            logger.info("learner=%s sync_every %d -> %d (Dynamic Local Updates)", self.engine.client.learner_id, self.sync_every, h)
+            logger.info("learner=%s sync_every %d -> %d (Dynamic Local Updates)", self.learner_id, self.sync_every, h)
             self.sync_every = h
             self.offsets = schedule_offsets(h, self.num_fragments)
         merged = self._apply_arrivals()
@@ -261,7 +262,7 @@ class Learner:
                 if self.ef.enabled:
                     residual = self.ef.residual_after(x, codec.decode(encoded, header, torch.empty_like(x)))
         except codec.CodecError as e:  # NaN/Inf in the parameters: never send them
-            self.engine._failed(f"push skipped at step {self.clock.step}: {e}", p, network=False)
+            self.engine.session.failed(f"push skipped at step {self.clock.step}: {e}", p, network=False)
             self.deferred.discard(p)
             return
         payload, ready = encoded, None
@@ -287,13 +288,10 @@ class Learner:
     def _apply_arrivals(self) -> set[int]:
         assert self.engine is not None
         merged: set[int] = set()
-        while True:
-            try:
-                arrival = self.engine.inbox.get_nowait()
-            except queue.Empty:
-                return merged
+        while (arrival := self.engine.next_arrival()) is not None:
             self._merge(arrival)
             merged.add(arrival.fragment)
+        return merged
 
     @torch.no_grad()
     def _merge(self, a: Arrival) -> None:
@@ -311,7 +309,7 @@ class Learner:
         self.strict_waits.pop(p, None)
         self.engine.merged(p)
         logger.debug("learner=%s fragment=%d version=%d merged (%s) at step %d",
-                     self.engine.client.learner_id, p, a.version, "round" if a.job else "re-sync", self.clock.step)
+                     self.learner_id, p, a.version, "round" if a.job else "re-sync", self.clock.step)
 
     def _merge_until(self, done: Callable[[], bool], deadline: float, merged: set[int]) -> bool:
         """Merges arrivals as they come until `done()` or the monotonic deadline; True if done."""
@@ -320,9 +318,8 @@ class Learner:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            try:
-                arrival = self.engine.inbox.get(timeout=min(left, 0.1))
-            except queue.Empty:
+            arrival = self.engine.next_arrival(min(left, 0.1))
+            if arrival is None:
                 continue
             self._merge(arrival)
             merged.add(arrival.fragment)
@@ -337,10 +334,10 @@ class Learner:
             return merged
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.pull_wait_s + self.cfg.rpc_timeout_s
-        engine = self.engine
-        if not self._merge_until(lambda: not engine.healthy or not any(p in self.strict_waits for p in late), deadline, merged):
+        session = self.engine.session
+        if not self._merge_until(lambda: not session.healthy or not any(p in self.strict_waits for p in late), deadline, merged):
             logger.warning("learner=%s strict overlap: fragments %s not back in time, carrying on",
-                           engine.client.learner_id, [p for p in late if p in self.strict_waits])
+                           self.learner_id, [p for p in late if p in self.strict_waits])
         for p in late:
             self.strict_waits.pop(p, None)  # wait for a push at most once
         self.clock.blocked_s += time.perf_counter() - t0
@@ -378,7 +375,7 @@ class Learner:
             done = self._merge_until(lambda: engine.in_flight() == 0, deadline, merged)
             if not done:
                 logger.warning("learner=%s flush: %d syncs still in flight, giving up waiting",
-                               engine.client.learner_id, engine.in_flight())
+                               self.learner_id, engine.in_flight())
         if self.world > 1:
             self._broadcast(merged)
         return done
@@ -389,26 +386,23 @@ class Learner:
         if self.closed:
             return
         self.flush(timeout_s)
-        if self.leader and self.engine is not None and self.client is not None:
+        if self.leader and self.engine is not None:
             self.engine.stop()
             reachable = True
             for p in range(self.num_fragments):
                 try:
-                    version, _, fresh = self.engine._pull(p, self.versions[p], 0.0, exact=True)
+                    version, _, fresh = self.engine.pull(p, self.versions[p], exact=True)
                 except (grpc.RpcError, codec.CodecError) as e:
-                    self.engine._failed(f"final pull failed, keeping local parameters: {e}", p)
+                    self.engine.session.failed(f"final pull failed, keeping local parameters: {e}", p)
                     reachable = False
                     break  # the Synchronizer is out of reach: do not wait on every fragment
                 self.plan.scatter(p, fresh)
                 self.base[p] = fresh.to(self.device)
                 self.versions[p] = version
-            try:
-                if reachable:
-                    self.client.leave(self.clock.counters())
-            except grpc.RpcError as e:
-                self.engine._failed(f"leave failed: {e.code().name}")
+            if reachable:
+                self.engine.session.leave()
             logger.info("learner=%s finished at step %d with versions %s",
-                        self.client.learner_id, self.clock.step, self.versions)
+                        self.learner_id, self.clock.step, self.versions)
         if self.world > 1:
             self._broadcast(set(range(self.num_fragments)), announce=False)
         self.close()

@@ -1,0 +1,279 @@
+"""The learner's standing with the Synchronizer (`Session`): join, re-join, server epoch, lease.
+
+A `Session` joins (uploading this learner's parameters when the Synchronizer has no model yet),
+keeps what the Synchronizer told it (learner id, server epoch, next push sequence number, the
+Dynamic Local Updates directive) and a generation that every successful re-join bumps, renews
+its lease with heartbeats that report the training loop's `Clock`, and records failures: an
+error count and whether the last RPC went through. When a lapsed lease, an unknown id or a new
+server epoch is noticed, `recover` re-joins once however many threads noticed, and on a new epoch
+tells the push/pull engine (`learner.sync`) to forget its unfinished syncs and re-pull every
+fragment. It talks through a `Transport`: `learner.client.SyncClient`, or an in-memory fake in
+tests. Its heartbeat loop runs on a thread the engine starts and stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+import torch
+
+from learner.client import backoff_s
+from learner.config import LearnerConfig
+from protos import diloco_pb2 as pb
+from protos.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+# Refusals that mean the Synchronizer no longer knows this learner as it stands: re-join.
+REJOIN_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
+class Transport(Protocol):
+    """What the background side needs of a client. `learner.client.SyncClient` is the real one;
+    tests pass a fake. Every call fails with a `grpc.RpcError` (a pull also with `CodecError`)
+    after the transport's own retries."""
+
+    address: str  # for messages
+    learner_id: str  # set by join; sent with every later call
+
+    def join(self, name: str, spec: ModelSpec, learner_id: str = "") -> pb.JoinReply: ...
+
+    def init_model(self, fragments: Sequence[torch.Tensor]) -> pb.InitModelReply: ...
+
+    def heartbeat(self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0) -> pb.HeartbeatReply: ...
+
+    def push(
+        self,
+        fragment_id: int,
+        seq: int,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        compute_s: float,
+        encoded: torch.Tensor,
+        header: pb.PayloadHeader,
+    ) -> pb.PushReply: ...
+
+    def pull(
+        self,
+        fragment_id: int,
+        min_version: int,
+        wait_s: float,
+        codec_id: int,
+        *,
+        out: torch.Tensor | None = None,
+        have: tuple[int, torch.Tensor] | None = None,
+    ) -> tuple[int, str, torch.Tensor]: ...
+
+    def leave(self, counters: pb.LearnerCounters) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Clock:
+    """Counters the training loop owns and the heartbeat reads."""
+
+    step: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    blocked_s: float = 0.0
+    step_time_s: float = 0.0  # moving average of compute seconds per step
+    loss: float | None = None
+    recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
+
+    def counters(self) -> pb.LearnerCounters:
+        return pb.LearnerCounters(
+            steps=self.step, tokens=self.tokens, compute_s=self.compute_s, blocked_s=self.blocked_s
+        )
+
+
+class Session:
+    """One learner's membership of a run: identity, epoch, lease and failure record."""
+
+    def __init__(
+        self,
+        client: Transport,
+        cfg: LearnerConfig,
+        spec: ModelSpec,
+        name: str,
+        clock: Clock,
+        global_params: Callable[[], list[torch.Tensor]],
+        *,
+        lock: threading.Condition,
+        stopping: threading.Event,
+        on_new_epoch: Callable[[], int],
+    ) -> None:
+        self.client, self.cfg, self.spec, self.name, self.clock = client, cfg, spec, name, clock
+        self.global_params = global_params  # what to upload if a restarted server has no model
+        # The engine's state lock: a re-join's generation bump and the engine's reaction to a new
+        # epoch (`on_new_epoch`, called with it held; returns the unfinished syncs it dropped)
+        # are one step for the engine's threads. It also guards `errors`.
+        self.lock = lock
+        self.stopping = stopping
+        self.on_new_epoch = on_new_epoch
+        self.num = len(spec.fragments)
+        self.epoch = ""
+        self.generation = 0  # bumped by every successful re-join
+        self.next_seq = 1
+        self.inner_steps = 0  # Dynamic Local Updates directive; 0 = the learner's own H
+        self.heartbeat_s = cfg.heartbeat_interval_s or 3.0
+        self.healthy = True  # False from a failed RPC until the next successful one
+        self.errors = 0
+        self.join_lock = threading.Lock()
+
+    def _join(self, learner_id: str) -> pb.JoinReply:
+        reply = self.client.join(self.name, self.spec, learner_id)
+        self.epoch = reply.server_epoch
+        self.next_seq = max(self.next_seq, reply.next_seq)
+        self.inner_steps = reply.inner_steps
+        self.heartbeat_s = self.cfg.heartbeat_interval_s or reply.heartbeat_interval_s or reply.lease_s / 3 or 3.0
+        return reply
+
+    def connect(
+        self,
+        timeout_s: float,
+        local_params: Callable[[], list[torch.Tensor]],
+        fetch: Callable[[], tuple[list[int], list[torch.Tensor]]],
+    ) -> tuple[list[int], list[torch.Tensor], bool]:
+        """Joins and obtains the global model: (versions, fragments, initialised), where
+        `initialised` says the fragments are this learner's own (`local_params()`), uploaded as
+        the global model, and otherwise they were `fetch()`ed. Raises ValueError when the
+        Synchronizer refuses the model, PermissionError on auth failures, TimeoutError when it
+        cannot be reached within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        failures = 0
+        while True:
+            try:
+                try:
+                    reply = self._join(self.client.learner_id)  # a retry keeps the id it got
+                except grpc.RpcError as e:
+                    if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                        raise ValueError(f"the Synchronizer at {self.client.address} refused this model: {e.details()}") from None
+                    raise
+                if reply.needs_init:
+                    try:
+                        params = local_params()
+                        init = self.client.init_model(params)
+                        logger.info("learner=%s initialised the global model", self.client.learner_id)
+                        return versions_of(init.versions, self.num), params, True
+                    except grpc.RpcError as e:
+                        if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                            raise
+                versions, fetched = fetch()
+                return versions, fetched, False
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise PermissionError(f"the Synchronizer at {self.client.address} refused the credentials: {e.details()}") from None
+                wait = backoff_s(failures, self.cfg.retry_initial_s, self.cfg.retry_max_s)
+                failures += 1
+                if time.monotonic() + wait > deadline:
+                    raise TimeoutError(
+                        f"could not join the Synchronizer at {self.client.address} within {timeout_s}s: "
+                        f"{e.code().name} {e.details()}"
+                    ) from None
+                logger.info("joining %s: %s, retrying in %.1fs", self.client.address, e.code().name, wait)
+                time.sleep(wait)
+
+    def recover(self, seen_generation: int, fresh: bool = False) -> None:
+        """Re-joins (under the same id unless `fresh`); a no-op if someone re-joined since
+        `seen_generation`. On a new server epoch the engine re-pulls every fragment and drops
+        unanswered pushes (their progress stays in the local parameters). Never raises."""
+        with self.join_lock:
+            if self.generation != seen_generation or self.stopping.is_set():
+                return
+            old_epoch, old_id = self.epoch, self.client.learner_id
+            try:
+                reply = self._join("" if fresh else old_id)
+                if reply.needs_init:
+                    try:
+                        self.client.init_model(self.global_params())
+                        logger.warning("learner=%s re-initialised the Synchronizer's empty model from its global fragments", reply.learner_id)
+                    except grpc.RpcError as e:
+                        if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                            raise
+            except grpc.RpcError as e:
+                self.failed(f"re-join failed: {e.code().name} {e.details()}")
+                return
+            new_epoch = reply.server_epoch != old_epoch
+            with self.lock:
+                self.generation += 1
+                dropped = self.on_new_epoch() if new_epoch else 0
+                self.lock.notify_all()
+            self.healthy = True
+            logger.warning(
+                "learner=%s re-joined as %s (epoch %s%s)", old_id, reply.learner_id, reply.server_epoch,
+                f", new: re-pulling every fragment, {dropped} unfinished syncs dropped" if new_epoch else "",
+            )
+
+    def new_seq(self) -> int:
+        """The next push sequence number; the caller holds `lock`."""
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+    def failed(self, message: str, fragment: int | None = None, network: bool = True, exc_info: bool = False) -> None:
+        """Records a failure: counted, logged, and when it was the network's, the session is
+        unhealthy until the next RPC that goes through. Never raises."""
+        with self.lock:
+            self.errors += 1
+        if network:
+            self.healthy = False
+        log = logger.error if exc_info else logger.warning
+        log("learner=%s fragment=%s %s", self.client.learner_id, "-" if fragment is None else fragment, message,
+            exc_info=exc_info)
+
+    def succeeded(self) -> None:
+        """An RPC went through: the session is healthy again."""
+        self.healthy = True
+
+    def overlap_steps(self) -> int:
+        """Steps until this learner needs a pushed fragment back: the strict-overlap bound, or
+        its H (the next push of the same fragment), for the Synchronizer's adaptive grace."""
+        if self.cfg.strict_overlap:
+            return max(1, self.cfg.overlap_steps)
+        return max(1, self.inner_steps or self.cfg.sync_every)
+
+    def heartbeat_loop(self) -> None:
+        """Renews the lease every heartbeat_s until `stopping`; re-joins when the Synchronizer
+        has forgotten this learner or restarted. Run on a thread by the engine."""
+        while not self.stopping.wait(self.heartbeat_s):
+            generation = self.generation
+            clock = self.clock
+            try:
+                reply = self.client.heartbeat(clock.counters(), clock.step_time_s, self.overlap_steps())
+            except grpc.RpcError as e:
+                if self.stopping.is_set():
+                    return
+                code = e.code()
+                self.failed(f"heartbeat failed: {code.name} {e.details()}")
+                if code in REJOIN_CODES:
+                    self.recover(generation, fresh=code == grpc.StatusCode.NOT_FOUND)
+                continue
+            self.succeeded()
+            self.inner_steps = reply.inner_steps
+            if reply.server_epoch != self.epoch:
+                self.recover(generation)
+
+    def leave(self) -> None:
+        """Tells the Synchronizer this learner is done, with its final counters; a failure is
+        recorded, not raised."""
+        try:
+            self.client.leave(self.clock.counters())
+        except grpc.RpcError as e:
+            self.failed(f"leave failed: {e.code().name}")
+
+
+def versions_of(msg: Any, num: int) -> list[int]:
+    out = [0] * num
+    for fv in msg:
+        if fv.fragment_id < num:
+            out[fv.fragment_id] = fv.version
+    return out
