@@ -2,17 +2,17 @@
 see bench/dp.py) over `bench.net` links, and what every benchmark reads off a finished job.
 
 - `Workload`: the model, data and inner optimizer every configuration of a benchmark shares
-  (the bundled example's defaults, or a tiny one for `--smoke`), as `learner train` flags.
+  (the bundled example's defaults, or a tiny one for `--smoke`), as `diloco-learner train` flags.
 - `Decoupled`: one Synchronizer-plus-learners configuration (quorum, grace, H, P, codec, merge).
 - `DilocoJob`: starts the Synchronizer (`python -m synchronizer serve`, bound where the links
-  say) and the learners (`python -m learner train`, each on its own link), lets a `tick` hook
+  say) and the learners (`python -m demo train`, each on its own link), lets a `tick` hook
   inject faults, and collects per-learner results, bytes on the wire (whole run and steady state)
   and the Synchronizer's metrics. `GlobalModel` pulls the served model into this process and
   evaluates it (the final loss of a DiLoCo run is the global model's, not a learner's).
 - `alone`: one learner with the same per-learner tokens and no syncing.
 
-Every process runs in its own process group (`Procs`) and is ended when the job ends, however it
-ends.
+Every process runs in its own process group (`demo.procs.Procs`) and is ended when the job ends,
+however it ends.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from bench.net import Links
+from demo.procs import Procs, metric, read_json, scrape, start_synchronizer
+from demo.train import TrainOptions, build
 from learner.client import SyncClient
 from learner.fragments import FragmentPlan
-from learner.local import Children, metric, read_json, scrape
-from learner.train import TrainOptions, build
 from protos import diloco_pb2 as pb
 
 
@@ -116,48 +116,30 @@ class Decoupled:
     def with_(self, **changes: Any) -> Decoupled:
         return dataclasses.replace(self, **changes)
 
+    def synchronizer_flags(self, host: str = "127.0.0.1") -> list[str]:
+        """`synchronizer serve` flags of this configuration (bound to host, quiet logs)."""
+        return [
+            "--host", host, "--quorum", str(self.quorum), "--grace", self.grace, "--grace-max-s", str(self.grace_max_s),
+            "--overlap-steps", str(self.grace_tau or self.sync_every), "--lease-s", str(self.lease_s),
+            "--forget-after-s", str(max(10.0, 3 * self.lease_s)), "--goodput-window-s", "3600",
+            "--token-weight", self.token_weight, "--outer", self.outer, "--outer-lr", str(self.outer_lr),
+            "--outer-momentum", str(self.outer_momentum), "--checkpoint-interval-s", "0", "--shutdown-grace-s", "1",
+            "--log-level", "WARNING", *self.synchronizer_args,
+        ]
+
 
 def python(*args: str) -> list[str]:
     return [sys.executable, *args]
-
-
-signal_group = Children.signal  # signals a process's whole group
 
 
 class JobError(RuntimeError):
     """A benchmark job failed; the message names the log to read."""
 
 
-Procs = Children  # the launcher's process groups: started in their own session, ended together
-
-
-def start_synchronizer(c: Decoupled, procs: Procs, out: Path, host: str = "127.0.0.1") -> tuple[Any, dict]:
-    """`python -m synchronizer serve` with c's settings on port 0; (process, ready-file info)."""
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    ready = out / "synchronizer.ready.json"
-    ready.unlink(missing_ok=True)
-    cmd = python(
-        "-m", "synchronizer", "serve", "--host", host, "--port", "0", "--metrics-port", "0",
-        "--state-dir", str(out / "state"), "--ready-file", str(ready), "--quorum", str(c.quorum),
-        "--grace", c.grace, "--grace-max-s", str(c.grace_max_s), "--overlap-steps", str(c.grace_tau or c.sync_every),
-        "--lease-s", str(c.lease_s), "--forget-after-s", str(max(10.0, 3 * c.lease_s)), "--goodput-window-s", "3600",
-        "--token-weight", c.token_weight, "--outer", c.outer, "--outer-lr", str(c.outer_lr),
-        "--outer-momentum", str(c.outer_momentum), "--checkpoint-interval-s", "0", "--shutdown-grace-s", "1",
-        "--log-level", "WARNING", *c.synchronizer_args,
-    )
-    proc = procs.start(cmd, out / "logs" / "synchronizer.log")
-    deadline = time.monotonic() + 60
-    while (info := read_json(ready)) is None:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise JobError(f"the Synchronizer did not start; see {out / 'logs' / 'synchronizer.log'}")
-        time.sleep(0.05)
-    return proc, info
-
-
 def learner_cmd(c: Decoupled | None, w: Workload, index: int, out: Path, address: str = "", *, start_step: int = 0,
                 learner_id: str = "", wait_for: int = 0) -> list[str]:
-    """`python -m learner train` for learner `index` of the workload; c None: without syncing."""
-    cmd = python("-m", "learner", "train", "--learner-index", str(index), "--learners", str(w.learners),
+    """`python -m demo train` for learner `index` of the workload; c None: without syncing."""
+    cmd = python("-m", "demo", "train", "--learner-index", str(index), "--learners", str(w.learners),
                  "--steps", str(w.steps), "--start-step", str(start_step), "--out", str(out), *w.train_flags())
     if c is None:
         return [*cmd, "--no-sync"]
@@ -182,7 +164,7 @@ class Incarnation:
     start_step: int
 
     def result(self) -> dict:
-        return read_json(self.out) or {}
+        return read_json(self.out)
 
 
 @dataclass
@@ -207,15 +189,14 @@ class DilocoJob:
 
     def __init__(self, cfg: Decoupled, workload: Workload, links: Links, out: Path) -> None:
         self.cfg, self.workload, self.links, self.out = cfg, workload, links, out
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-        self.children = Procs()
+        self.children = Procs(out)
         self.slots = [Slot(i) for i in range(workload.learners)]
         self.address = ""
         self.metrics_url = ""
         self.sync_proc: Any = None
 
     def start(self) -> None:
-        self.sync_proc, info = start_synchronizer(self.cfg, self.children, self.out, self.links.bind_host())
+        self.sync_proc, info = start_synchronizer(self.children, self.cfg.synchronizer_flags(self.links.bind_host()))
         self.port = info["port"]
         self.address = f"{self.links.bind_host()}:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{info['metrics_port']}/metrics"
@@ -227,16 +208,16 @@ class DilocoJob:
         out.unlink(missing_ok=True)
         cmd = learner_cmd(self.cfg, self.workload, slot.index, out, self.links.synchronizer_address(slot.index, self.port),
                           start_step=start_step, learner_id=learner_id, wait_for=wait_for)
-        proc = self.children.start(self.links.wrap(slot.index, cmd), self.out / "logs" / f"learner-{slot.index}.log")
+        proc = self.children.start(f"learner-{slot.index}", self.links.wrap(slot.index, cmd))
         slot.runs.append(Incarnation(proc, out, start_step))
         slot.down = False
 
     def check(self) -> None:
         if self.sync_proc.poll() is not None:
-            raise JobError(f"the Synchronizer exited with code {self.sync_proc.returncode}; see {self.out / 'logs' / 'synchronizer.log'}")
+            raise JobError(f"the Synchronizer exited with code {self.sync_proc.returncode}; see {self.children.log('synchronizer')}")
         for s in self.slots:
             if not s.down and s.proc is not None and s.proc.poll() not in (None, 0):
-                raise JobError(f"learner {s.index} exited with code {s.proc.returncode}; see {self.out / 'logs' / f'learner-{s.index}.log'}")
+                raise JobError(f"learner {s.index} exited with code {s.proc.returncode}; see {self.children.log(f'learner-{s.index}')}")
 
     def run(self, tick: Callable[[DilocoJob], None] | None = None, timeout_s: float = 1800,
             evaluator: GlobalModel | None = None, eval_every_s: float = 0.0) -> dict:
@@ -357,16 +338,15 @@ class GlobalModel:
 
 def alone(workload: Workload, out: Path) -> dict:
     """One learner, learner 0's shard, the same steps, no syncing: the M = 1 baseline."""
-    (out / "logs").mkdir(parents=True, exist_ok=True)
     path = out / "alone.json"
-    procs = Procs()
+    procs = Procs(out)
     try:
-        proc = procs.start(learner_cmd(None, workload, 0, path), out / "logs" / "alone.log")
+        proc = procs.start("alone", learner_cmd(None, workload, 0, path))
         if proc.wait() != 0:
-            raise JobError(f"the lone learner exited with code {proc.returncode}; see {out / 'logs' / 'alone.log'}")
+            raise JobError(f"the lone learner exited with code {proc.returncode}; see {procs.log('alone')}")
     finally:
         procs.stop_all()
-    r = read_json(path) or {}
+    r = read_json(path)
     return {"name": "alone", "config": "M=1, no sync", "eval_loss": r["eval_loss_end"], "wall_s": r["train_s"],
             "steps": workload.steps, "steps_per_s": r["steps_per_s"], "bytes_per_step": 0.0,
             "steady_bytes_per_step": 0.0, "wire": "none", "results": [[r]],

@@ -29,26 +29,26 @@ from typing import Any
 
 from bench.common import machine, parser, table, write_json
 from bench.convergence import BEST, parse_set
-from bench.jobs import SMOKE, Decoupled, JobError, Procs, Workload, learner_cmd, start_synchronizer
-from learner.local import read_json
+from bench.jobs import SMOKE, Decoupled, JobError, Workload, learner_cmd
+from demo.procs import Procs, read_json, start_synchronizer
 
 
 def measure(cfg: Decoupled, w: Workload, repeats: int, out: Path) -> dict[str, Any]:
-    procs = Procs()
+    procs = Procs(out)
     on: list[float] = []
     off: list[float] = []
     try:
-        _, info = start_synchronizer(cfg, procs, out)
+        _, info = start_synchronizer(procs, cfg.synchronizer_flags())
         address = f"127.0.0.1:{info['port']}"
         n = 0
         for rep in range(repeats):
             for syncing in ((True, False) if rep % 2 == 0 else (False, True)):
                 path = out / f"run{n}-{'on' if syncing else 'off'}.json"
                 cmd = learner_cmd(cfg if syncing else None, w, 0, path, address)
-                proc = procs.start(cmd, out / "logs" / f"run{n}.log")
+                proc = procs.start(f"run{n}", cmd)
                 if proc.wait() != 0:
-                    raise JobError(f"learner run {n} exited with code {proc.returncode}; see {out / 'logs' / f'run{n}.log'}")
-                r = read_json(path) or {}
+                    raise JobError(f"learner run {n} exited with code {proc.returncode}; see {procs.log(f'run{n}')}")
+                r = read_json(path)
                 (on if syncing else off).append(r["steps_per_s"])
                 n += 1
                 print(f"  {cfg.name:10s} syncing {'on ' if syncing else 'off'} {r['steps_per_s']:7.2f} steps/s"

@@ -1,13 +1,14 @@
 """The learner's gRPC transport: one channel to the Synchronizer and one method per RPC.
 
-Owns the channel (insecure, TLS or mutual TLS), the bearer token sent on every call, deadlines,
-retries with exponential backoff and jitter on transient status codes (UNAVAILABLE,
-DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED; a bounded number of attempts, then the `grpc.RpcError` goes
-to the caller, who decides what to do), and the count of bytes sent and received (the serialized
-size of every message, payload chunks included). It knows nothing of training: payloads come in
-already encoded, and pulls decode straight into a preallocated FP32 tensor, either from the whole
-fragment or, given the exact parameters of an earlier version, from the chain of outer updates
-since that version (checked by the server's crc32; any mismatch falls back to a full pull).
+Owns the channel (opened by `protos.channel`: insecure, TLS or mutual TLS, with the bearer token
+sent on every call), deadlines, retries with exponential backoff and jitter on transient status
+codes (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED; a bounded number of attempts, then the
+`grpc.RpcError` goes to the caller, who decides what to do), and the count of bytes sent and
+received (the serialized size of every message, payload chunks included). It knows nothing of
+training: payloads come in already encoded, and pulls decode straight into a preallocated FP32
+tensor, either from the whole fragment or, given the exact parameters of an earlier version, from
+the chain of outer updates since that version (checked by the server's crc32; any mismatch falls
+back to a full pull).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 from protos import codec, framing
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
+from protos.channel import bearer, open_channel
+from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -33,7 +36,6 @@ T = TypeVar("T")
 RETRYABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 )
-MAX_MESSAGE_BYTES = 16 << 20  # chunks are at most 4 MiB; headroom for the envelope
 
 
 def is_retryable(err: BaseException) -> bool:
@@ -70,23 +72,11 @@ class SyncClient:
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.chunk_bytes = chunk_bytes
-        self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        options: list[tuple[str, int | str]] = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.enable_retries", 0),  # retries are ours, with idempotency keys
-        ]
-        if tls_ca is not None:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=Path(tls_ca).read_bytes(),
-                private_key=Path(tls_key).read_bytes() if tls_key else None,
-                certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
-            )
-            if tls_server_name:
-                options.append(("grpc.ssl_target_name_override", tls_server_name))
-            self.channel = grpc.secure_channel(address, creds, options=options)
-        else:
-            self.channel = grpc.insecure_channel(address, options=options)
+        self.metadata = bearer(auth_token)
+        self.channel = open_channel(
+            address, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name,
+            options=[("grpc.enable_retries", 0)],  # retries are ours, with idempotency keys
+        )
         self.stub = pb_grpc.SynchronizerStub(self.channel)
         self.closed = threading.Event()
         self._lock = threading.Lock()
@@ -147,19 +137,9 @@ class SyncClient:
     def init_model(self, fragments: Sequence[torch.Tensor]) -> pb.InitModelReply:
         """Uploads every fragment's flat FP32 parameters (CPU tensors, in fragment order)."""
 
-        def messages() -> Iterator[pb.InitModelRequest]:
-            yield pb.InitModelRequest(start=pb.InitStart(learner_id=self.learner_id, spec_hash=self.spec_hash))
-            for fid, flat in enumerate(fragments):
-                buf = codec.encode(flat.detach().float().cpu().reshape(-1), pb.CODEC_FP32)
-                header = codec.make_header(pb.CODEC_FP32, flat.numel())
-                yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=fid, payload=header))
-                for chunk in framing.iter_chunks(buf, self.chunk_bytes):
-                    yield pb.InitModelRequest(chunk=chunk)
-
         def call() -> pb.InitModelReply:
-            reply = self.stub.InitModel(
-                self._counted(messages()), timeout=self.rpc_timeout_s, metadata=self.metadata
-            )
+            messages = init_model_requests(self.learner_id, self.spec_hash, fragments, self.chunk_bytes)
+            reply = self.stub.InitModel(self._counted(messages), timeout=self.rpc_timeout_s, metadata=self.metadata)
             self._count(received=reply.ByteSize())
             return reply
 

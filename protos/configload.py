@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-import tomllib
 import yaml
 from pydantic import BaseModel, ValidationError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI (a dependency only there)
+    import tomli as tomllib
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "DILOCO_"

@@ -329,17 +329,21 @@ class LearnerStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., inner_steps: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("server_epoch", "initialized", "spec_hash", "versions", "learners", "outer_steps")
+    __slots__ = ("server_epoch", "initialized", "spec_hash", "versions", "learners", "outer_steps", "goodput", "unhealthy")
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
     server_epoch: str
     initialized: bool
     spec_hash: str
     versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
     learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
     outer_steps: int
-    def __init__(self, server_epoch: _Optional[str] = ..., initialized: _Optional[bool] = ..., spec_hash: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., outer_steps: _Optional[int] = ...) -> None: ...
+    goodput: float
+    unhealthy: str
+    def __init__(self, server_epoch: _Optional[str] = ..., initialized: _Optional[bool] = ..., spec_hash: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., goodput: _Optional[float] = ..., unhealthy: _Optional[str] = ...) -> None: ...

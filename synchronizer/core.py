@@ -181,6 +181,8 @@ class Synchronizer:
             versions=self.versions(),
             learners=learners,
             outer_steps=sum(f.version for f in self.fragments),
+            goodput=self.goodput.ratio(),
+            unhealthy=self.unhealthy or "",
         )
 
     # Model transfer --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 from protos import codec, framing
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
+from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec, TensorInfo, plan_fragments
 
 TIMEOUT = 20.0
@@ -47,14 +48,8 @@ class Client:
         return reply
 
     def init(self, flats: Sequence[torch.Tensor]) -> pb.InitModelReply:
-        def msgs() -> Iterator[pb.InitModelRequest]:
-            yield pb.InitModelRequest(start=pb.InitStart(learner_id=self.learner_id, spec_hash=self.spec.spec_hash))
-            for frag, flat in zip(self.spec.fragments, flats, strict=True):
-                yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=frag.fragment_id, payload=codec.make_header(pb.CODEC_FP32, frag.numel)))
-                for chunk in framing.iter_chunks(codec.encode(flat, pb.CODEC_FP32), 1000):
-                    yield pb.InitModelRequest(chunk=chunk)
-
-        return self.stub.InitModel(msgs(), timeout=TIMEOUT, metadata=self.md)
+        messages = init_model_requests(self.learner_id, self.spec.spec_hash, flats, chunk_bytes=1000)
+        return self.stub.InitModel(messages, timeout=TIMEOUT, metadata=self.md)
 
     def header(self, fragment: int, delta: torch.Tensor, codec_id: int, base: int, seq: int | None = None, tokens: int = 100, steps: int = 10) -> tuple[pb.PushHeader, torch.Tensor]:
         if seq is None:

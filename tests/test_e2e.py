@@ -1,7 +1,7 @@
 """End to end with real processes on loopback: a Synchronizer (`python -m synchronizer serve`) and
-learner processes (`python -m learner train`) training a tiny version of the bundled example,
+learner processes (`python -m demo train`) training a tiny version of the bundled example,
 with learners and the Synchronizer killed (SIGKILL) and restarted mid-run, and the one-machine
-main job (`python -m learner local`). Every process runs in its own process group and is killed
+main job (`python -m demo local`, the `diloco-learner local` command). Every process runs in its own process group and is killed
 when its test ends, pass or fail.
 """
 
@@ -19,6 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from demo.procs import Procs, read_json
+from demo.procs import start_synchronizer as procs_start_synchronizer
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 
@@ -31,42 +33,11 @@ TINY = [
 ]
 
 
-class Procs:
-    """Starts processes in their own process groups, logs to files; kill_all ends them."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.procs: list[subprocess.Popen] = []
-        (root / "logs").mkdir(parents=True, exist_ok=True)
-
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        with open(self.root / "logs" / f"{name}.log", "ab") as log:
-            p = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def log(self, name: str) -> str:
-        path = self.root / "logs" / f"{name}.log"
-        return path.read_text()[-3000:] if path.exists() else ""
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name} ---\n{p.read_text()[-2000:]}" for p in sorted((self.root / "logs").glob("*.log")))
-
-    def kill_all(self) -> None:
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-
-
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:
     ps = Procs(tmp_path)
     yield ps
-    ps.kill_all()
+    ps.stop_all(grace_s=0)
 
 
 def wait_until(cond: Callable[[], object], timeout_s: float, what: str, procs: Procs | None = None) -> object:
@@ -76,26 +47,15 @@ def wait_until(cond: Callable[[], object], timeout_s: float, what: str, procs: P
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n" + (procs.logs() if procs else ""))
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n" + (procs.tails() if procs else ""))
         time.sleep(0.1)
 
 
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def start_synchronizer(procs: Procs, *flags: str, port: int = 0, name: str = "synchronizer") -> dict:
-    ready = procs.root / f"{name}.ready.json"
-    ready.unlink(missing_ok=True)
-    proc = procs.start(name, [
-        "-m", "synchronizer", "serve", "--port", str(port), "--metrics-port", "0",
-        "--state-dir", str(procs.root / "state"), "--ready-file", str(ready), "--shutdown-grace-s", "1",
-        *flags,
-    ])
-    info = wait_until(lambda: proc.poll() is None and read_json(ready), 60, "the Synchronizer to serve", procs)
+    try:
+        proc, info = procs_start_synchronizer(procs, ["--shutdown-grace-s", "1", *flags], port=port, name=name)
+    except RuntimeError as e:
+        raise AssertionError(f"{e}\n{procs.tails()}") from None
     return {**info, "proc": proc}
 
 
@@ -103,7 +63,7 @@ def start_learner(procs: Procs, address: str, index: int, learners: int, steps: 
                   run: int = 0) -> tuple[subprocess.Popen, Path]:
     out = procs.root / f"l{index}.run{run}.json"
     proc = procs.start(f"l{index}", [
-        "-m", "learner", "train", "--synchronizer", address, "--name", f"l{index}",
+        sys.executable, "-m", "demo", "train", "--synchronizer", address, "--name", f"l{index}",
         "--learner-index", str(index), "--learners", str(learners), "--steps", str(steps),
         "--out", str(out), *TINY, *flags,
     ])
@@ -122,7 +82,7 @@ def versions(address: str) -> list[int]:
 def final_pull(procs: Procs, address: str) -> dict:
     """A learner with zero steps: joins, adopts the served model, evaluates it, leaves."""
     proc, out = start_learner(procs, address, 0, 1, 0, "--name", "final-pull", run=99)
-    assert proc.wait(timeout=60) == 0, procs.logs()
+    assert proc.wait(timeout=60) == 0, procs.tails()
     return read_json(out)
 
 
@@ -130,9 +90,9 @@ def finish_ok(procs: Procs, proc: subprocess.Popen, out: Path, timeout_s: float 
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"{out.name} did not finish in {timeout_s} s\n{procs.logs()}") from None
+        raise AssertionError(f"{out.name} did not finish in {timeout_s} s\n{procs.tails()}") from None
     result = read_json(out)
-    assert rc == 0 and result.get("finished"), f"{out.name} exited with {rc}\n{procs.logs()}"
+    assert rc == 0 and result.get("finished"), f"{out.name} exited with {rc}\n{procs.tails()}"
     return result
 
 
@@ -191,7 +151,7 @@ def test_a_killed_learner_does_not_stall_the_others_and_rejoins(procs: Procs):
     assert result["eval_loss_start"] < read_json(victim_out)["eval_loss_start"]  # it adopted the trained global model
     for p, out in survivors:
         r = finish_ok(procs, p, out)
-        assert r["eval_loss_end"] < r["eval_loss_start"], f"{r['series']}\n{procs.logs()}"
+        assert r["eval_loss_end"] < r["eval_loss_start"], f"{r['series']}\n{procs.tails()}"
 
 
 @pytest.mark.timeout(150)
@@ -241,7 +201,7 @@ def processes_mentioning(text: str) -> list[str]:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to look for leftover processes")
 def test_local_main_job_writes_its_summary_and_leaves_no_process_behind(tmp_path: Path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "learner", "local", "--learners", "3", "--steps", "200", "--out", str(out),
+    cmd = [sys.executable, "-m", "demo", "local", "--learners", "3", "--steps", "200", "--out", str(out),
            "--lease-s", "2", "--restart-after-s", "3", "--sync-every", "10", "--fragments", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -263,7 +223,7 @@ def test_local_main_job_writes_its_summary_and_leaves_no_process_behind(tmp_path
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_local_main_job_interrupted_leaves_no_process_behind(tmp_path: Path, sig: int):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "learner", "local", "--learners", "2", "--steps", "5000", "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "demo", "local", "--learners", "2", "--steps", "5000", "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_until(lambda: read_json(out / "learner-0.json").get("step", 0) >= 10, 60, "training to start")

@@ -57,6 +57,7 @@ def test_failed_outer_step_fails_its_fragment_loudly_and_shutdown_finishes(make_
     assert a.push(0, torch.full((SPEC.fragments[0].numel,), 0.1)).outcome == pb.PUSH_ACCEPTED
     assert wait_until(lambda: _health(srv.address) == health_pb2.HealthCheckResponse.NOT_SERVING, TIMEOUT)
     assert "injected fault" in (srv.synchronizer.unhealthy or "")
+    assert "fragment 0" in a.status().unhealthy and "injected fault" in a.status().unhealthy
 
     # The waiter is answered with an error, long before its 60 s wait.
     waiter.join(TIMEOUT)

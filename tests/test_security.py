@@ -1,9 +1,6 @@
-"""TLS, mutual TLS and bearer tokens, with certificates made by the test (openssl)."""
+"""TLS, mutual TLS and bearer tokens, with certificates made by the test (the `pki` fixture, openssl)."""
 
 from __future__ import annotations
-
-import subprocess
-from pathlib import Path
 
 import grpc
 import pytest
@@ -11,21 +8,6 @@ import pytest
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from tests.helpers import SPEC_FOR_TESTS as SPEC
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
-    return d
 
 
 def _join(channel: grpc.Channel, metadata: tuple = ()) -> pb.JoinReply:

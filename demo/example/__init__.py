@@ -4,7 +4,7 @@ It needs nothing beyond torch and a Python installation, so the demo, the tests 
 benchmarks all train the same model on the same text on any machine.
 """
 
-from learner.example.data import ByteData, DataError
-from learner.example.model import GPT, GPTConfig
+from demo.example.data import ByteData, DataError
+from demo.example.model import GPT, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "ByteData", "DataError"]

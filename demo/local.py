@@ -1,7 +1,7 @@
 """The main job on one machine: a Synchronizer and N learners as separate processes on this host.
 
 `diloco-learner local` starts the Synchronizer (`python -m synchronizer serve`, port 0, address read
-from its ready file) and N learner processes (`python -m learner train`) on the bundled example.
+from its ready file) and N learner processes (`python -m demo train`) on the bundled example.
 To show the system routing around trouble, one learner runs 3x slower than the rest (and, as it
 would in a real deployment, takes proportionally fewer steps in the same wall-clock time), and
 another is killed with SIGKILL mid-run and restarted a few seconds later, after its lease lapsed:
@@ -18,19 +18,17 @@ its own process group and is terminated (then killed) when the job ends, however
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from demo.procs import Procs, metric, read_json, scrape, start_synchronizer
 
 
 @dataclass
@@ -58,91 +56,14 @@ class LocalOptions:
     live: bool | None = None          # redraw progress in place; None = when stdout is a terminal
 
 
-def scrape(metrics_url: str) -> dict[str, dict[tuple, float]]:
-    """Prometheus text from the Synchronizer as {sample name: {sorted label items: value}}."""
-    with urllib.request.urlopen(metrics_url, timeout=2) as r:
-        text = r.read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
-
-
-def metric(samples: dict[str, dict[tuple, float]], name: str, **labels: str) -> float:
-    return samples.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-class Children:
-    """The processes this job started, each in its own process group; stop_all ends them all."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, cmd: list[str], log: Path) -> subprocess.Popen:
-        with open(log, "ab") as f:
-            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    @staticmethod
-    def signal(p: subprocess.Popen, sig: int) -> None:
-        """Signals p's whole process group (whatever p started goes too)."""
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    @classmethod
-    def kill(cls, p: subprocess.Popen) -> None:
-        cls.signal(p, signal.SIGCONT)  # a stopped (SIGSTOP) group must run again to end
-        cls.signal(p, signal.SIGKILL)
-        p.wait()
-
-    def stop_all(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM to every group (the Synchronizer checkpoints and exits), then SIGKILL the rest."""
-        for p in self.procs:
-            if p.poll() is None:
-                self.signal(p, signal.SIGCONT)
-                self.signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            self.kill(p)
-
-
-def start_synchronizer(o: LocalOptions, children: Children, state_dir: Path) -> tuple[subprocess.Popen, dict]:
-    ready = o.out / "synchronizer.ready.json"
-    ready.unlink(missing_ok=True)
-    cmd = [
-        sys.executable, "-m", "synchronizer", "serve", "--port", "0", "--metrics-port", "0",
-        "--state-dir", str(state_dir), "--ready-file", str(ready),
+def synchronizer_flags(o: LocalOptions) -> list[str]:
+    return [
         "--quorum", str(o.quorum), "--grace", o.grace, "--lease-s", str(o.lease_s),
         # rounds of two or more learners: plain Nesterov beat Delayed Nesterov here (1.75 vs 1.83)
         "--outer", "nesterov" if o.quorum != 1 else "delayed_nesterov",
         "--forget-after-s", str(max(10.0, 3 * o.lease_s)), "--goodput-window-s", "3600",
         "--shutdown-grace-s", "2", *o.synchronizer_args,
     ]
-    proc = children.start(cmd, o.out / "logs" / "synchronizer.log")
-    deadline = time.monotonic() + 60
-    while (info := read_json(ready)) is None:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the Synchronizer exited with code {proc.returncode}; see {o.out / 'logs' / 'synchronizer.log'}")
-        if time.monotonic() > deadline:
-            raise RuntimeError("the Synchronizer did not become ready within 60 s")
-        time.sleep(0.1)
-    return proc, info
 
 
 @dataclass
@@ -171,7 +92,7 @@ class Slot:
 
 def learner_cmd(o: LocalOptions, address: str, slot: Slot, out: Path, start_step: int = 0, name: str = "") -> list[str]:
     cmd = [
-        sys.executable, "-m", "learner", "train", "--synchronizer", address,
+        sys.executable, "-m", "demo", "train", "--synchronizer", address,
         "--name", name or slot.name, "--learner-index", str(slot.index), "--learners", str(o.learners),
         "--steps", str(slot.steps), "--start-step", str(start_step), "--out", str(out),
         "--sync-every", str(o.sync_every), "--fragments", str(o.fragments), "--codec", o.codec,
@@ -182,44 +103,44 @@ def learner_cmd(o: LocalOptions, address: str, slot: Slot, out: Path, start_step
     return cmd + o.train_args
 
 
-def start_learner(o: LocalOptions, children: Children, address: str, slot: Slot, start_step: int = 0) -> None:
+def start_learner(o: LocalOptions, procs: Procs, address: str, slot: Slot, start_step: int = 0) -> None:
     slot.runs.append(o.out / (f"learner-{slot.index}.json" if not slot.runs else f"learner-{slot.index}.run{len(slot.runs)}.json"))
     cmd = learner_cmd(o, address, slot, slot.runs[-1], start_step)
-    old_id = ((read_json(slot.runs[0]) or {}).get("learner") or {}).get("learner_id") if start_step else None
+    old_id = (read_json(slot.runs[0]).get("learner") or {}).get("learner_id") if start_step else None
     if old_id:
         cmd += ["--learner-id", old_id]  # come back as the same learner
-    slot.proc = children.start(cmd, o.out / "logs" / f"learner-{slot.index}.log")
+    slot.proc = procs.start(f"learner-{slot.index}", cmd)
 
 
-def kill_or_restart(o: LocalOptions, children: Children, address: str, slot: Slot) -> None:
+def kill_or_restart(o: LocalOptions, procs: Procs, address: str, slot: Slot) -> None:
     """The fault: SIGKILL the slot's learner at kill_at of its steps; restart_after_s later,
     start it again from the step its last progress line recorded."""
     now = time.time()
     if slot.killed_at is None:
-        r = read_json(slot.runs[-1]) or {}
+        r = read_json(slot.runs[-1])
         if "loss" in r and r["step"] >= o.kill_at * slot.steps and not r["finished"] and slot.proc is not None:
-            Children.signal(slot.proc, signal.SIGKILL)
+            Procs.signal(slot.proc, signal.SIGKILL)
             slot.proc.wait()
             slot.killed_at_step, slot.killed_at = r["step"], now
             print(f"-- killed {slot.name} (SIGKILL) at step {r['step']}", flush=True)
     elif not slot.restarted and now - slot.killed_at >= o.restart_after_s:
         assert slot.killed_at_step is not None
-        start_learner(o, children, address, slot, start_step=slot.killed_at_step)
+        start_learner(o, procs, address, slot, start_step=slot.killed_at_step)
         slot.restarted = True
         print(f"-- restarted {slot.name} from step {slot.killed_at_step}", flush=True)
 
 
-def check_exits(o: LocalOptions, sync_proc: subprocess.Popen, slots: list[Slot]) -> None:
+def check_exits(procs: Procs, sync_proc: subprocess.Popen, slots: list[Slot]) -> None:
     """RuntimeError naming the log to read if the Synchronizer or a learner failed."""
     if sync_proc.poll() is not None:
-        raise RuntimeError(f"the Synchronizer exited with code {sync_proc.returncode}; see {o.out / 'logs' / 'synchronizer.log'}")
+        raise RuntimeError(f"the Synchronizer exited with code {sync_proc.returncode}; see {procs.log('synchronizer')}")
     for s in slots:
         if s.proc is not None and s.proc.poll() not in (None, 0) and not s.awaiting_restart():
-            raise RuntimeError(f"learner {s.name} exited with code {s.proc.returncode}; see {o.out / 'logs' / f'learner-{s.index}.log'}")
+            raise RuntimeError(f"learner {s.name} exited with code {s.proc.returncode}; see {procs.log(f'learner-{s.index}')}")
 
 
 def progress_line(slot: Slot) -> str:
-    r = read_json(slot.runs[-1]) if slot.runs else None
+    r = read_json(slot.runs[-1]) if slot.runs else {}
     tag = slot.name + (f" (x{slot.slow:g} slow)" if slot.slow > 1 else "")
     if slot.awaiting_restart():
         return f"{tag:16s} killed at step {slot.killed_at_step}, restarting..."
@@ -261,13 +182,13 @@ def run(o: LocalOptions) -> dict:
     for old in [*o.out.glob("learner-*.json"), *(o.out / "logs").glob("*.log"), o.out / "final.json",
                 o.out / "summary.json", o.out / "summary.png"]:
         old.unlink(missing_ok=True)  # results of an earlier run
-    children = Children()
+    procs = Procs(o.out)
     # Ctrl-C and SIGTERM both unwind into the finally below (even where SIGINT came in ignored)
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     state_dir = Path(tempfile.mkdtemp(prefix="diloco-local-state-"))  # a fresh run: nothing to resume
     t0 = time.time()
     try:
-        sync_proc, info = start_synchronizer(o, children, state_dir)
+        sync_proc, info = start_synchronizer(procs, synchronizer_flags(o), state_dir=state_dir)
         address, metrics_url = info["address"], f"http://127.0.0.1:{info['metrics_port']}/metrics"
         print(f"Synchronizer at {address}, metrics at {metrics_url}; logs in {o.out / 'logs'}", flush=True)
 
@@ -275,7 +196,7 @@ def run(o: LocalOptions) -> dict:
         for i in range(o.learners):
             slow = o.slow_factor if i == o.slow_learner and o.learners > 1 else 1.0
             slots.append(Slot(i, max(1, round(o.steps / slow)), slow))  # same wall-clock, fewer steps
-            start_learner(o, children, address, slots[-1])
+            start_learner(o, procs, address, slots[-1])
         victim = slots[o.kill_learner] if 0 <= o.kill_learner < o.learners and o.learners > 1 else None
 
         display = Display(sys.stdout.isatty() if o.live is None else o.live)
@@ -283,28 +204,27 @@ def run(o: LocalOptions) -> dict:
         samples: dict = {}
         while any(s.running() or s.awaiting_restart() for s in slots):
             time.sleep(0.5)
-            check_exits(o, sync_proc, slots)
+            check_exits(procs, sync_proc, slots)
             if victim is not None:
-                kill_or_restart(o, children, address, victim)
+                kill_or_restart(o, procs, address, victim)
             try:
                 samples = scrape(metrics_url)
                 goodput_series.append({"t": time.time(), "goodput": metric(samples, "diloco_goodput_ratio")})
             except OSError:
                 pass
             display.show(slots, samples, time.time() - t0)
-        check_exits(o, sync_proc, slots)
+        check_exits(procs, sync_proc, slots)
 
         samples = scrape(metrics_url)  # before the final pull joins as one more learner
         final_out = o.out / "final.json"  # zero steps: join, adopt the served model, evaluate, leave
-        final = children.start(learner_cmd(o, address, Slot(0, 0), final_out, name="final-eval"),
-                               o.out / "logs" / "final-eval.log")
+        final = procs.start("final-eval", learner_cmd(o, address, Slot(0, 0), final_out, name="final-eval"))
         if final.wait(timeout=120) != 0:
-            raise RuntimeError(f"the final evaluation exited with code {final.returncode}; see {o.out / 'logs' / 'final-eval.log'}")
-        summary = summarize(o, slots, samples, read_json(final_out) or {}, goodput_series, t0)
+            raise RuntimeError(f"the final evaluation exited with code {final.returncode}; see {procs.log('final-eval')}")
+        summary = summarize(o, slots, samples, read_json(final_out), goodput_series, t0)
     finally:
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        children.stop_all()
+        procs.stop_all()
         shutil.rmtree(state_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -312,7 +232,7 @@ def run(o: LocalOptions) -> dict:
     (o.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if o.plot:
         try:
-            from learner.plot import plot_summary
+            from demo.plot import plot_summary
         except ImportError:
             print("matplotlib is not installed (pip install '.[plot]'): skipped summary.png", flush=True)
         else:
@@ -326,7 +246,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def summarize(o: LocalOptions, slots: list[Slot], samples: dict, final: dict, goodput_series: list[dict], t0: float) -> dict:
-    runs = {s.index: [read_json(p) or {} for p in s.runs] for s in slots}
+    runs = {s.index: [read_json(p) for p in s.runs] for s in slots}
     first = runs[0][0]
     params = int(first.get("params") or final.get("params", 0))
     n = o.learners

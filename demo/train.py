@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from demo.example.data import ByteData, evaluate
+from demo.example.model import GPT, GPTConfig
 from learner.config import LearnerConfig
-from learner.example.data import ByteData, evaluate
-from learner.example.model import GPT, GPTConfig
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
     diloco-learner train --no-sync ...        the same loop without syncing (overhead baseline)
     diloco-learner local [--learners N] [--steps S] [--out DIR]   Synchronizer + N learners here
 
-`train` takes every Learner setting as a flag, from `--config FILE` (TOML/YAML) or from
+`python -m demo` is the same command. `train` takes every Learner setting as a flag, from `--config FILE` (TOML/YAML) or from
 `DILOCO_<SETTING>` environment variables (flags win over the environment, which wins over the
 file). Bad input prints one line saying what is wrong and exits 2; never a traceback.
 """
@@ -18,9 +18,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from demo.example.data import DataError
+from demo.train import EXAMPLE_SYNC_DEFAULTS, TrainOptions, load_factory, train
 from learner.config import LearnerConfig
-from learner.example.data import DataError
-from learner.train import EXAMPLE_SYNC_DEFAULTS, TrainOptions, load_factory, train
 from protos.configload import ConfigError, add_flags, from_env, load, read_file
 
 
@@ -75,7 +75,7 @@ def check_data(path: str | None) -> str | None:
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and data (the bundled byte-level GPT on the Python stdlib sources)")
-    g.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="train your own model instead: FACTORY(learner_index, learners) returns (model, batch_fn[, eval_fn]); see learner/train.py")
+    g.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="train your own model instead: FACTORY(learner_index, learners) returns (model, batch_fn[, eval_fn]); see demo/train.py")
     g.add_argument("--data", metavar="DIR", help="directory of text files to train on instead of the Python standard library's sources")
     g.add_argument("--max-bytes", type=_int_at_least(1024), default=4 << 20, help="training bytes each learner reads from its shard (default: %(default)s)")
     g.add_argument("--n-layer", type=_int_at_least(1), default=2, help="transformer blocks (default: %(default)s)")
@@ -191,7 +191,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from learner.local import LocalOptions, run
+    from demo.local import LocalOptions, run
 
     check_data(args.data)
     if args.slow_learner is None:

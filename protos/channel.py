@@ -1,0 +1,68 @@
+"""How a client reaches the Synchronizer: the channel (insecure, TLS or mutual TLS) and the token.
+
+Both the learner's client and the operator's commands (`diloco-synchronizer init`, `status`)
+open their channel here, so TLS and bearer tokens behave the same for every caller: `tls_ca`
+turns TLS on, `tls_cert` with `tls_key` adds a client certificate (mutual TLS),
+`tls_server_name` checks the server's certificate against another name than the address's host,
+and `bearer(token)` is the call metadata the server's token check reads. Messages up to
+`MAX_MESSAGE_BYTES` pass both ways (chunks are at most 4 MiB; the rest is envelope).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+MAX_MESSAGE_BYTES = 16 << 20
+
+
+def _read_pem(what: str, path: str | Path) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what} {path} is not a PEM file (no '-----BEGIN' line)")
+    return data
+
+
+def open_channel(
+    address: str,
+    *,
+    tls_ca: str | Path | None = None,
+    tls_cert: str | Path | None = None,
+    tls_key: str | Path | None = None,
+    tls_server_name: str | None = None,
+    options: Sequence[tuple[str, int | str]] = (),
+) -> grpc.Channel:
+    """A channel to `address` (HOST:PORT): TLS when `tls_ca` is given, else plaintext.
+
+    ValueError, naming the file or the setting, for a certificate without its key (or the
+    reverse), client certificates without a CA, or a PEM file that cannot be read.
+    """
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key must be given together")
+    if tls_ca is None and tls_cert is not None:
+        raise ValueError("mutual TLS (tls_cert/tls_key) needs tls_ca to check the server")
+    opts = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        *options,
+    ]
+    if tls_ca is None:
+        return grpc.insecure_channel(address, options=opts)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read_pem("tls_ca", tls_ca),
+        private_key=_read_pem("tls_key", tls_key) if tls_key is not None else None,
+        certificate_chain=_read_pem("tls_cert", tls_cert) if tls_cert is not None else None,
+    )
+    if tls_server_name:
+        opts.append(("grpc.ssl_target_name_override", tls_server_name))
+    return grpc.secure_channel(address, creds, options=opts)
+
+
+def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries `token` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
