@@ -93,8 +93,9 @@ def headline(rows: dict[str, dict]) -> dict[str, Any]:
         return r.get("steady_bytes_per_step") or r.get("bytes_per_step")
 
     for r in rows.values():
-        if dp and r is not dp and per_step(dp) and per_step(r):
-            r["dp_over_bytes"] = per_step(dp) / per_step(r)
+        dp_bytes, r_bytes = (per_step(dp) if dp else None), per_step(r)
+        if dp and r is not dp and dp_bytes and r_bytes:
+            r["dp_over_bytes"] = dp_bytes / r_bytes
             r["dp_over_bytes_total"] = dp["bytes_per_step"] / r["bytes_per_step"] if r.get("bytes_per_step") else None
         if dp and r is not dp:
             r["gap_to_dp"] = r["eval_loss"] / dp["eval_loss"] - 1

@@ -1,7 +1,7 @@
 """The data-parallel baseline: M processes, gradients all-reduced every step with torch.distributed.
 
 The same model, data shards, AdamW, warm-up and cosine schedule as the example trainer
-(`learner.train.build`, `make_optimizer`, `lr_at`), one process per learner slot, each on its own
+(`demo.train.build`, `make_optimizer`, `lr_at`), one process per learner slot, each on its own
 `bench.net` link: gloo rendezvous over TCP at slot 0's address, parameters broadcast from rank
 0 at the start (as DDP does), then every step the gradients are flattened into one bucket,
 all-reduced (summed, divided by M) and clipped, and every rank takes the same optimizer step.
@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 from bench.common import machine, parser, table, write_json
-from bench.jobs import SMOKE, JobError, Procs, Workload, python, wire_bytes
+from bench.jobs import SMOKE, JobError, Workload, python, wire_bytes
 from bench.net import Links, open_links, socket_bytes
-from learner.local import read_json
-from learner.train import build, lr_at, make_optimizer
-from learner.train import write_json as write_result
+from demo.procs import Procs, read_json
+from demo.train import build, lr_at, make_optimizer
+from demo.train import write_json as write_result
 
 MASTER_PORT = 29500  # inside slot 0's own namespace nothing else listens
 
@@ -94,14 +94,18 @@ def rank_main(spec: dict) -> None:
         _, loss = model(x, y)
         loss.backward()
         t1 = time.perf_counter()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])  # one bucket, like DDP's
+        grads: list[torch.Tensor] = []
+        for p in params:
+            assert p.grad is not None  # every parameter is in the loss
+            grads.append(p.grad)
+        flat = torch.cat([grad.reshape(-1) for grad in grads])  # one bucket, like DDP's
         dist.all_reduce(flat)
         flat /= world
         t2 = time.perf_counter()
         offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
         if o.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, o.clip)
         optimizer.step()
@@ -164,8 +168,7 @@ class DPJob:
         self.workload, self.links, self.out, self.eval_every = workload, links, out, eval_every
         self.target_loss = target_loss
         self.checkpoint = out / "dp.ckpt" if checkpoint else None
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-        self.children = Procs()
+        self.children = Procs(out)
         self.incarnations: list[list[Path]] = []  # per start: each rank's result file
         self.resumes: list[int] = []  # per kill: the checkpointed step the next start resumes at
         self.procs: list[Any] = []
@@ -192,7 +195,7 @@ class DPJob:
             spec_path.write_text(json.dumps(spec))
             cmd = python("-m", "bench.dp", "rank", str(spec_path))
             env_cmd = ["env", f"GLOO_SOCKET_IFNAME={self.links.gloo_ifname(r)}", *cmd]
-            self.procs.append(self.children.start(self.links.wrap(r, env_cmd), self.out / "logs" / f"dp-{r}.log"))
+            self.procs.append(self.children.start(f"dp-{r}", self.links.wrap(r, env_cmd)))
             outs.append(out)
         self.incarnations.append(outs)
         self.down = False
@@ -216,7 +219,7 @@ class DPJob:
 
     def results(self) -> list[list[dict]]:
         """Per start, each rank's result."""
-        return [[read_json(p) or {} for p in outs] for outs in self.incarnations]
+        return [[read_json(p) for p in outs] for outs in self.incarnations]
 
     def run(self, timeout_s: float = 1800, tick: Callable[[DPJob], None] | None = None) -> dict:
         """Runs to the end; `tick` (fault injection) is called about 20 times a second."""
@@ -230,7 +233,7 @@ class DPJob:
                     tick(self)
                 if self.failed():
                     r = self.failed()[0]
-                    raise JobError(f"data-parallel rank {r} exited with code {self.procs[r].returncode}; see {self.out / 'logs' / f'dp-{r}.log'}")
+                    raise JobError(f"data-parallel rank {r} exited with code {self.procs[r].returncode}; see {self.children.log(f'dp-{r}')}")
                 if time.monotonic() > deadline:
                     raise JobError(f"data parallel did not finish within {timeout_s:.0f} s")
             self.links.stop_sampling()

@@ -63,10 +63,10 @@ from typing import Any
 from bench.common import machine, parser, table, write_json
 from bench.convergence import BEST, parse_set
 from bench.dp import DPJob
-from bench.jobs import SMOKE, Decoupled, DilocoJob, Slot, Workload, signal_group
+from bench.jobs import SMOKE, Decoupled, DilocoJob, Slot, Workload
 from bench.net import open_links
 from bench.plots import goodput_timelines, png_path
-from learner.local import metric, scrape
+from demo.procs import Procs, metric, scrape
 
 
 @dataclass
@@ -106,8 +106,8 @@ class Injector:
     def tick(self, t0: float | None) -> None:
         if self.t0 is None:
             self.t0 = t0
-            if t0 is None:
-                return
+        if self.t0 is None:
+            return
         now = time.time() - self.t0
         for i, f in enumerate(self.faults):
             if f.kind == "crash" and now >= f.at_s and (i, "kill") not in self.fired:
@@ -131,9 +131,9 @@ class Injector:
             if proc is None or proc.poll() is not None:
                 time.sleep(period_s)
                 continue
-            signal_group(proc, signal.SIGSTOP)
+            Procs.signal(proc, signal.SIGSTOP)
             time.sleep(stop_s)
-            signal_group(proc, signal.SIGCONT)
+            Procs.signal(proc, signal.SIGCONT)
             time.sleep(period_s - stop_s)
 
     def close(self) -> None:
@@ -147,6 +147,7 @@ class Injector:
 def run_diloco(cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: Path, align_restart: bool) -> dict:
     timeline: list[tuple[float, float]] = []
     crashed: dict[int, tuple[int, str]] = {}  # slot -> (step it had reached, its learner id)
+    job: DilocoJob  # made below, once the links are open; the callbacks run after that
 
     def crash(i: int) -> str:
         slot = job.slots[i]
@@ -156,7 +157,7 @@ def run_diloco(cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: 
         if r.get("step", 0) >= w.steps:
             return "already finished"
         crashed[i] = (r.get("step", slot.runs[-1].start_step), (r.get("learner") or {}).get("learner_id", ""))
-        signal_group(slot.proc, signal.SIGKILL)
+        Procs.signal(slot.proc, signal.SIGKILL)
         slot.proc.wait()
         slot.down = True
         return f"at step {crashed[i][0]}"
@@ -243,6 +244,8 @@ def diloco_goodput(cfg: Decoupled, w: Workload, slots: list[Slot], summary: dict
 # Lockstep data parallel -------------------------------------------------------------------------
 
 def run_lockstep(w: Workload, faults: list[Fault], net: str, out: Path) -> dict:
+    job: DPJob  # made below, once the links are open; the callbacks run after that
+
     def crash(i: int) -> str:
         if job.down or job.done():
             return "already finished"

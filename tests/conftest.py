@@ -1,16 +1,25 @@
-"""Shared fixtures: a real Synchronizer on port 0 with its own metrics registry per test."""
+"""Shared fixtures: a real Synchronizer on port 0 with its own metrics registry per test, and TLS
+certificates made by openssl."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from synchronizer.config import SynchronizerConfig
 from synchronizer.metrics import Metrics
 from synchronizer.server import RunningServer, serving
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked `cuda` run only where a GPU is present (`pytest -m cuda` selects them)."""
+    if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
 
 
 @pytest.fixture
@@ -29,3 +38,20 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
     yield start
     for cm in reversed(stack):
         cm.__exit__(None, None, None)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA (ca.pem) and the server and client certificates it signed ({server,client}.pem, .key),
+    valid for 127.0.0.1 and localhost."""
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+    return d

@@ -71,7 +71,7 @@ def test_unknown_learner_is_not_found(ready):
 
 
 def test_expired_lease_is_failed_precondition_until_rejoin(make_server):
-    srv = make_server(quorum=1, grace="none", lease_s=0.3)
+    srv = make_server(quorum=1, grace="none", lease_s=1.0)  # long enough to join and init on a busy machine
     c = Client(srv.address, SPEC)
     c.join()
     c.init([torch.zeros(f.numel) for f in SPEC.fragments])

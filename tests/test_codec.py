@@ -514,12 +514,10 @@ def test_assembler_refuses_payload_larger_than_max_bytes():
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA (runs only where a GPU is present)
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# CUDA (runs only where a GPU is present: conftest skips `cuda` tests elsewhere)
 
 
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("scale_dtype", SCALES, ids=["fp32scale", "fp16scale"])
 @pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
 def test_cuda_encode_and_decode_match_cpu(codec, scale_dtype):
@@ -535,7 +533,7 @@ def test_cuda_encode_and_decode_match_cpu(codec, scale_dtype):
     )
 
 
-@cuda
+@pytest.mark.cuda
 def test_cuda_encode_rejects_nan():
     x = gaussian(1000).cuda()
     x[999] = float("nan")

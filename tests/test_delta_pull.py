@@ -28,6 +28,7 @@ def _delta_pull(c: Client, have: int, base: torch.Tensor) -> tuple[pb.PullHeader
         if msg.WhichOneof("kind") == "link":
             link, asm = msg.link, framing.Assembler(msg.link.payload)
         else:
+            assert asm is not None and link is not None, "a chunk came before its link"
             asm.add(msg.chunk)
             if asm.complete:
                 params.add_(codec.decode(asm.finish(), link.payload, torch.empty(N)))

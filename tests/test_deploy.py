@@ -2,15 +2,17 @@
 
 A real Prometheus (Debian's `prometheus`, on 127.0.0.1 and a free port) scrapes a Synchronizer
 served in-process under real gRPC traffic and a learner metrics endpoint, with the repository's
-own scrape config and rules; the tests then read its HTTP API. A missing tool fails the test with
-how to install it (`bash deploy/ci/install-tools.sh`), except `docker compose`, which is checked
-where the docker client has the compose plugin and skipped (with the reason) elsewhere.
+own scrape config and rules; the tests then read its HTTP API (these are marked slow). `kubectl
+kustomize` cross-checks deploy/k8s/render.py. A missing tool fails the test with how to install
+it (`bash deploy/ci/install-tools.sh`), except `docker compose`, which is checked where the
+docker client has the compose plugin and skipped (with the reason) elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -238,7 +240,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         srv = exit_stack.enter_context(serving(cfg, Metrics()))
         learner_port, stop_learner = start_learner_metrics(fake_learner_stats(), 0, registry=CollectorRegistry())
         exit_stack.callback(stop_learner)
-        stop, errors = threading.Event(), []
+        stop = threading.Event()
+        errors: list[BaseException] = []
         thread = threading.Thread(target=traffic, args=(srv.address, stop, errors), daemon=True)
         thread.start()
         exit_stack.callback(thread.join, 30)
@@ -306,6 +309,7 @@ def test_promtool_unit_tests_of_the_goodput_rules_and_alerts_pass() -> None:
 # The live Prometheus ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_real_prometheus_scrapes_both_services_and_records_goodput(stack: Stack) -> None:
     up = poll(lambda: (lambda r: r if len(r) == 2 else None)(stack.query("up == 1")), 60,
               "Prometheus did not scrape both the Synchronizer and the learner")
@@ -333,6 +337,7 @@ def test_real_prometheus_scrapes_both_services_and_records_goodput(stack: Stack)
     assert loss and loss[0]["metric"]["job"] == "diloco-learner"
 
 
+@pytest.mark.slow
 def test_every_dashboard_and_rule_metric_is_one_the_services_export(stack: Stack) -> None:
     poll(lambda: stack.query("job:diloco_goodput:ratio_rate5m"), 60, "no goodput series")
     exported = sample_names(http_get(stack.synchronizer_metrics)) | sample_names(http_get(stack.learner_metrics))
@@ -353,14 +358,16 @@ def test_every_dashboard_and_rule_metric_is_one_the_services_export(stack: Stack
     assert not not_stored, f"Prometheus scraped none of: {sorted(not_stored)}"
 
 
+@pytest.mark.slow
 def test_every_dashboard_query_is_valid_promql_for_the_live_server(stack: Stack) -> None:
     for _title, expr in dashboard_exprs():
         stack.query(expr.replace("$__rate_interval", "1m").replace("$__interval", "1s"))  # asserts success
     for name in ("job:diloco_goodput:ratio_rate5m", "job_bucket:diloco_compute:ratio_rate5m", "job_outcome:diloco_pushes:rate5m",
                  "job_codec:diloco_received_bytes:rate5m", "job_codec:diloco_sent_bytes:rate5m", "job:diloco_round_wait_seconds:p99_5m"):
-        poll(lambda n=name: stack.query(n), 30, f"{name} has no samples under live traffic")
+        poll(functools.partial(stack.query, name), 30, f"{name} has no samples under live traffic")
 
 
+@pytest.mark.slow
 def test_dockerfile_healthcheck_command_tells_serving_from_down(stack: Stack) -> None:
     check = [c for c in dockerfile_commands() if c.cmd == "HEALTHCHECK"]
     assert len(check) == 1 and check[0].value[0] == "CMD"
@@ -479,7 +486,7 @@ def test_compose_wires_the_image_ports_and_prometheus_targets_together() -> None
 
 
 def test_learner_and_synchronizer_commands_in_compose_and_k8s_are_accepted_by_the_clis() -> None:
-    from learner.cli import _parser as learner_parser
+    from demo.cli import _parser as learner_parser
     from synchronizer.cli import _parser as synchronizer_parser
 
     commands = {f"compose {name}": svc["command"] for name, svc in compose()["services"].items() if name.startswith(("learner-", "synchronizer"))}
@@ -589,16 +596,34 @@ def test_kubernetes_manifests_validate_against_the_schemas(kustomization: Path) 
         assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
 
 
+def kubectl_minor(kubectl: str) -> int:
+    """kubectl's client minor version ("32+" counts as 32)."""
+    result = run([kubectl, "version", "--client", "-o", "json"])
+    assert result.returncode == 0, result.stderr
+    return int(re.sub(r"\D", "", json.loads(result.stdout)["clientVersion"]["minor"]))
+
+
+def by_kind_and_name(objects: list[dict[str, Any]], who: str) -> dict[tuple[str, str], dict[str, Any]]:
+    keyed = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    assert len(keyed) == len(objects), f"{who} rendered two objects of the same kind and name"
+    return keyed
+
+
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS, ids=lambda p: p.name)
 def test_python_renderer_matches_kubectl_kustomize(kustomization: Path) -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (neither Debian nor PyPI ships it); the schemas still check deploy/k8s/render.py's output")
+    kubectl = tool("kubectl", DEBIAN.format("kubernetes-client"))
+    # kubectl before 1.21 (Debian bookworm's is 1.20) embeds kustomize 2.0.3, which predates
+    # `patches` and directories under `resources`: it can render only the base.
+    if kustomization.name != "base" and kubectl_minor(kubectl) < 21:
+        pytest.skip(f"{kubectl} embeds kustomize 2.0.3, too old for this overlay's `patches` (kubectl >= 1.21 checks it)")
     result = run([kubectl, "kustomize", str(kustomization)])
     assert result.returncode == 0, result.stderr
-    theirs = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(result.stdout) if o}
-    mine = {(o["kind"], o["metadata"]["name"]): o for o in rendered(kustomization)}
-    assert mine == theirs
+    # kustomize sorts objects by kind and writes its own YAML: compare the parsed documents.
+    theirs = by_kind_and_name([o for o in yaml.safe_load_all(result.stdout) if o], "kubectl kustomize")
+    mine = by_kind_and_name(rendered(kustomization), "deploy/k8s/render.py")
+    assert mine.keys() == theirs.keys()
+    for key, obj in mine.items():
+        assert obj == theirs[key], f"{kustomization.name}: {key[0]}/{key[1]} differs from kubectl kustomize's"
 
 
 def test_synchronizer_deployment_probes_grace_storage_and_security() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.cli import main
-from learner.example.data import (
+from demo.cli import main
+from demo.example.data import (
     ByteData,
     evaluate,
     list_files,
@@ -14,8 +14,8 @@ from learner.example.data import (
     split_files,
     stdlib_root,
 )
-from learner.example.model import GPT, GPTConfig
-from learner.train import TrainOptions, lr_at, param_hash, train
+from demo.example.model import GPT, GPTConfig
+from demo.train import TrainOptions, lr_at, param_hash, train
 
 TINY = GPTConfig(n_layer=1, d_model=32, n_head=2, block=32)
 

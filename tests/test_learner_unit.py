@@ -152,8 +152,8 @@ def test_gather_scatter_round_trip_restores_every_parameter():
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    for p, flat in enumerate(flats):
-        plan.scatter(p, flat)
+    for i, flat in enumerate(flats):
+        plan.scatter(i, flat)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     with pytest.raises(ValueError):

@@ -64,7 +64,8 @@ def test_quorum_one_applies_without_waiting_for_others(make_server):
 
 
 def test_grace_window_takes_a_learner_in_time_and_not_one_that_is_late(make_server):
-    srv, clients, init = _setup(make_server, 3, quorum=1, grace="fixed", grace_max_s=0.5, outer="sgd", outer_lr=1.0, anchor="base", token_weight="uniform")
+    # The window must outlast two back-to-back pushes on a busy machine; the pull waits it out.
+    srv, clients, init = _setup(make_server, 3, quorum=1, grace="fixed", grace_max_s=2.0, outer="sgd", outer_lr=1.0, anchor="base", token_weight="uniform")
     a, b, late = _vec(1), _vec(2), _vec(3)
     assert clients[0].push(0, a).round_version == 1
     assert clients[1].push(0, b).round_version == 1  # inside the grace window: same round
@@ -83,7 +84,7 @@ def test_round_closes_at_once_when_every_live_learner_contributed(make_server):
 
 
 def test_dead_learner_never_holds_a_synchronous_round(make_server):
-    srv, clients, _ = _setup(make_server, 2, quorum=0, grace="none", lease_s=0.6)
+    srv, clients, _ = _setup(make_server, 2, quorum=0, grace="none", lease_s=2.0)  # heartbeats every 0.1 s keep one alive
     alive, silent = clients
     stop = threading.Event()
 
