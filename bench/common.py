@@ -15,7 +15,9 @@ import torch
 
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--quick", action="store_true", help="the small mode (at most a few minutes on 2 cores)")
+    p.add_argument(
+        "--quick", action="store_true", help="the small mode (at most a few minutes on 2 cores)"
+    )
     p.add_argument("--smoke", action="store_true", help="the smallest mode, for the test suite")
     p.add_argument("--json", type=Path, help="write the results as one JSON object to this path")
     return p

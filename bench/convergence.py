@@ -51,7 +51,9 @@ from bench.net import open_links
 from bench.plots import loss_curves, png_path
 
 TARGET_RATIO = 500
-DECOUPLED = Decoupled(name="decoupled_int4", quorum=1, grace="adaptive", sync_every=100, fragments=1, codec="int4")
+DECOUPLED = Decoupled(
+    name="decoupled_int4", quorum=1, grace="adaptive", sync_every=100, fragments=1, codec="int4"
+)
 BEST = DECOUPLED.with_(name="streaming_int4", fragments=4)  # what wan and goodput run
 
 
@@ -75,7 +77,9 @@ def parse_set(items: list[str], base: Decoupled) -> Decoupled:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in fields or key == "name":
-            raise SystemExit(f"--set {item!r}: expected field=value with field one of {sorted(set(fields) - {'name'})}")
+            raise SystemExit(
+                f"--set {item!r}: expected field=value with field one of {sorted(set(fields) - {'name'})}"
+            )
         default = getattr(base, key)
         if isinstance(default, bool):
             changes[key] = value.lower() in ("1", "true", "yes")
@@ -96,13 +100,17 @@ def headline(rows: dict[str, dict]) -> dict[str, Any]:
         dp_bytes, r_bytes = (per_step(dp) if dp else None), per_step(r)
         if dp and r is not dp and dp_bytes and r_bytes:
             r["dp_over_bytes"] = dp_bytes / r_bytes
-            r["dp_over_bytes_total"] = dp["bytes_per_step"] / r["bytes_per_step"] if r.get("bytes_per_step") else None
+            r["dp_over_bytes_total"] = (
+                dp["bytes_per_step"] / r["bytes_per_step"] if r.get("bytes_per_step") else None
+            )
         if dp and r is not dp:
             r["gap_to_dp"] = r["eval_loss"] / dp["eval_loss"] - 1
     candidates = [rows[n] for n in CANDIDATES if n in rows]
     if not candidates:
         return {}
-    eligible = [r for r in candidates if (r.get("dp_over_bytes") or 0) >= TARGET_RATIO] or candidates
+    eligible = [
+        r for r in candidates if (r.get("dp_over_bytes") or 0) >= TARGET_RATIO
+    ] or candidates
     best = min(eligible, key=lambda r: r["eval_loss"])
     out: dict[str, Any] = {"best": best["name"], "best_config": best["config"]}
     if dp:
@@ -119,8 +127,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, help="inner steps per learner")
     p.add_argument("--sync-every", type=int, help="H for every DiLoCo configuration")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(ORDER)}")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a Decoupled setting for every DiLoCo configuration (e.g. alpha=0.7, grace=fixed)")
-    p.add_argument("--net", choices=("auto", "netns", "proxy"), default="auto", help="links: namespaces (root) or proxies")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a Decoupled setting for every DiLoCo configuration (e.g. alpha=0.7, grace=fixed)",
+    )
+    p.add_argument(
+        "--net",
+        choices=("auto", "netns", "proxy"),
+        default="auto",
+        help="links: namespaces (root) or proxies",
+    )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
     args = p.parse_args(argv)
     if args.smoke:
@@ -145,24 +164,61 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{w.learners} learners x {w.steps} steps, links: {links.kind}", flush=True)
             for name in [n for n in ORDER if n in names]:
                 if name == "dp":
-                    rows[name] = DPJob(w, links, root / name, eval_every=max(1, w.steps // 10)).run()
+                    rows[name] = DPJob(
+                        w, links, root / name, eval_every=max(1, w.steps // 10)
+                    ).run()
                 elif name == "alone":
                     rows[name] = alone(w, root / name)
                 else:
                     rows[name] = DilocoJob(decoupled[name], w, links, root / name).run()
                 r = rows[name]
-                print(f"  {name:15s} eval loss {r['eval_loss']:.4f}  {r.get('steady_bytes_per_step') or 0:12,.0f} B/step  {r['wall_s']:6.1f} s", flush=True)
+                print(
+                    f"  {name:15s} eval loss {r['eval_loss']:.4f}  {r.get('steady_bytes_per_step') or 0:12,.0f} B/step  {r['wall_s']:6.1f} s",
+                    flush=True,
+                )
     head = headline(rows)
     print()
-    print(table(list(rows.values()), ["name", "eval_loss", "gap_to_dp", "steady_bytes_per_step", "bytes_per_step", "dp_over_bytes", "dp_over_bytes_total", "wall_s", "steps_per_s", "config"]))
+    print(
+        table(
+            list(rows.values()),
+            [
+                "name",
+                "eval_loss",
+                "gap_to_dp",
+                "steady_bytes_per_step",
+                "bytes_per_step",
+                "dp_over_bytes",
+                "dp_over_bytes_total",
+                "wall_s",
+                "steps_per_s",
+                "config",
+            ],
+        )
+    )
     print()
-    print("  ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in head.items()))
+    print(
+        "  ".join(
+            f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in head.items()
+        )
+    )
     tokens_per_step = w.batch_size * w.context
-    loss_curves(list(rows.values()), png_path(args.json, ""), f"Equal tokens: {w.learners} learners x {w.steps} steps", tokens_per_step)
+    loss_curves(
+        list(rows.values()),
+        png_path(args.json, ""),
+        f"Equal tokens: {w.learners} learners x {w.steps} steps",
+        tokens_per_step,
+    )
     for r in rows.values():
         r.pop("results", None)
-    result = {**head, "steps": w.steps, "learners": w.learners, "workload": dataclasses.asdict(w),
-              "decoupled": dataclasses.asdict(base), "runs": rows, "machine": machine()}
+    result = {
+        **head,
+        "steps": w.steps,
+        "learners": w.learners,
+        "workload": dataclasses.asdict(w),
+        "decoupled": dataclasses.asdict(base),
+        "runs": rows,
+        "machine": machine(),
+    }
     write_json(args.json, result)
     return result
 

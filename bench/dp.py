@@ -59,16 +59,28 @@ def rank_main(spec: dict) -> None:
         state = torch.load(ckpt, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=spec.get("timeout_s", 120)))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{spec['master']}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=spec.get("timeout_s", 120)),
+    )
     with torch.no_grad():
         for p in params:  # as DDP does: everyone starts from rank 0's parameters
             dist.broadcast(p, 0)
     lead = rank == 0
     eval_every = spec.get("eval_every", 0)
     target = spec.get("target_loss")  # stop at the first eval at or below it (bench.wan)
-    result: dict[str, Any] = {"rank": rank, "params": sum(p.numel() for p in params), "start_step": o.start_step,
-                              "steps_target": o.steps, "finished": False, "series": [], "eval_series": []}
+    result: dict[str, Any] = {
+        "rank": rank,
+        "params": sum(p.numel() for p in params),
+        "start_step": o.start_step,
+        "steps_target": o.steps,
+        "finished": False,
+        "series": [],
+        "eval_series": [],
+    }
     eval_s = 0.0
 
     def evaluate(step: int, t_train: float) -> None:
@@ -76,7 +88,9 @@ def rank_main(spec: dict) -> None:
         t = time.perf_counter()
         loss = eval_fn(model)
         eval_s += time.perf_counter() - t
-        result["eval_series"].append({"step": step, "t_train": t_train, "t": time.time(), "eval_loss": loss})
+        result["eval_series"].append(
+            {"step": step, "t_train": t_train, "t": time.time(), "eval_loss": loss}
+        )
 
     if lead:
         evaluate(o.start_step, 0.0)
@@ -104,7 +118,7 @@ def rank_main(spec: dict) -> None:
         t2 = time.perf_counter()
         offset = 0
         for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
         if o.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, o.clip)
@@ -117,14 +131,19 @@ def rank_main(spec: dict) -> None:
         done = step + 1
         if lead and ckpt:
             tmp = f"{ckpt}.tmp"
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done}, tmp)
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done},
+                tmp,
+            )
             os.replace(tmp, ckpt)
         train_s = time.perf_counter() - t_start - eval_s
         if eval_every and done % eval_every == 0 and done < o.steps:
             stop = torch.zeros(1)
             if lead:
                 evaluate(done, train_s)
-                stop[0] = float(target is not None and result["eval_series"][-1]["eval_loss"] <= target)
+                stop[0] = float(
+                    target is not None and result["eval_series"][-1]["eval_loss"] <= target
+                )
             if target is not None:  # everyone learns whether rank 0 saw the target reached
                 t = time.perf_counter()
                 dist.broadcast(stop, 0)
@@ -133,7 +152,15 @@ def rank_main(spec: dict) -> None:
                     result["stopped_at_target"] = done
         if done % o.log_every == 0 or done == o.steps:
             n = o.log_every if done % o.log_every == 0 else done % o.log_every
-            result["series"].append({"t": time.time(), "step": done, "loss": window / n, "t_train": train_s, "compute_s": compute_s})
+            result["series"].append(
+                {
+                    "t": time.time(),
+                    "step": done,
+                    "loss": window / n,
+                    "t_train": train_s,
+                    "compute_s": compute_s,
+                }
+            )
             result.update(step=done, compute_s=compute_s, comm_s=comm_s, train_s=train_s)
             window = 0.0
             write_result(spec["out"], result)
@@ -147,8 +174,17 @@ def rank_main(spec: dict) -> None:
         result["eval_loss_end"] = result["eval_series"][-1]["eval_loss"]
     last = result.get("stopped_at_target", o.steps)
     steps = last - o.start_step
-    result.update(finished=True, step=last, compute_s=compute_s, comm_s=comm_s, eval_s=eval_s, train_s=train_s,
-                  steps_per_s=steps / train_s if train_s > 0 else 0.0, socket_sent=sent, socket_received=received)
+    result.update(
+        finished=True,
+        step=last,
+        compute_s=compute_s,
+        comm_s=comm_s,
+        eval_s=eval_s,
+        train_s=train_s,
+        steps_per_s=steps / train_s if train_s > 0 else 0.0,
+        socket_sent=sent,
+        socket_received=received,
+    )
     write_result(spec["out"], result)
     dist.barrier()
     dist.destroy_process_group()
@@ -163,8 +199,15 @@ def free_port() -> int:
 class DPJob:
     """M ranks, one per link; `start` (again, to resume from the checkpoint) and `wait`."""
 
-    def __init__(self, workload: Workload, links: Links, out: Path, eval_every: int = 0, checkpoint: bool = False,
-                 target_loss: float | None = None) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        links: Links,
+        out: Path,
+        eval_every: int = 0,
+        checkpoint: bool = False,
+        target_loss: float | None = None,
+    ) -> None:
         self.workload, self.links, self.out, self.eval_every = workload, links, out, eval_every
         self.target_loss = target_loss
         self.checkpoint = out / "dp.ckpt" if checkpoint else None
@@ -188,9 +231,17 @@ class DPJob:
         for r in range(w.learners):
             out = self.out / f"dp-{r}.run{n}.json"
             out.unlink(missing_ok=True)
-            spec = {"rank": r, "world": w.learners, "master": master, "workload": w.__dict__, "out": str(out),
-                    "start_step": start_step, "eval_every": self.eval_every, "target_loss": self.target_loss,
-                    "checkpoint": str(self.checkpoint) if self.checkpoint else None}
+            spec = {
+                "rank": r,
+                "world": w.learners,
+                "master": master,
+                "workload": w.__dict__,
+                "out": str(out),
+                "start_step": start_step,
+                "eval_every": self.eval_every,
+                "target_loss": self.target_loss,
+                "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            }
             spec_path = self.out / f"dp-{r}.run{n}.spec.json"
             spec_path.write_text(json.dumps(spec))
             cmd = python("-m", "bench.dp", "rank", str(spec_path))
@@ -204,7 +255,9 @@ class DPJob:
         return not self.down and all(p.poll() == 0 for p in self.procs)
 
     def failed(self) -> list[int]:
-        return [] if self.down else [r for r, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+        return (
+            [] if self.down else [r for r, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+        )
 
     def kill(self) -> int:
         """A failure: lockstep data parallel loses every rank. Returns the step it resumes from."""
@@ -233,7 +286,9 @@ class DPJob:
                     tick(self)
                 if self.failed():
                     r = self.failed()[0]
-                    raise JobError(f"data-parallel rank {r} exited with code {self.procs[r].returncode}; see {self.children.log(f'dp-{r}')}")
+                    raise JobError(
+                        f"data-parallel rank {r} exited with code {self.procs[r].returncode}; see {self.children.log(f'dp-{r}')}"
+                    )
                 if time.monotonic() > deadline:
                     raise JobError(f"data parallel did not finish within {timeout_s:.0f} s")
             self.links.stop_sampling()
@@ -250,8 +305,14 @@ class DPJob:
         wire = wire_bytes(self.links, ranks, steps)
         counted = wire["bytes_per_step"] is not None and self.links.kind == "netns"
         if not counted:  # no link counters for gloo here: the ranks' own socket counters
-            wire.update(wire="socket", bytes_per_step=statistics.mean(r["socket_sent"] + r["socket_received"] for r in ranks) / steps,
-                        steady_bytes_per_step=None)
+            wire.update(
+                wire="socket",
+                bytes_per_step=statistics.mean(
+                    r["socket_sent"] + r["socket_received"] for r in ranks
+                )
+                / steps,
+                steady_bytes_per_step=None,
+            )
         series = lead["eval_series"]
         return {
             "name": "dp",
@@ -263,10 +324,15 @@ class DPJob:
             "compute_s": statistics.mean(r["compute_s"] for r in ranks),
             "comm_s": statistics.mean(r["comm_s"] for r in ranks),
             **wire,
-            "socket_bytes_per_step": statistics.mean(r["socket_sent"] + r["socket_received"] for r in ranks) / steps,
+            "socket_bytes_per_step": statistics.mean(
+                r["socket_sent"] + r["socket_received"] for r in ranks
+            )
+            / steps,
             "stopped_at_target": lead.get("stopped_at_target"),
             "shaped": self.links.rate_bps is not None and self.links.shaped_dp,
-            "eval_series": [{"t": e["t_train"], "step": e["step"], "eval_loss": e["eval_loss"]} for e in series],
+            "eval_series": [
+                {"t": e["t_train"], "step": e["step"], "eval_loss": e["eval_loss"]} for e in series
+            ],
             "t_start": lead["started_at"],
             "results": [[r] for r in ranks],
         }
@@ -279,19 +345,47 @@ def main(argv: list[str] | None = None) -> dict:
         rank_main(json.loads(Path(argv[1]).read_text()))
         return {}
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--net", choices=("auto", "netns", "proxy"), default="auto", help="links: namespaces (root) or loopback")
+    p.add_argument(
+        "--net",
+        choices=("auto", "netns", "proxy"),
+        default="auto",
+        help="links: namespaces (root) or loopback",
+    )
     p.add_argument("--rate-mbit", type=float, help="shape every link to this rate")
     p.add_argument("--steps", type=int, help="steps per rank")
     args = p.parse_args(argv)
     w = SMOKE if args.smoke else Workload(steps=300 if args.quick else 1000)
     if args.steps:
         w.steps = args.steps
-    with tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp, \
-            open_links(args.net, w.learners, args.rate_mbit * 1e6 if args.rate_mbit else None) as links:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp,
+        open_links(args.net, w.learners, args.rate_mbit * 1e6 if args.rate_mbit else None) as links,
+    ):
         r = DPJob(w, links, Path(tmp), eval_every=max(1, w.steps // 10)).run()
-    print(table([r], ["name", "eval_loss", "wall_s", "steps_per_s", "compute_s", "comm_s", "wire", "bytes_per_step", "steady_bytes_per_step", "socket_bytes_per_step"]))
+    print(
+        table(
+            [r],
+            [
+                "name",
+                "eval_loss",
+                "wall_s",
+                "steps_per_s",
+                "compute_s",
+                "comm_s",
+                "wire",
+                "bytes_per_step",
+                "steady_bytes_per_step",
+                "socket_bytes_per_step",
+            ],
+        )
+    )
     r.pop("results")
-    result = {"dp_bytes_per_step": r["steady_bytes_per_step"] or r["bytes_per_step"], "dp_eval_loss": r["eval_loss"], "dp": r, "machine": machine()}
+    result = {
+        "dp_bytes_per_step": r["steady_bytes_per_step"] or r["bytes_per_step"],
+        "dp_eval_loss": r["eval_loss"],
+        "dp": r,
+        "machine": machine(),
+    }
     write_json(args.json, result)
     return result
 

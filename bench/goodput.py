@@ -71,11 +71,11 @@ from demo.procs import Procs, metric, scrape
 
 @dataclass
 class Fault:
-    kind: str                   # "crash" or "slow"
+    kind: str  # "crash" or "slow"
     slot: int
-    at_s: float                 # seconds after the first training step
-    duration_s: float = 0.0     # slow: how long
-    factor: float = 1.0         # slow: how many times slower
+    at_s: float  # seconds after the first training step
+    duration_s: float = 0.0  # slow: how long
+    factor: float = 1.0  # slow: how many times slower
     restart_after_s: float = 0.0  # crash: back after this long
 
 
@@ -83,11 +83,34 @@ def schedule(seed: int, learners: int, expected_s: float, restart_after_s: float
     """One crash and two slowdowns on distinct slots (fewer with fewer slots), seeded."""
     rng = random.Random(seed)
     slots = rng.sample(range(learners), min(3, learners))
-    faults = [Fault("crash", slots[0], round(rng.uniform(0.25, 0.4) * expected_s, 1), restart_after_s=restart_after_s)]
+    faults = [
+        Fault(
+            "crash",
+            slots[0],
+            round(rng.uniform(0.25, 0.4) * expected_s, 1),
+            restart_after_s=restart_after_s,
+        )
+    ]
     if len(slots) > 1:
-        faults.append(Fault("slow", slots[1], round(rng.uniform(0.08, 0.2) * expected_s, 1), round(rng.uniform(0.15, 0.25) * expected_s, 1), 3.0))
+        faults.append(
+            Fault(
+                "slow",
+                slots[1],
+                round(rng.uniform(0.08, 0.2) * expected_s, 1),
+                round(rng.uniform(0.15, 0.25) * expected_s, 1),
+                3.0,
+            )
+        )
     if len(slots) > 2:
-        faults.append(Fault("slow", slots[2], round(rng.uniform(0.5, 0.6) * expected_s, 1), round(rng.uniform(0.15, 0.25) * expected_s, 1), 2.0))
+        faults.append(
+            Fault(
+                "slow",
+                slots[2],
+                round(rng.uniform(0.5, 0.6) * expected_s, 1),
+                round(rng.uniform(0.15, 0.25) * expected_s, 1),
+                2.0,
+            )
+        )
     return faults
 
 
@@ -112,13 +135,27 @@ class Injector:
         for i, f in enumerate(self.faults):
             if f.kind == "crash" and now >= f.at_s and (i, "kill") not in self.fired:
                 self.fired.add((i, "kill"))
-                self.log.append({"t": now, "event": f"crash slot {f.slot}", "detail": self.crash(f.slot)})
-            if f.kind == "crash" and now >= f.at_s + f.restart_after_s and (i, "kill") in self.fired and (i, "back") not in self.fired:
+                self.log.append(
+                    {"t": now, "event": f"crash slot {f.slot}", "detail": self.crash(f.slot)}
+                )
+            if (
+                f.kind == "crash"
+                and now >= f.at_s + f.restart_after_s
+                and (i, "kill") in self.fired
+                and (i, "back") not in self.fired
+            ):
                 self.fired.add((i, "back"))
-                self.log.append({"t": now, "event": f"restart slot {f.slot}", "detail": self.restart(f.slot)})
+                self.log.append(
+                    {"t": now, "event": f"restart slot {f.slot}", "detail": self.restart(f.slot)}
+                )
             if f.kind == "slow" and now >= f.at_s and (i, "slow") not in self.fired:
                 self.fired.add((i, "slow"))
-                self.log.append({"t": now, "event": f"slot {f.slot} {f.factor:g}x slower for {f.duration_s:g} s"})
+                self.log.append(
+                    {
+                        "t": now,
+                        "event": f"slot {f.slot} {f.factor:g}x slower for {f.duration_s:g} s",
+                    }
+                )
                 th = threading.Thread(target=self._throttle, args=(f,), daemon=True)
                 th.start()
                 self.threads.append(th)
@@ -144,7 +181,10 @@ class Injector:
 
 # DiLoCo ------------------------------------------------------------------------------------------
 
-def run_diloco(cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: Path, align_restart: bool) -> dict:
+
+def run_diloco(
+    cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: Path, align_restart: bool
+) -> dict:
     timeline: list[tuple[float, float]] = []
     crashed: dict[int, tuple[int, str]] = {}  # slot -> (step it had reached, its learner id)
     job: DilocoJob  # made below, once the links are open; the callbacks run after that
@@ -156,7 +196,10 @@ def run_diloco(cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: 
         r = slot.runs[-1].result()
         if r.get("step", 0) >= w.steps:
             return "already finished"
-        crashed[i] = (r.get("step", slot.runs[-1].start_step), (r.get("learner") or {}).get("learner_id", ""))
+        crashed[i] = (
+            r.get("step", slot.runs[-1].start_step),
+            (r.get("learner") or {}).get("learner_id", ""),
+        )
         Procs.signal(slot.proc, signal.SIGKILL)
         slot.proc.wait()
         slot.down = True
@@ -175,11 +218,20 @@ def run_diloco(cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: 
     last_scrape = [0.0]
 
     def tick(j: DilocoJob) -> None:
-        injector.tick(_t0([s.runs[0].result() for s in j.slots if s.runs]) if injector.t0 is None else injector.t0)
+        injector.tick(
+            _t0([s.runs[0].result() for s in j.slots if s.runs])
+            if injector.t0 is None
+            else injector.t0
+        )
         if injector.t0 is not None and time.time() - last_scrape[0] >= 1.0:
             last_scrape[0] = time.time()
             try:
-                timeline.append((time.time() - injector.t0, metric(scrape(j.metrics_url), "diloco_goodput_ratio")))
+                timeline.append(
+                    (
+                        time.time() - injector.t0,
+                        metric(scrape(j.metrics_url), "diloco_goodput_ratio"),
+                    )
+                )
             except OSError:
                 pass
 
@@ -189,8 +241,13 @@ def run_diloco(cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: 
             summary = job.run(tick=tick)
         finally:
             injector.close()
-    return {**summary, **diloco_goodput(cfg, w, job.slots, summary), "timeline": timeline,
-            "timeline_source": "curve: the Synchronizer's gauge", "events": injector.log}
+    return {
+        **summary,
+        **diloco_goodput(cfg, w, job.slots, summary),
+        "timeline": timeline,
+        "timeline_source": "curve: the Synchronizer's gauge",
+        "events": injector.log,
+    }
 
 
 def _t0(first_results: list[dict]) -> float | None:
@@ -228,20 +285,32 @@ def diloco_goodput(cfg: Decoupled, w: Workload, slots: list[Slot], summary: dict
             pushes = stats.get("pushes") or {}
             judged = sum(pushes.get(k, 0) for k in ("accepted", "dropped_stale", "rejected"))
             accepted = pushes.get("accepted", 0) / judged if judged else 0.0
-            slot_merged += per_step * n * pushed_fraction(n, cfg.sync_every, cfg.fragments) * accepted
+            slot_merged += (
+                per_step * n * pushed_fraction(n, cfg.sync_every, cfg.fragments) * accepted
+            )
         merged += slot_merged
         capacity += end - t0
-        per_slot.append({"slot": s.index, "capacity_s": end - t0, "merged_compute_s": slot_merged, "processes": len(s.runs)})
+        per_slot.append(
+            {
+                "slot": s.index,
+                "capacity_s": end - t0,
+                "merged_compute_s": slot_merged,
+                "processes": len(s.runs),
+            }
+        )
     return {
         "goodput": merged / capacity if capacity else 0.0,
         "merged_compute_s_harness": merged,
         "capacity_s_harness": capacity,
-        "synchronizer_goodput_from_totals": summary["merged_compute_s"] / summary["capacity_s"] if summary["capacity_s"] else None,
+        "synchronizer_goodput_from_totals": summary["merged_compute_s"] / summary["capacity_s"]
+        if summary["capacity_s"]
+        else None,
         "per_slot": per_slot,
     }
 
 
 # Lockstep data parallel -------------------------------------------------------------------------
+
 
 def run_lockstep(w: Workload, faults: list[Fault], net: str, out: Path) -> dict:
     job: DPJob  # made below, once the links are open; the callbacks run after that
@@ -293,8 +362,13 @@ def lockstep_goodput(w: Workload, job: DPJob) -> dict:
             per_step = s[-1]["compute_s"] / max(1, s[-1]["step"] - first)
             merged += per_step * max(0, min(kept[k], s[-1]["step"]) - first)
     capacity = w.learners * (starts[-1][0]["series"][-1]["t"] - t0)
-    return {"goodput": merged / capacity if capacity else 0.0, "wall_s": capacity / w.learners, "merged_compute_s_harness": merged,
-            "capacity_s_harness": capacity, "timeline": timeline}
+    return {
+        "goodput": merged / capacity if capacity else 0.0,
+        "wall_s": capacity / w.learners,
+        "merged_compute_s_harness": merged,
+        "capacity_s_harness": capacity,
+        "timeline": timeline,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -302,13 +376,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0, help="fault schedule seed")
     p.add_argument("--steps", type=int, help="inner steps per learner slot")
     p.add_argument("--only", help="comma-separated subset of decoupled,sync,lockstep")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a setting of the Decoupled configuration")
-    p.add_argument("--net", choices=("auto", "netns", "proxy"), default="auto", help="links: namespaces (root) or proxies")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a setting of the Decoupled configuration",
+    )
+    p.add_argument(
+        "--net",
+        choices=("auto", "netns", "proxy"),
+        default="auto",
+        help="links: namespaces (root) or proxies",
+    )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
     args = p.parse_args(argv)
     lease_s = 3.0
     if args.smoke:
-        w, cfg, lease_s = dataclasses.replace(SMOKE, steps=150), BEST.with_(sync_every=10, fragments=1), 1.0
+        w, cfg, lease_s = (
+            dataclasses.replace(SMOKE, steps=150),
+            BEST.with_(sync_every=10, fragments=1),
+            1.0,
+        )
         expected_s, restart_s = 1.0, 2 * lease_s
     else:
         w, cfg = Workload(steps=400 if args.quick else 2000), BEST.with_(fragments=1)
@@ -319,7 +408,10 @@ def main(argv: list[str] | None = None) -> dict:
     expected_s = expected_s or w.steps / 16  # 11-20 steps/s per learner here, 4 learners on 2 cores
     faults = schedule(args.seed, w.learners, expected_s, restart_s)
     systems = args.only.split(",") if args.only else ["decoupled", "sync", "lockstep"]
-    print(f"{w.learners} learner slots x {w.steps} steps; faults (seconds after the first step):", flush=True)
+    print(
+        f"{w.learners} learner slots x {w.steps} steps; faults (seconds after the first step):",
+        flush=True,
+    )
     for f in faults:
         print(f"  {f}", flush=True)
     runs: dict[str, dict] = {}
@@ -327,9 +419,18 @@ def main(argv: list[str] | None = None) -> dict:
         root = args.out or Path(tmp)
         for name in systems:
             if name == "decoupled":
-                runs[name] = run_diloco(cfg.with_(name="decoupled"), w, faults, args.net, root / name, align_restart=False)
+                runs[name] = run_diloco(
+                    cfg.with_(name="decoupled"),
+                    w,
+                    faults,
+                    args.net,
+                    root / name,
+                    align_restart=False,
+                )
             elif name == "sync":  # convergence's (b): FP32, P = 1, strict overlap
-                sync = cfg.with_(name="sync", quorum=0, strict_overlap=True, fragments=1, codec="fp32")
+                sync = cfg.with_(
+                    name="sync", quorum=0, strict_overlap=True, fragments=1, codec="fp32"
+                )
                 runs[name] = run_diloco(sync, w, faults, args.net, root / name, align_restart=True)
             elif name == "lockstep":
                 runs[name] = run_lockstep(w, faults, args.net, root / name)
@@ -338,13 +439,42 @@ def main(argv: list[str] | None = None) -> dict:
             r = runs[name]
             r["name"] = name
             r["faults"] = [dataclasses.asdict(f) for f in faults]
-            print(f"  {name:9s} goodput {r['goodput']:.3f}  eval loss {r['eval_loss']:.4f}  wall {r['wall_s']:.1f} s", flush=True)
-    rows = [{"system": n, "goodput": r["goodput"], "eval_loss": r["eval_loss"], "wall_s": r["wall_s"],
-             "merged_compute_s": r["merged_compute_s_harness"], "capacity_s": r["capacity_s_harness"],
-             "synchronizer_goodput": r.get("synchronizer_goodput_from_totals", "")} for n, r in runs.items()]
+            print(
+                f"  {name:9s} goodput {r['goodput']:.3f}  eval loss {r['eval_loss']:.4f}  wall {r['wall_s']:.1f} s",
+                flush=True,
+            )
+    rows = [
+        {
+            "system": n,
+            "goodput": r["goodput"],
+            "eval_loss": r["eval_loss"],
+            "wall_s": r["wall_s"],
+            "merged_compute_s": r["merged_compute_s_harness"],
+            "capacity_s": r["capacity_s_harness"],
+            "synchronizer_goodput": r.get("synchronizer_goodput_from_totals", ""),
+        }
+        for n, r in runs.items()
+    ]
     print()
-    print(table(rows, ["system", "goodput", "eval_loss", "wall_s", "merged_compute_s", "capacity_s", "synchronizer_goodput"]))
-    goodput_timelines(list(runs.values()), png_path(args.json, ""), f"Goodput under one fault schedule (seed {args.seed})")
+    print(
+        table(
+            rows,
+            [
+                "system",
+                "goodput",
+                "eval_loss",
+                "wall_s",
+                "merged_compute_s",
+                "capacity_s",
+                "synchronizer_goodput",
+            ],
+        )
+    )
+    goodput_timelines(
+        list(runs.values()),
+        png_path(args.json, ""),
+        f"Goodput under one fault schedule (seed {args.seed})",
+    )
     for r in runs.values():
         r.pop("results", None)
     result: dict[str, Any] = {
@@ -352,10 +482,22 @@ def main(argv: list[str] | None = None) -> dict:
         "goodput_sync": runs["sync"]["goodput"] if "sync" in runs else None,
         "goodput_lockstep": runs["lockstep"]["goodput"] if "lockstep" in runs else None,
         "eval_loss": {n: r["eval_loss"] for n, r in runs.items()},
-        "seed": args.seed, "steps": w.steps, "learners": w.learners, "faults": [dataclasses.asdict(f) for f in faults],
-        "decoupled": dataclasses.asdict(cfg), "runs": runs, "machine": machine(),
+        "seed": args.seed,
+        "steps": w.steps,
+        "learners": w.learners,
+        "faults": [dataclasses.asdict(f) for f in faults],
+        "decoupled": dataclasses.asdict(cfg),
+        "runs": runs,
+        "machine": machine(),
     }
-    print("\n" + "  ".join(f"{k} = {result[k]:.3f}" for k in ("goodput", "goodput_sync", "goodput_lockstep") if result[k] is not None))
+    print(
+        "\n"
+        + "  ".join(
+            f"{k} = {result[k]:.3f}"
+            for k in ("goodput", "goodput_sync", "goodput_lockstep")
+            if result[k] is not None
+        )
+    )
     write_json(args.json, result)
     return result
 

@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from bench.common import machine, parser, table, write_json
-from protos import codec, framing
+from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
@@ -44,12 +44,17 @@ from synchronizer.outer import make_outer
 from synchronizer.server import serving
 
 SINK_METHOD = "/bench.Sink/Push"
-GRPC_OPTIONS = [("grpc.max_send_message_length", 8 << 20), ("grpc.max_receive_message_length", 8 << 20)]
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 8 << 20),
+    ("grpc.max_receive_message_length", 8 << 20),
+]
 
 
 def model_spec(params: int, fragments: int):
     per = params // fragments
-    return plan_fragments([TensorInfo(f"block{i}.weight", (per,)) for i in range(fragments)], fragments)
+    return plan_fragments(
+        [TensorInfo(f"block{i}.weight", (per,)) for i in range(fragments)], fragments
+    )
 
 
 def start_sink() -> tuple[grpc.Server, str]:
@@ -59,14 +64,32 @@ def start_sink() -> tuple[grpc.Server, str]:
             n += len(chunk)
         return n.to_bytes(8, "little")
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.so_reuseport", 0), *GRPC_OPTIONS])
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)})])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=16),
+        options=[("grpc.so_reuseport", 0), *GRPC_OPTIONS],
+    )
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)}
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"127.0.0.1:{port}"
 
 
-def client(address: str, mode: str, codec_id: int, params: int, fragments: int, seconds: float, barrier: Any, results: Any) -> None:
+def client(
+    address: str,
+    mode: str,
+    codec_id: int,
+    params: int,
+    fragments: int,
+    seconds: float,
+    barrier: Any,
+    results: Any,
+) -> None:
     """One client process: pre-encodes a push per fragment, then streams them in a loop."""
     torch.set_num_threads(1)
     spec = model_spec(params, fragments)
@@ -77,15 +100,19 @@ def client(address: str, mode: str, codec_id: int, params: int, fragments: int, 
     payloads = []
     for f in spec.fragments:
         chunks = framing.iter_chunks(codec.encode(torch.randn(f.numel) * 1e-3, codec_id))
-        wire = [c.data if mode == "raw" else pb.PushRequest(chunk=c).SerializeToString() for c in chunks]
-        payloads.append((f, codec.make_header(codec_id, f.numel), wire))
+        wire = [
+            c.data if mode == "raw" else pb.PushRequest(chunk=c).SerializeToString() for c in chunks
+        ]
+        payloads.append((f, layout.make_header(codec_id, f.numel), wire))
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     if mode == "raw":
         push = channel.stream_unary(SINK_METHOD)
         learner_id, seq = "", 0
     else:
         stub = pb_grpc.SynchronizerStub(channel)
-        push = channel.stream_unary("/diloco.v1.Synchronizer/PushFragment", response_deserializer=pb.PushReply.FromString)
+        push = channel.stream_unary(
+            "/diloco.v1.Synchronizer/PushFragment", response_deserializer=pb.PushReply.FromString
+        )
         joined = stub.Join(pb.JoinRequest(learner_name="bench", spec=spec.to_proto()), timeout=60)
         learner_id, seq = joined.learner_id, joined.next_seq - 1
         versions = {v.fragment_id: v.version for v in joined.versions}
@@ -97,19 +124,45 @@ def client(address: str, mode: str, codec_id: int, params: int, fragments: int, 
                 push(iter(wire), timeout=120)
             else:
                 seq += 1
-                h = pb.PushHeader(learner_id=learner_id, seq=seq, spec_hash=spec.spec_hash, fragment_id=f.fragment_id, base_version=versions[f.fragment_id], tokens=1000, steps=10, compute_s=1.0, payload=header)
-                reply = push(iter([pb.PushRequest(header=h).SerializeToString(), *wire]), timeout=120)
+                h = pb.PushHeader(
+                    learner_id=learner_id,
+                    seq=seq,
+                    spec_hash=spec.spec_hash,
+                    fragment_id=f.fragment_id,
+                    base_version=versions[f.fragment_id],
+                    tokens=1000,
+                    steps=10,
+                    compute_s=1.0,
+                    payload=header,
+                )
+                reply = push(
+                    iter([pb.PushRequest(header=h).SerializeToString(), *wire]), timeout=120
+                )
                 versions[f.fragment_id] = reply.current_version
             sent += header.total_bytes
     results.put((sent, time.perf_counter() - t0))
     channel.close()
 
 
-def run_clients(address: str, mode: str, codec_id: int, params: int, fragments: int, clients: int, seconds: float) -> float:
+def run_clients(
+    address: str,
+    mode: str,
+    codec_id: int,
+    params: int,
+    fragments: int,
+    clients: int,
+    seconds: float,
+) -> float:
     """Payload bytes per second that `clients` processes streamed together."""
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(clients), ctx.Queue()
-    procs = [ctx.Process(target=client, args=(address, mode, codec_id, params, fragments, seconds, barrier, results)) for _ in range(clients)]
+    procs = [
+        ctx.Process(
+            target=client,
+            args=(address, mode, codec_id, params, fragments, seconds, barrier, results),
+        )
+        for _ in range(clients)
+    ]
     for p in procs:
         p.start()
     got = [results.get(timeout=600) for _ in procs]
@@ -148,21 +201,35 @@ def service_threads() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def measure_ingest(params: int, fragments: int, clients: int, codec_name: str, seconds: float, quorum: int) -> dict[str, Any]:
-    codec_id = codec.parse_codec(codec_name)
+def measure_ingest(
+    params: int, fragments: int, clients: int, codec_name: str, seconds: float, quorum: int
+) -> dict[str, Any]:
+    codec_id = layout.parse_codec(codec_name)
     sink, sink_address = start_sink()
     try:
         raw = run_clients(sink_address, "raw", codec_id, params, fragments, clients, seconds)
     finally:
         sink.stop(0)
     with tempfile.TemporaryDirectory() as state:
-        cfg = SynchronizerConfig(port=0, metrics_port=-1, state_dir=Path(state), quorum=quorum, grace="none", anchor="base", max_staleness=1_000_000, token_weight="uniform", checkpoint_interval_s=0, max_concurrent_streams=24, shutdown_grace_s=1)
+        cfg = SynchronizerConfig(
+            port=0,
+            metrics_port=-1,
+            state_dir=Path(state),
+            quorum=quorum,
+            grace="none",
+            anchor="base",
+            max_staleness=1_000_000,
+            token_weight="uniform",
+            checkpoint_interval_s=0,
+            max_concurrent_streams=24,
+            shutdown_grace_s=1,
+        )
         with service_threads(), serving(cfg, Metrics()) as srv:
             init_synchronizer(srv.address, params, fragments)
             got = run_clients(srv.address, "sync", codec_id, params, fragments, clients, seconds)
             steps = sum(f.version for f in srv.synchronizer.fragments)
     release_memory()
-    bytes_per_param = codec.encoded_nbytes(codec_id, params) / params
+    bytes_per_param = layout.encoded_nbytes(codec_id, params) / params
     return {
         "codec": codec_name,
         "clients": clients,
@@ -184,7 +251,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     params = torch.randn(numel, generator=g)
     delta = torch.randn(numel, generator=g) * 1e-3
-    header = codec.make_header(pb.CODEC_INT8, numel)
+    header = layout.make_header(pb.CODEC_INT8, numel)
     payload = codec.encode(delta, pb.CODEC_INT8)
     scratch, merged = torch.empty(numel), torch.empty(numel)
     acc = Accumulator(numel)
@@ -195,7 +262,10 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
         spec = plan_fragments([TensorInfo("w", (numel,))], 1).fragments[0]
         frag = Fragment(spec, cfg, metrics, Goodput(metrics, cfg.goodput_window_s), numel)
         frag.initialize(params)
-    plain, apply, chain, parts = [], [], [], {"decode": [], "merge": [], "nesterov": []}
+    plain: list[float] = []
+    apply: list[float] = []
+    chain: list[float] = []
+    parts: dict[str, list[float]] = {"decode": [], "merge": [], "nesterov": []}
     with service_threads():
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -237,23 +307,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--clients", help="comma-separated client counts")
     p.add_argument("--codecs", help="comma-separated codecs")
     p.add_argument("--seconds", type=float, help="streaming time per cell")
-    p.add_argument("--quorum", type=int, default=1, help="Synchronizer quorum K (default 1: asynchronous)")
+    p.add_argument(
+        "--quorum", type=int, default=1, help="Synchronizer quorum K (default 1: asynchronous)"
+    )
     args = p.parse_args(argv)
+    mode: dict[str, Any]
     if args.smoke:
         mode = dict(params=1_000_000, clients=[1], codecs=["int8"], seconds=1.0)
     elif args.quick:
         mode = dict(params=25_000_000, clients=[1, 4], codecs=["fp32", "int8", "int4"], seconds=4.0)
     else:
-        mode = dict(params=100_000_000, clients=[1, 4, 8], codecs=["fp32", "bf16", "int8", "int4"], seconds=8.0)
+        mode = dict(
+            params=100_000_000,
+            clients=[1, 4, 8],
+            codecs=["fp32", "bf16", "int8", "int4"],
+            seconds=8.0,
+        )
     params = args.params or mode["params"]
     clients = [int(c) for c in args.clients.split(",")] if args.clients else mode["clients"]
     codecs = args.codecs.split(",") if args.codecs else mode["codecs"]
     seconds = args.seconds or mode["seconds"]
-    rows = [measure_ingest(params, 4, n, name, seconds, args.quorum) for name in codecs for n in clients]
-    print(table(rows, ["codec", "clients", "raw_MBps", "sync_MBps", "ratio", "params_per_s", "outer_steps"]))
+    rows = [
+        measure_ingest(params, 4, n, name, seconds, args.quorum) for name in codecs for n in clients
+    ]
+    print(
+        table(
+            rows,
+            ["codec", "clients", "raw_MBps", "sync_MBps", "ratio", "params_per_s", "outer_steps"],
+        )
+    )
     applied = measure_apply(params)
     print()
-    print(table([applied], ["numel", "plain_add_s", "apply_s", "decode_s", "merge_s", "nesterov_s", "apply_GBps_fp32", "apply_ratio", "with_chain_s"]))
+    print(
+        table(
+            [applied],
+            [
+                "numel",
+                "plain_add_s",
+                "apply_s",
+                "decode_s",
+                "merge_s",
+                "nesterov_s",
+                "apply_GBps_fp32",
+                "apply_ratio",
+                "with_chain_s",
+            ],
+        )
+    )
     result = {
         "ingest_ratio": min(r["ratio"] for r in rows),
         "ingest_ratio_median": statistics.median(r["ratio"] for r in rows),
@@ -264,7 +364,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "apply": applied,
         "machine": machine(),
     }
-    print(f"\ningest_ratio (worst cell) = {result['ingest_ratio']:.3f}   apply: {applied['apply_GBps_fp32']:.2f} GB/s FP32-equivalent, plain add_ pass / apply = {applied['apply_ratio']:.3f}")
+    print(
+        f"\ningest_ratio (worst cell) = {result['ingest_ratio']:.3f}   apply: {applied['apply_GBps_fp32']:.2f} GB/s FP32-equivalent, plain add_ pass / apply = {applied['apply_ratio']:.3f}"
+    )
     write_json(args.json, result)
     return result
 

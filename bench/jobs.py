@@ -56,27 +56,71 @@ class Workload:
 
     def train_flags(self) -> list[str]:
         return [
-            "--n-layer", str(self.n_layer), "--d-model", str(self.d_model), "--n-head", str(self.n_head),
-            "--context", str(self.context), "--batch-size", str(self.batch_size), "--max-bytes", str(self.max_bytes),
-            "--lr", str(self.lr), "--warmup-steps", str(self.warmup_steps), "--eval-windows", str(self.eval_windows),
-            "--seed", str(self.seed), "--log-every", str(self.log_every), "--threads", "1",
+            "--n-layer",
+            str(self.n_layer),
+            "--d-model",
+            str(self.d_model),
+            "--n-head",
+            str(self.n_head),
+            "--context",
+            str(self.context),
+            "--batch-size",
+            str(self.batch_size),
+            "--max-bytes",
+            str(self.max_bytes),
+            "--lr",
+            str(self.lr),
+            "--warmup-steps",
+            str(self.warmup_steps),
+            "--eval-windows",
+            str(self.eval_windows),
+            "--seed",
+            str(self.seed),
+            "--log-every",
+            str(self.log_every),
+            "--threads",
+            "1",
         ]
 
     def options(self, learner_index: int = 0, **overrides: Any) -> TrainOptions:
         """The same settings as TrainOptions (for data-parallel ranks and the evaluator)."""
         return TrainOptions(
-            steps=self.steps, n_layer=self.n_layer, d_model=self.d_model, n_head=self.n_head, block=self.context,
-            batch_size=self.batch_size, max_bytes=self.max_bytes, lr=self.lr, warmup_steps=self.warmup_steps,
-            eval_windows=self.eval_windows, seed=self.seed, log_every=self.log_every, sync=None,
-            learner_index=learner_index, learners=self.learners, threads=1, **overrides,
+            steps=self.steps,
+            n_layer=self.n_layer,
+            d_model=self.d_model,
+            n_head=self.n_head,
+            block=self.context,
+            batch_size=self.batch_size,
+            max_bytes=self.max_bytes,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            eval_windows=self.eval_windows,
+            seed=self.seed,
+            log_every=self.log_every,
+            sync=None,
+            learner_index=learner_index,
+            learners=self.learners,
+            threads=1,
+            **overrides,
         )
 
 
 # The smallest mode, for the test suite: a tiny model, 2 learners, about a second of training.
 # Not much less: learners start together by polling for each other (train.wait_for_learners
 # counts live learners), so a run shorter than a poll could finish and leave unseen.
-SMOKE = Workload(learners=2, steps=100, n_layer=1, d_model=32, n_head=2, context=32, batch_size=8,
-                 max_bytes=1 << 18, warmup_steps=5, eval_windows=32, log_every=5)
+SMOKE = Workload(
+    learners=2,
+    steps=100,
+    n_layer=1,
+    d_model=32,
+    n_head=2,
+    context=32,
+    batch_size=8,
+    max_bytes=1 << 18,
+    warmup_steps=5,
+    eval_windows=32,
+    log_every=5,
+)
 
 
 @dataclass
@@ -84,17 +128,17 @@ class Decoupled:
     """One Synchronizer + learners configuration."""
 
     name: str
-    quorum: int = 1                 # 0: every live learner (synchronous DiLoCo)
+    quorum: int = 1  # 0: every live learner (synchronous DiLoCo)
     grace: str = "adaptive"
     grace_max_s: float = 5.0
-    grace_tau: int = 0              # the Synchronizer's tau (--overlap-steps) sizing the adaptive
-                                    # grace; 0 = H: fragment p is needed back before its next push
-    sync_every: int = 100           # H
-    fragments: int = 1              # P
+    grace_tau: int = 0  # the Synchronizer's tau (--overlap-steps) sizing the adaptive
+    # grace; 0 = H: fragment p is needed back before its next push
+    sync_every: int = 100  # H
+    fragments: int = 1  # P
     codec: str = "int4"
     merge: str = "mix"
     alpha: float = 0.5
-    strict_overlap: bool = False    # block tau steps after a push until the round is back
+    strict_overlap: bool = False  # block tau steps after a push until the round is back
     token_weight: str = "tokens2_per_step"
     outer: str = "nesterov"
     outer_lr: float = 1.0
@@ -110,7 +154,11 @@ class Decoupled:
             s += f" a={self.alpha:g}"
         s += f" outer={self.outer}({self.outer_lr:g},{self.outer_momentum:g})"
         if self.quorum:
-            s += f" grace={self.grace}" + (f"(tau={self.grace_tau or self.sync_every},max={self.grace_max_s:g}s)" if self.grace == "adaptive" else f"({self.grace_max_s:g}s)")
+            s += f" grace={self.grace}" + (
+                f"(tau={self.grace_tau or self.sync_every},max={self.grace_max_s:g}s)"
+                if self.grace == "adaptive"
+                else f"({self.grace_max_s:g}s)"
+            )
         return s + (" strict" if self.strict_overlap else "")
 
     def with_(self, **changes: Any) -> Decoupled:
@@ -119,12 +167,37 @@ class Decoupled:
     def synchronizer_flags(self, host: str = "127.0.0.1") -> list[str]:
         """`synchronizer serve` flags of this configuration (bound to host, quiet logs)."""
         return [
-            "--host", host, "--quorum", str(self.quorum), "--grace", self.grace, "--grace-max-s", str(self.grace_max_s),
-            "--overlap-steps", str(self.grace_tau or self.sync_every), "--lease-s", str(self.lease_s),
-            "--forget-after-s", str(max(10.0, 3 * self.lease_s)), "--goodput-window-s", "3600",
-            "--token-weight", self.token_weight, "--outer", self.outer, "--outer-lr", str(self.outer_lr),
-            "--outer-momentum", str(self.outer_momentum), "--checkpoint-interval-s", "0", "--shutdown-grace-s", "1",
-            "--log-level", "WARNING", *self.synchronizer_args,
+            "--host",
+            host,
+            "--quorum",
+            str(self.quorum),
+            "--grace",
+            self.grace,
+            "--grace-max-s",
+            str(self.grace_max_s),
+            "--overlap-steps",
+            str(self.grace_tau or self.sync_every),
+            "--lease-s",
+            str(self.lease_s),
+            "--forget-after-s",
+            str(max(10.0, 3 * self.lease_s)),
+            "--goodput-window-s",
+            "3600",
+            "--token-weight",
+            self.token_weight,
+            "--outer",
+            self.outer,
+            "--outer-lr",
+            str(self.outer_lr),
+            "--outer-momentum",
+            str(self.outer_momentum),
+            "--checkpoint-interval-s",
+            "0",
+            "--shutdown-grace-s",
+            "1",
+            "--log-level",
+            "WARNING",
+            *self.synchronizer_args,
         ]
 
 
@@ -136,16 +209,55 @@ class JobError(RuntimeError):
     """A benchmark job failed; the message names the log to read."""
 
 
-def learner_cmd(c: Decoupled | None, w: Workload, index: int, out: Path, address: str = "", *, start_step: int = 0,
-                learner_id: str = "", wait_for: int = 0) -> list[str]:
+def learner_cmd(
+    c: Decoupled | None,
+    w: Workload,
+    index: int,
+    out: Path,
+    address: str = "",
+    *,
+    start_step: int = 0,
+    learner_id: str = "",
+    wait_for: int = 0,
+) -> list[str]:
     """`python -m demo train` for learner `index` of the workload; c None: without syncing."""
-    cmd = python("-m", "demo", "train", "--learner-index", str(index), "--learners", str(w.learners),
-                 "--steps", str(w.steps), "--start-step", str(start_step), "--out", str(out), *w.train_flags())
+    cmd = python(
+        "-m",
+        "demo",
+        "train",
+        "--learner-index",
+        str(index),
+        "--learners",
+        str(w.learners),
+        "--steps",
+        str(w.steps),
+        "--start-step",
+        str(start_step),
+        "--out",
+        str(out),
+        *w.train_flags(),
+    )
     if c is None:
         return [*cmd, "--no-sync"]
-    cmd += ["--synchronizer", address, "--name", f"l{index}", "--sync-every", str(c.sync_every),
-            "--fragments", str(c.fragments), "--codec", c.codec, "--merge", c.merge, "--alpha", str(c.alpha),
-            "--retry-max-s", "2", *c.train_args]
+    cmd += [
+        "--synchronizer",
+        address,
+        "--name",
+        f"l{index}",
+        "--sync-every",
+        str(c.sync_every),
+        "--fragments",
+        str(c.fragments),
+        "--codec",
+        c.codec,
+        "--merge",
+        c.merge,
+        "--alpha",
+        str(c.alpha),
+        "--retry-max-s",
+        "2",
+        *c.train_args,
+    ]
     if c.strict_overlap:
         cmd += ["--strict-overlap"]
     if wait_for:
@@ -196,31 +308,52 @@ class DilocoJob:
         self.sync_proc: Any = None
 
     def start(self) -> None:
-        self.sync_proc, info = start_synchronizer(self.children, self.cfg.synchronizer_flags(self.links.bind_host()))
+        self.sync_proc, info = start_synchronizer(
+            self.children, self.cfg.synchronizer_flags(self.links.bind_host())
+        )
         self.port = info["port"]
         self.address = f"{self.links.bind_host()}:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{info['metrics_port']}/metrics"
         for s in self.slots:
             self.start_learner(s, wait_for=self.workload.learners)
 
-    def start_learner(self, slot: Slot, start_step: int = 0, learner_id: str = "", wait_for: int = 0) -> None:
+    def start_learner(
+        self, slot: Slot, start_step: int = 0, learner_id: str = "", wait_for: int = 0
+    ) -> None:
         out = self.out / f"learner-{slot.index}.run{len(slot.runs)}.json"
         out.unlink(missing_ok=True)
-        cmd = learner_cmd(self.cfg, self.workload, slot.index, out, self.links.synchronizer_address(slot.index, self.port),
-                          start_step=start_step, learner_id=learner_id, wait_for=wait_for)
+        cmd = learner_cmd(
+            self.cfg,
+            self.workload,
+            slot.index,
+            out,
+            self.links.synchronizer_address(slot.index, self.port),
+            start_step=start_step,
+            learner_id=learner_id,
+            wait_for=wait_for,
+        )
         proc = self.children.start(f"learner-{slot.index}", self.links.wrap(slot.index, cmd))
         slot.runs.append(Incarnation(proc, out, start_step))
         slot.down = False
 
     def check(self) -> None:
         if self.sync_proc.poll() is not None:
-            raise JobError(f"the Synchronizer exited with code {self.sync_proc.returncode}; see {self.children.log('synchronizer')}")
+            raise JobError(
+                f"the Synchronizer exited with code {self.sync_proc.returncode}; see {self.children.log('synchronizer')}"
+            )
         for s in self.slots:
             if not s.down and s.proc is not None and s.proc.poll() not in (None, 0):
-                raise JobError(f"learner {s.index} exited with code {s.proc.returncode}; see {self.children.log(f'learner-{s.index}')}")
+                raise JobError(
+                    f"learner {s.index} exited with code {s.proc.returncode}; see {self.children.log(f'learner-{s.index}')}"
+                )
 
-    def run(self, tick: Callable[[DilocoJob], None] | None = None, timeout_s: float = 1800,
-            evaluator: GlobalModel | None = None, eval_every_s: float = 0.0) -> dict:
+    def run(
+        self,
+        tick: Callable[[DilocoJob], None] | None = None,
+        timeout_s: float = 1800,
+        evaluator: GlobalModel | None = None,
+        eval_every_s: float = 0.0,
+    ) -> dict:
         """Runs to the end; returns the summary. `tick` is called about 20 times a second."""
         evals: list[dict] = []
         try:
@@ -235,12 +368,19 @@ class DilocoJob:
                     tick(self)
                 if time.monotonic() > deadline:
                     raise JobError(f"{self.cfg.name} did not finish within {timeout_s:.0f} s")
-                if evaluator is not None and eval_every_s and time.time() >= next_eval and self.training_started():
+                if (
+                    evaluator is not None
+                    and eval_every_s
+                    and time.time() >= next_eval
+                    and self.training_started()
+                ):
                     evals.append(evaluator.timed(self.address))
                     next_eval = time.time() + eval_every_s
             self.links.stop_sampling()
             samples = scrape(self.metrics_url)
-            final = (evaluator or GlobalModel(self.workload, self.cfg.fragments)).timed(self.address)
+            final = (evaluator or GlobalModel(self.workload, self.cfg.fragments)).timed(
+                self.address
+            )
         finally:
             self.links.stop_sampling()
             self.children.stop_all()
@@ -253,8 +393,14 @@ class DilocoJob:
         results = [[r.result() for r in s.runs] for s in self.slots]
         t_start = min(rs[0]["started_at"] for rs in results)
         t_end = max(rs[-1]["series"][-1]["t"] for rs in results)
-        wire = wire_bytes(self.links, [rs[0] for rs in results] if all(len(rs) == 1 for rs in results) else None, self.workload.steps)
-        learner_counted = statistics.mean(sum(r.get("bytes_sent", 0) + r.get("bytes_received", 0) for r in rs) for rs in results)
+        wire = wire_bytes(
+            self.links,
+            [rs[0] for rs in results] if all(len(rs) == 1 for rs in results) else None,
+            self.workload.steps,
+        )
+        learner_counted = statistics.mean(
+            sum(r.get("bytes_sent", 0) + r.get("bytes_received", 0) for r in rs) for rs in results
+        )
         return {
             "name": self.cfg.name,
             "config": self.cfg.describe(),
@@ -268,9 +414,12 @@ class DilocoJob:
             "synchronizer_goodput": metric(samples, "diloco_goodput_ratio"),
             "merged_compute_s": metric(samples, "diloco_compute_seconds_total", bucket="merged"),
             "capacity_s": metric(samples, "diloco_learner_capacity_seconds_total"),
-            "pushes": {dict(k).get("outcome", ""): v for k, v in samples.get("diloco_pushes_total", {}).items()},
+            "pushes": {
+                dict(k).get("outcome", ""): v
+                for k, v in samples.get("diloco_pushes_total", {}).items()
+            },
             "eval_series": [{"t": e["t"] - t_start, "eval_loss": e["eval_loss"]} for e in evals]
-                           + [{"t": t_end - t_start, "eval_loss": final["eval_loss"]}],
+            + [{"t": t_end - t_start, "eval_loss": final["eval_loss"]}],
             "t_start": t_start,
             "results": results,
         }
@@ -288,8 +437,10 @@ def wire_bytes(links: Links, results: list[dict] | None, steps: int) -> dict:
     out: dict[str, Any] = {
         "wire": links.kind,
         "bytes_per_step": statistics.mean(total) / steps,
-        "sent_per_step": statistics.mean(last[i][0] - first[i][0] for i in range(len(first))) / steps,
-        "received_per_step": statistics.mean(last[i][1] - first[i][1] for i in range(len(first))) / steps,
+        "sent_per_step": statistics.mean(last[i][0] - first[i][0] for i in range(len(first)))
+        / steps,
+        "received_per_step": statistics.mean(last[i][1] - first[i][1] for i in range(len(first)))
+        / steps,
         "steady_bytes_per_step": None,
     }
     if results:
@@ -300,7 +451,9 @@ def wire_bytes(links: Links, results: list[dict] | None, steps: int) -> dict:
                 continue
             a, b = links.at(i, series[0]["t"]), links.at(i, series[-1]["t"])
             if a is not None and b is not None:
-                steady.append((b[0] - a[0] + b[1] - a[1]) / (series[-1]["step"] - series[0]["step"]))
+                steady.append(
+                    (b[0] - a[0] + b[1] - a[1]) / (series[-1]["step"] - series[0]["step"])
+                )
         if steady:
             out["steady_bytes_per_step"] = statistics.mean(steady)
     return out
@@ -343,13 +496,22 @@ def alone(workload: Workload, out: Path) -> dict:
     try:
         proc = procs.start("alone", learner_cmd(None, workload, 0, path))
         if proc.wait() != 0:
-            raise JobError(f"the lone learner exited with code {proc.returncode}; see {procs.log('alone')}")
+            raise JobError(
+                f"the lone learner exited with code {proc.returncode}; see {procs.log('alone')}"
+            )
     finally:
         procs.stop_all()
     r = read_json(path)
-    return {"name": "alone", "config": "M=1, no sync", "eval_loss": r["eval_loss_end"], "wall_s": r["train_s"],
-            "steps": workload.steps, "steps_per_s": r["steps_per_s"], "bytes_per_step": 0.0,
-            "steady_bytes_per_step": 0.0, "wire": "none", "results": [[r]],
-            "eval_series": [{"t": r["train_s"], "eval_loss": r["eval_loss_end"]}]}
-
-
+    return {
+        "name": "alone",
+        "config": "M=1, no sync",
+        "eval_loss": r["eval_loss_end"],
+        "wall_s": r["train_s"],
+        "steps": workload.steps,
+        "steps_per_s": r["steps_per_s"],
+        "bytes_per_step": 0.0,
+        "steady_bytes_per_step": 0.0,
+        "wire": "none",
+        "results": [[r]],
+        "eval_series": [{"t": r["train_s"], "eval_loss": r["eval_loss_end"]}],
+    }

@@ -130,9 +130,13 @@ class Namespaces(Links):
 
     def __init__(self, slots: int, rate_bps: float | None = None) -> None:
         super().__init__(slots, rate_bps)
-        if os.geteuid() != 0 or shutil.which("ip") is None or (rate_bps and shutil.which("tc") is None):
+        if (
+            os.geteuid() != 0
+            or shutil.which("ip") is None
+            or (rate_bps and shutil.which("tc") is None)
+        ):
             raise LinkError("network namespaces need root and iproute2 (ip, tc)")
-        self.prefix = f"db{os.getpid() % 10000:04d}{random.randrange(36 ** 2):02x}"[:9]
+        self.prefix = f"db{os.getpid() % 10000:04d}{random.randrange(36**2):02x}"[:9]
         self.net = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
         self.bridge = f"{self.prefix}br"
         self.created: list[tuple[str, str]] = []
@@ -161,8 +165,16 @@ class Namespaces(Links):
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             self.created.append(("link", veth))
             _no_ipv6(veth)
-            _run("ip", "netns", "exec", ns, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
-                 "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6; echo 1 > /proc/sys/net/ipv6/conf/eth0/disable_ipv6")
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "sh",
+                "-c",
+                "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
+                "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6; echo 1 > /proc/sys/net/ipv6/conf/eth0/disable_ipv6",
+            )
             _run("ip", "link", "set", veth, "master", self.bridge, "up")
             _run("ip", "-n", ns, "addr", "add", f"{self.slot_host(i)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
@@ -172,7 +184,16 @@ class Namespaces(Links):
                 # queue: 100 ms at the rate before tbf drops
                 rate = int(self.rate_bps)
                 burst = max(32 << 10, rate // 8 // 100)
-                shape = ["root", "tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", "100ms"]
+                shape = [
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{rate}bit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "100ms",
+                ]
                 _run("tc", "qdisc", "add", "dev", veth, *shape)  # toward the learner
                 _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", *shape)  # from the learner
 
@@ -204,7 +225,9 @@ class Namespaces(Links):
         super().close()
         for kind, name in reversed(self.created):
             cmd = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
-            subprocess.run(cmd, capture_output=True)  # a veth goes with its namespace: errors are fine
+            subprocess.run(
+                cmd, capture_output=True
+            )  # a veth goes with its namespace: errors are fine
         self.created = []
 
 
@@ -251,7 +274,10 @@ class Proxies(Links):
         self.ports: list[int] = []
         self.target: tuple[str, int] | None = None
         self.closed = threading.Event()
-        self.buckets = [[TokenBucket(rate_bps), TokenBucket(rate_bps)] if rate_bps else [None, None] for _ in range(slots)]
+        self.buckets = [
+            [TokenBucket(rate_bps), TokenBucket(rate_bps)] if rate_bps else [None, None]
+            for _ in range(slots)
+        ]
         for i in range(slots):
             s = socket.create_server(("127.0.0.1", 0))
             self.listeners.append(s)
@@ -282,8 +308,12 @@ class Proxies(Links):
                 continue
             for s in (client, upstream):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._pump, args=(slot, 0, client, upstream), daemon=True).start()
-            threading.Thread(target=self._pump, args=(slot, 1, upstream, client), daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(slot, 0, client, upstream), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._pump, args=(slot, 1, upstream, client), daemon=True
+            ).start()
 
     def _pump(self, slot: int, direction: int, src: socket.socket, dst: socket.socket) -> None:
         """direction 0: learner -> Synchronizer (sent), 1: back (received)."""

@@ -42,17 +42,26 @@ def measure(cfg: Decoupled, w: Workload, repeats: int, out: Path) -> dict[str, A
         address = f"127.0.0.1:{info['port']}"
         n = 0
         for rep in range(repeats):
-            for syncing in ((True, False) if rep % 2 == 0 else (False, True)):
+            for syncing in (True, False) if rep % 2 == 0 else (False, True):
                 path = out / f"run{n}-{'on' if syncing else 'off'}.json"
                 cmd = learner_cmd(cfg if syncing else None, w, 0, path, address)
                 proc = procs.start(f"run{n}", cmd)
                 if proc.wait() != 0:
-                    raise JobError(f"learner run {n} exited with code {proc.returncode}; see {procs.log(f'run{n}')}")
+                    raise JobError(
+                        f"learner run {n} exited with code {proc.returncode}; see {procs.log(f'run{n}')}"
+                    )
                 r = read_json(path)
                 (on if syncing else off).append(r["steps_per_s"])
                 n += 1
-                print(f"  {cfg.name:10s} syncing {'on ' if syncing else 'off'} {r['steps_per_s']:7.2f} steps/s"
-                      + (f"  (pushes {r['learner'].get('pushes')}, blocked {r['blocked_s']:.2f} s)" if syncing else ""), flush=True)
+                print(
+                    f"  {cfg.name:10s} syncing {'on ' if syncing else 'off'} {r['steps_per_s']:7.2f} steps/s"
+                    + (
+                        f"  (pushes {r['learner'].get('pushes')}, blocked {r['blocked_s']:.2f} s)"
+                        if syncing
+                        else ""
+                    ),
+                    flush=True,
+                )
     finally:
         procs.stop_all()
     return {
@@ -72,16 +81,30 @@ def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, help="on/off pairs")
     p.add_argument("--steps", type=int, help="inner steps per run")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a setting of the Decoupled configuration")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a setting of the Decoupled configuration",
+    )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
     args = p.parse_args(argv)
     base = parse_set(args.set, BEST.with_(name="H=100"))
     if args.smoke:
-        w, repeats, settings = dataclasses.replace(SMOKE, learners=1), 1, [base.with_(sync_every=10, name="H=10")]
+        w, repeats, settings = (
+            dataclasses.replace(SMOKE, learners=1),
+            1,
+            [base.with_(sync_every=10, name="H=10")],
+        )
     elif args.quick:
         w, repeats, settings = Workload(learners=1, steps=400), 3, [base]
     else:
-        w, repeats, settings = Workload(learners=1, steps=800), 4, [base, base.with_(sync_every=4, name="H=4")]
+        w, repeats, settings = (
+            Workload(learners=1, steps=800),
+            4,
+            [base, base.with_(sync_every=4, name="H=4")],
+        )
     if args.steps:
         w.steps = args.steps
     repeats = args.repeats or repeats
@@ -91,8 +114,18 @@ def main(argv: list[str] | None = None) -> dict:
         for cfg in settings:
             cells.append(measure(cfg, w, repeats, root / cfg.name.replace("=", "")))
     print()
-    print(table(cells, ["name", "on_median", "off_median", "overlap_ratio", "repeats", "steps", "config"]))
-    result = {"overlap_ratio": cells[0]["overlap_ratio"], "settings": cells, "workload": dataclasses.asdict(w), "machine": machine()}
+    print(
+        table(
+            cells,
+            ["name", "on_median", "off_median", "overlap_ratio", "repeats", "steps", "config"],
+        )
+    )
+    result = {
+        "overlap_ratio": cells[0]["overlap_ratio"],
+        "settings": cells,
+        "workload": dataclasses.asdict(w),
+        "machine": machine(),
+    }
     print(f"\noverlap_ratio = {result['overlap_ratio']:.3f} ({cells[0]['config']})")
     write_json(args.json, result)
     return result

@@ -34,14 +34,37 @@ def loss_curves(runs: list[dict], path: Path | None, title: str, tokens_per_step
         series = _mean_series(r)
         if series:
             steps, ts, losses = zip(*series, strict=True)
-            ax_tok.plot([s * tokens_per_step for s in steps], losses, color=color, lw=1, alpha=0.7, label=f"{r['name']} (train)")
+            ax_tok.plot(
+                [s * tokens_per_step for s in steps],
+                losses,
+                color=color,
+                lw=1,
+                alpha=0.7,
+                label=f"{r['name']} (train)",
+            )
             ax_t.plot(ts, losses, color=color, lw=1, alpha=0.7)
         ev = r.get("eval_series") or []
         if ev:
-            ax_t.plot([e["t"] for e in ev], [e["eval_loss"] for e in ev], color=color, marker="o", ms=4, ls="--",
-                      label=f"{r['name']} (eval {r['eval_loss']:.3f})")
-            tok = [e["step"] * tokens_per_step for e in ev if "step" in e] or [r["steps"] * tokens_per_step]
-            ax_tok.plot(tok, [e["eval_loss"] for e in ev][-len(tok):], color=color, marker="o", ms=4, ls="--")
+            ax_t.plot(
+                [e["t"] for e in ev],
+                [e["eval_loss"] for e in ev],
+                color=color,
+                marker="o",
+                ms=4,
+                ls="--",
+                label=f"{r['name']} (eval {r['eval_loss']:.3f})",
+            )
+            tok = [e["step"] * tokens_per_step for e in ev if "step" in e] or [
+                r["steps"] * tokens_per_step
+            ]
+            ax_tok.plot(
+                tok,
+                [e["eval_loss"] for e in ev][-len(tok) :],
+                color=color,
+                marker="o",
+                ms=4,
+                ls="--",
+            )
     ax_tok.set_xlabel("tokens per learner")
     ax_t.set_xlabel("seconds of training")
     for ax in (ax_tok, ax_t):
@@ -66,7 +89,9 @@ def _mean_series(r: dict) -> list[tuple[int, float, float]]:
     def seconds(k: int) -> float:  # data parallel's own clock leaves out its evaluations
         return per[0][k]["t_train"] if "t_train" in per[0][k] else max(s[k]["t"] for s in per) - t0
 
-    return [(per[0][k]["step"], seconds(k), sum(s[k]["loss"] for s in per) / len(per)) for k in range(n)]
+    return [
+        (per[0][k]["step"], seconds(k), sum(s[k]["loss"] for s in per) / len(per)) for k in range(n)
+    ]
 
 
 def goodput_timelines(runs: list[dict], path: Path | None, title: str) -> None:
@@ -79,12 +104,22 @@ def goodput_timelines(runs: list[dict], path: Path | None, title: str) -> None:
         tl = r.get("timeline") or []
         if tl:
             source = f", {r['timeline_source']}" if r.get("timeline_source") else ""
-            ax.plot([p[0] for p in tl], [p[1] for p in tl], color=f"C{i}", label=f"{r['name']} (final {r['goodput']:.2f}{source})")
+            ax.plot(
+                [p[0] for p in tl],
+                [p[1] for p in tl],
+                color=f"C{i}",
+                label=f"{r['name']} (final {r['goodput']:.2f}{source})",
+            )
     for f in runs[0].get("faults", []) if runs else []:
         crash = f["kind"] == "crash"
         end = f["at_s"] + (f["restart_after_s"] if crash else f["duration_s"])
-        ax.axvspan(f["at_s"], end, color="red" if crash else "orange", alpha=0.12,
-                   label=f"slot {f['slot']} " + ("down" if crash else f"{f['factor']:g}x slower"))
+        ax.axvspan(
+            f["at_s"],
+            end,
+            color="red" if crash else "orange",
+            alpha=0.12,
+            label=f"slot {f['slot']} " + ("down" if crash else f"{f['factor']:g}x slower"),
+        )
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("seconds since training started")
     ax.set_ylabel("goodput so far (merged compute / capacity)")

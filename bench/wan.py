@@ -58,9 +58,12 @@ def at_rate(rate_mbit: float, w: Workload, cfg: Decoupled, net: str, root: Path)
     with open_links(net, w.learners, rate_mbit * 1e6) as links:
         expected_s = w.steps / 10  # about 10 steps/s per learner with 4 learners on 2 cores
         dec = DilocoJob(cfg, w, links, root / "decoupled").run(
-            evaluator=GlobalModel(w, cfg.fragments), eval_every_s=max(1.0, expected_s / 8))
+            evaluator=GlobalModel(w, cfg.fragments), eval_every_s=max(1.0, expected_s / 8)
+        )
         # data parallel stops at its first eval at or below the Decoupled run's final loss
-        dp = DPJob(w, links, root / "dp", eval_every=max(1, w.steps // 40), target_loss=dec["eval_loss"]).run()
+        dp = DPJob(
+            w, links, root / "dp", eval_every=max(1, w.steps // 40), target_loss=dec["eval_loss"]
+        ).run()
     t_dp = reach_time(dp["eval_series"], dec["eval_loss"])
     dp["name"], dec["name"] = f"dp @{rate_mbit:g}Mbit", f"decoupled @{rate_mbit:g}Mbit"
     return {
@@ -77,16 +80,33 @@ def at_rate(rate_mbit: float, w: Workload, cfg: Decoupled, net: str, root: Path)
 
 def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--rates-mbit", help="comma-separated link rates in Mbit/s (the first gives the headline)")
+    p.add_argument(
+        "--rates-mbit", help="comma-separated link rates in Mbit/s (the first gives the headline)"
+    )
     p.add_argument("--steps", type=int, help="inner steps per learner")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a setting of the Decoupled configuration")
-    p.add_argument("--net", choices=("auto", "netns", "proxy"), default="auto", help="links: namespaces (root) or proxies")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a setting of the Decoupled configuration",
+    )
+    p.add_argument(
+        "--net",
+        choices=("auto", "netns", "proxy"),
+        default="auto",
+        help="links: namespaces (root) or proxies",
+    )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
     args = p.parse_args(argv)
     if args.smoke:
         w, cfg, rates = dataclasses.replace(SMOKE), BEST.with_(sync_every=10), [50.0]
     else:
-        w, cfg, rates = Workload(steps=400 if args.quick else 3000), BEST, [50.0] if args.quick else [50.0, 1000.0]
+        w, cfg, rates = (
+            Workload(steps=400 if args.quick else 3000),
+            BEST,
+            [50.0] if args.quick else [50.0, 1000.0],
+        )
     if args.steps:
         w.steps = args.steps
     if args.rates_mbit:
@@ -96,23 +116,61 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
         root = args.out or Path(tmp)
         for rate in rates:
-            print(f"{w.learners} learners x {w.steps} steps, links limited to {rate:g} Mbit/s", flush=True)
+            print(
+                f"{w.learners} learners x {w.steps} steps, links limited to {rate:g} Mbit/s",
+                flush=True,
+            )
             cells.append(at_rate(rate, w, cfg, args.net, root / f"{rate:g}mbit"))
             c = cells[-1]
-            print(f"  wan_speedup {c['wan_speedup']:.2f}" + ("" if c["dp_reached"] else " (lower bound: data parallel never reached it)"), flush=True)
+            print(
+                f"  wan_speedup {c['wan_speedup']:.2f}"
+                + ("" if c["dp_reached"] else " (lower bound: data parallel never reached it)"),
+                flush=True,
+            )
     rows = []
     for c in cells:
         for kind in ("dp", "decoupled"):
             r = c[kind]
-            rows.append({"run": r["name"], "eval_loss": r["eval_loss"], "wall_s": r["wall_s"], "steps_per_s": r["steps_per_s"],
-                         "bytes_per_step": r.get("steady_bytes_per_step") or r.get("bytes_per_step"),
-                         "dp_time_to_its_loss_s": c["dp_time_to_decoupled_loss_s"] if kind == "decoupled" else "",
-                         "wan_speedup": c["wan_speedup"] if kind == "decoupled" else ""})
+            rows.append(
+                {
+                    "run": r["name"],
+                    "eval_loss": r["eval_loss"],
+                    "wall_s": r["wall_s"],
+                    "steps_per_s": r["steps_per_s"],
+                    "bytes_per_step": r.get("steady_bytes_per_step") or r.get("bytes_per_step"),
+                    "dp_time_to_its_loss_s": c["dp_time_to_decoupled_loss_s"]
+                    if kind == "decoupled"
+                    else "",
+                    "wan_speedup": c["wan_speedup"] if kind == "decoupled" else "",
+                }
+            )
     print()
-    print(table(rows, ["run", "eval_loss", "wall_s", "steps_per_s", "bytes_per_step", "dp_time_to_its_loss_s", "wan_speedup"]))
+    print(
+        table(
+            rows,
+            [
+                "run",
+                "eval_loss",
+                "wall_s",
+                "steps_per_s",
+                "bytes_per_step",
+                "dp_time_to_its_loss_s",
+                "wan_speedup",
+            ],
+        )
+    )
     for c in cells:
-        json_path = args.json.with_name(f"{args.json.stem}-{c['rate_mbit']:g}mbit.json") if args.json else None
-        loss_curves([c["dp"], c["decoupled"]], png_path(json_path, ""), f"{w.learners} learners over {c['rate_mbit']:g} Mbit/s links", w.batch_size * w.context)
+        json_path = (
+            args.json.with_name(f"{args.json.stem}-{c['rate_mbit']:g}mbit.json")
+            if args.json
+            else None
+        )
+        loss_curves(
+            [c["dp"], c["decoupled"]],
+            png_path(json_path, ""),
+            f"{w.learners} learners over {c['rate_mbit']:g} Mbit/s links",
+            w.batch_size * w.context,
+        )
         for kind in ("dp", "decoupled"):
             c[kind].pop("results", None)
     head = cells[0]
@@ -122,9 +180,16 @@ def main(argv: list[str] | None = None) -> dict:
         "wan_lower_bound": not head["dp_reached"],
         "wan_dp_shaped": head["dp_shaped"],
         **{f"wan_speedup_{c['rate_mbit']:g}mbit": c["wan_speedup"] for c in cells},
-        "steps": w.steps, "learners": w.learners, "decoupled": dataclasses.asdict(cfg), "cells": cells, "machine": machine(),
+        "steps": w.steps,
+        "learners": w.learners,
+        "decoupled": dataclasses.asdict(cfg),
+        "cells": cells,
+        "machine": machine(),
     }
-    print(f"\nwan_speedup = {result['wan_speedup']:.3f} at {head['rate_mbit']:g} Mbit/s" + (" (lower bound)" if result["wan_lower_bound"] else ""))
+    print(
+        f"\nwan_speedup = {result['wan_speedup']:.3f} at {head['rate_mbit']:g} Mbit/s"
+        + (" (lower bound)" if result["wan_lower_bound"] else "")
+    )
     write_json(args.json, result)
     return result
 

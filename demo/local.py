@@ -36,12 +36,12 @@ class LocalOptions:
     learners: int = 4
     steps: int = 1000
     out: Path = Path("runs/local")
-    slow_learner: int = 1             # index of the learner that runs slow_factor x slower; -1: none
+    slow_learner: int = 1  # index of the learner that runs slow_factor x slower; -1: none
     slow_factor: float = 3.0
-    kill_learner: int = 2             # index of the learner killed mid-run and restarted; -1: none
-    kill_at: float = 0.4              # ...when it has done this fraction of its steps
-    restart_after_s: float = 5.0      # ...and restarted this long after (past the lease)
-    quorum: int = 2                   # 2 beat 1 clearly here (eval 1.75 vs 2.42, no stale drops)
+    kill_learner: int = 2  # index of the learner killed mid-run and restarted; -1: none
+    kill_at: float = 0.4  # ...when it has done this fraction of its steps
+    restart_after_s: float = 5.0  # ...and restarted this long after (past the lease)
+    quorum: int = 2  # 2 beat 1 clearly here (eval 1.75 vs 2.42, no stale drops)
     grace: str = "adaptive"
     lease_s: float = 3.0
     sync_every: int = 25
@@ -51,18 +51,31 @@ class LocalOptions:
     seed: int = 0
     log_every: int = 10
     train_args: list[str] = field(default_factory=list)  # extra flags for every `learner train`
-    synchronizer_args: list[str] = field(default_factory=list)  # extra flags for `synchronizer serve`
+    synchronizer_args: list[str] = field(
+        default_factory=list
+    )  # extra flags for `synchronizer serve`
     plot: bool = True
-    live: bool | None = None          # redraw progress in place; None = when stdout is a terminal
+    live: bool | None = None  # redraw progress in place; None = when stdout is a terminal
 
 
 def synchronizer_flags(o: LocalOptions) -> list[str]:
     return [
-        "--quorum", str(o.quorum), "--grace", o.grace, "--lease-s", str(o.lease_s),
+        "--quorum",
+        str(o.quorum),
+        "--grace",
+        o.grace,
+        "--lease-s",
+        str(o.lease_s),
         # rounds of two or more learners: plain Nesterov beat Delayed Nesterov here (1.75 vs 1.83)
-        "--outer", "nesterov" if o.quorum != 1 else "delayed_nesterov",
-        "--forget-after-s", str(max(10.0, 3 * o.lease_s)), "--goodput-window-s", "3600",
-        "--shutdown-grace-s", "2", *o.synchronizer_args,
+        "--outer",
+        "nesterov" if o.quorum != 1 else "delayed_nesterov",
+        "--forget-after-s",
+        str(max(10.0, 3 * o.lease_s)),
+        "--goodput-window-s",
+        "3600",
+        "--shutdown-grace-s",
+        "2",
+        *o.synchronizer_args,
     ]
 
 
@@ -90,23 +103,63 @@ class Slot:
         return self.killed_at is not None and not self.restarted
 
 
-def learner_cmd(o: LocalOptions, address: str, slot: Slot, out: Path, start_step: int = 0, name: str = "") -> list[str]:
+def learner_cmd(
+    o: LocalOptions, address: str, slot: Slot, out: Path, start_step: int = 0, name: str = ""
+) -> list[str]:
     cmd = [
-        sys.executable, "-m", "demo", "train", "--synchronizer", address,
-        "--name", name or slot.name, "--learner-index", str(slot.index), "--learners", str(o.learners),
-        "--steps", str(slot.steps), "--start-step", str(start_step), "--out", str(out),
-        "--sync-every", str(o.sync_every), "--fragments", str(o.fragments), "--codec", o.codec,
-        "--slow", str(slot.slow), "--log-every", str(o.log_every), "--seed", str(o.seed), "--threads", "1",
+        sys.executable,
+        "-m",
+        "demo",
+        "train",
+        "--synchronizer",
+        address,
+        "--name",
+        name or slot.name,
+        "--learner-index",
+        str(slot.index),
+        "--learners",
+        str(o.learners),
+        "--steps",
+        str(slot.steps),
+        "--start-step",
+        str(start_step),
+        "--out",
+        str(out),
+        "--sync-every",
+        str(o.sync_every),
+        "--fragments",
+        str(o.fragments),
+        "--codec",
+        o.codec,
+        "--slow",
+        str(slot.slow),
+        "--log-every",
+        str(o.log_every),
+        "--seed",
+        str(o.seed),
+        "--threads",
+        "1",
     ]
     if o.data:
         cmd += ["--data", o.data]
     return cmd + o.train_args
 
 
-def start_learner(o: LocalOptions, procs: Procs, address: str, slot: Slot, start_step: int = 0) -> None:
-    slot.runs.append(o.out / (f"learner-{slot.index}.json" if not slot.runs else f"learner-{slot.index}.run{len(slot.runs)}.json"))
+def start_learner(
+    o: LocalOptions, procs: Procs, address: str, slot: Slot, start_step: int = 0
+) -> None:
+    slot.runs.append(
+        o.out
+        / (
+            f"learner-{slot.index}.json"
+            if not slot.runs
+            else f"learner-{slot.index}.run{len(slot.runs)}.json"
+        )
+    )
     cmd = learner_cmd(o, address, slot, slot.runs[-1], start_step)
-    old_id = (read_json(slot.runs[0]).get("learner") or {}).get("learner_id") if start_step else None
+    old_id = (
+        (read_json(slot.runs[0]).get("learner") or {}).get("learner_id") if start_step else None
+    )
     if old_id:
         cmd += ["--learner-id", old_id]  # come back as the same learner
     slot.proc = procs.start(f"learner-{slot.index}", cmd)
@@ -118,7 +171,12 @@ def kill_or_restart(o: LocalOptions, procs: Procs, address: str, slot: Slot) -> 
     now = time.time()
     if slot.killed_at is None:
         r = read_json(slot.runs[-1])
-        if "loss" in r and r["step"] >= o.kill_at * slot.steps and not r["finished"] and slot.proc is not None:
+        if (
+            "loss" in r
+            and r["step"] >= o.kill_at * slot.steps
+            and not r["finished"]
+            and slot.proc is not None
+        ):
             Procs.signal(slot.proc, signal.SIGKILL)
             slot.proc.wait()
             slot.killed_at_step, slot.killed_at = r["step"], now
@@ -133,10 +191,14 @@ def kill_or_restart(o: LocalOptions, procs: Procs, address: str, slot: Slot) -> 
 def check_exits(procs: Procs, sync_proc: subprocess.Popen, slots: list[Slot]) -> None:
     """RuntimeError naming the log to read if the Synchronizer or a learner failed."""
     if sync_proc.poll() is not None:
-        raise RuntimeError(f"the Synchronizer exited with code {sync_proc.returncode}; see {procs.log('synchronizer')}")
+        raise RuntimeError(
+            f"the Synchronizer exited with code {sync_proc.returncode}; see {procs.log('synchronizer')}"
+        )
     for s in slots:
         if s.proc is not None and s.proc.poll() not in (None, 0) and not s.awaiting_restart():
-            raise RuntimeError(f"learner {s.name} exited with code {s.proc.returncode}; see {procs.log(f'learner-{s.index}')}")
+            raise RuntimeError(
+                f"learner {s.name} exited with code {s.proc.returncode}; see {procs.log(f'learner-{s.index}')}"
+            )
 
 
 def progress_line(slot: Slot) -> str:
@@ -147,8 +209,10 @@ def progress_line(slot: Slot) -> str:
     if not r or "loss" not in r:
         return f"{tag:16s} starting..."
     done = "done " if r.get("finished") else ""
-    return (f"{tag:16s} {done}step {r['step']:5d}/{slot.steps} | loss {r['loss']:.3f} | "
-            f"{r['tokens_per_s']:7.0f} tok/s | {r.get('sync_state', '')}")
+    return (
+        f"{tag:16s} {done}step {r['step']:5d}/{slot.steps} | loss {r['loss']:.3f} | "
+        f"{r['tokens_per_s']:7.0f} tok/s | {r.get('sync_state', '')}"
+    )
 
 
 class Display:
@@ -164,10 +228,15 @@ class Display:
         if not self.live and time.monotonic() - self.last < 10:
             return
         by_fragment = samples.get("diloco_fragment_version", {})
-        versions = [int(v) for _, v in sorted(by_fragment.items(), key=lambda kv: int(dict(kv[0])["fragment"]))]
+        versions = [
+            int(v)
+            for _, v in sorted(by_fragment.items(), key=lambda kv: int(dict(kv[0])["fragment"]))
+        ]
         lines = [progress_line(s) for s in slots]
-        lines.append(f"{'synchronizer':16s} versions {versions} | goodput "
-                     f"{metric(samples, 'diloco_goodput_ratio'):.2f} | {elapsed_s:5.0f} s")
+        lines.append(
+            f"{'synchronizer':16s} versions {versions} | goodput "
+            f"{metric(samples, 'diloco_goodput_ratio'):.2f} | {elapsed_s:5.0f} s"
+        )
         if self.live and self.shown:
             sys.stdout.write(f"\x1b[{self.shown}F\x1b[J")  # up to the first line, clear below
         print("\n".join(lines), flush=True)
@@ -179,25 +248,41 @@ def run(o: LocalOptions) -> dict:
     if o.learners < 1 or o.steps < 1:
         raise ValueError(f"need at least one learner and one step, got {o.learners} and {o.steps}")
     (o.out / "logs").mkdir(parents=True, exist_ok=True)
-    for old in [*o.out.glob("learner-*.json"), *(o.out / "logs").glob("*.log"), o.out / "final.json",
-                o.out / "summary.json", o.out / "summary.png"]:
+    for old in [
+        *o.out.glob("learner-*.json"),
+        *(o.out / "logs").glob("*.log"),
+        o.out / "final.json",
+        o.out / "summary.json",
+        o.out / "summary.png",
+    ]:
         old.unlink(missing_ok=True)  # results of an earlier run
     procs = Procs(o.out)
     # Ctrl-C and SIGTERM both unwind into the finally below (even where SIGINT came in ignored)
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    state_dir = Path(tempfile.mkdtemp(prefix="diloco-local-state-"))  # a fresh run: nothing to resume
+    previous = {
+        sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    state_dir = Path(
+        tempfile.mkdtemp(prefix="diloco-local-state-")
+    )  # a fresh run: nothing to resume
     t0 = time.time()
     try:
         sync_proc, info = start_synchronizer(procs, synchronizer_flags(o), state_dir=state_dir)
         address, metrics_url = info["address"], f"http://127.0.0.1:{info['metrics_port']}/metrics"
-        print(f"Synchronizer at {address}, metrics at {metrics_url}; logs in {o.out / 'logs'}", flush=True)
+        print(
+            f"Synchronizer at {address}, metrics at {metrics_url}; logs in {o.out / 'logs'}",
+            flush=True,
+        )
 
         slots = []
         for i in range(o.learners):
             slow = o.slow_factor if i == o.slow_learner and o.learners > 1 else 1.0
-            slots.append(Slot(i, max(1, round(o.steps / slow)), slow))  # same wall-clock, fewer steps
+            slots.append(
+                Slot(i, max(1, round(o.steps / slow)), slow)
+            )  # same wall-clock, fewer steps
             start_learner(o, procs, address, slots[-1])
-        victim = slots[o.kill_learner] if 0 <= o.kill_learner < o.learners and o.learners > 1 else None
+        victim = (
+            slots[o.kill_learner] if 0 <= o.kill_learner < o.learners and o.learners > 1 else None
+        )
 
         display = Display(sys.stdout.isatty() if o.live is None else o.live)
         goodput_series: list[dict] = []
@@ -209,17 +294,25 @@ def run(o: LocalOptions) -> dict:
                 kill_or_restart(o, procs, address, victim)
             try:
                 samples = scrape(metrics_url)
-                goodput_series.append({"t": time.time(), "goodput": metric(samples, "diloco_goodput_ratio")})
+                goodput_series.append(
+                    {"t": time.time(), "goodput": metric(samples, "diloco_goodput_ratio")}
+                )
             except OSError:
                 pass
             display.show(slots, samples, time.time() - t0)
         check_exits(procs, sync_proc, slots)
 
         samples = scrape(metrics_url)  # before the final pull joins as one more learner
-        final_out = o.out / "final.json"  # zero steps: join, adopt the served model, evaluate, leave
-        final = procs.start("final-eval", learner_cmd(o, address, Slot(0, 0), final_out, name="final-eval"))
+        final_out = (
+            o.out / "final.json"
+        )  # zero steps: join, adopt the served model, evaluate, leave
+        final = procs.start(
+            "final-eval", learner_cmd(o, address, Slot(0, 0), final_out, name="final-eval")
+        )
         if final.wait(timeout=120) != 0:
-            raise RuntimeError(f"the final evaluation exited with code {final.returncode}; see {procs.log('final-eval')}")
+            raise RuntimeError(
+                f"the final evaluation exited with code {final.returncode}; see {procs.log('final-eval')}"
+            )
         summary = summarize(o, slots, samples, read_json(final_out), goodput_series, t0)
     finally:
         for sig in previous:
@@ -234,7 +327,10 @@ def run(o: LocalOptions) -> dict:
         try:
             from demo.plot import plot_summary
         except ImportError:
-            print("matplotlib is not installed (pip install '.[plot]'): skipped summary.png", flush=True)
+            print(
+                "matplotlib is not installed (pip install '.[plot]'): skipped summary.png",
+                flush=True,
+            )
         else:
             plot_summary(summary, o.out / "summary.png")
     print_summary(summary, o.out)
@@ -245,7 +341,14 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def summarize(o: LocalOptions, slots: list[Slot], samples: dict, final: dict, goodput_series: list[dict], t0: float) -> dict:
+def summarize(
+    o: LocalOptions,
+    slots: list[Slot],
+    samples: dict,
+    final: dict,
+    goodput_series: list[dict],
+    t0: float,
+) -> dict:
     runs = {s.index: [read_json(p) for p in s.runs] for s in slots}
     first = runs[0][0]
     params = int(first.get("params") or final.get("params", 0))
@@ -258,8 +361,13 @@ def summarize(o: LocalOptions, slots: list[Slot], samples: dict, final: dict, go
             "steps": steps,
             "slow_factor": s.slow,
             "killed_at_step": s.killed_at_step,
-            "bytes_sent": sum(int(r.get("bytes_sent") or r.get("learner", {}).get("bytes_sent", 0)) for r in rs),
-            "bytes_received": sum(int(r.get("bytes_received") or r.get("learner", {}).get("bytes_received", 0)) for r in rs),
+            "bytes_sent": sum(
+                int(r.get("bytes_sent") or r.get("learner", {}).get("bytes_sent", 0)) for r in rs
+            ),
+            "bytes_received": sum(
+                int(r.get("bytes_received") or r.get("learner", {}).get("bytes_received", 0))
+                for r in rs
+            ),
             "steps_per_s": rs[-1].get("steps_per_s"),
             "eval_loss_end": rs[-1].get("eval_loss_end"),
             "series": [r.get("series", []) for r in rs],  # one curve per process (run)
@@ -280,8 +388,13 @@ def summarize(o: LocalOptions, slots: list[Slot], samples: dict, final: dict, go
         "eval_loss_end": final.get("eval_loss_end"),
         "goodput": metric(samples, "diloco_goodput_ratio"),
         "goodput_from_totals": merged / capacity if capacity else None,
-        "tokens": {b: metric(samples, "diloco_tokens_total", bucket=b) for b in ("merged", "discarded", "lost")},
-        "pushes": {dict(k)["outcome"]: v for k, v in samples.get("diloco_pushes_total", {}).items()},
+        "tokens": {
+            b: metric(samples, "diloco_tokens_total", bucket=b)
+            for b in ("merged", "discarded", "lost")
+        },
+        "pushes": {
+            dict(k)["outcome"]: v for k, v in samples.get("diloco_pushes_total", {}).items()
+        },
         "outer_steps": metric(samples, "diloco_outer_steps_total"),
         "bytes_sent_per_learner": sent,
         "bytes_received_per_learner": {k: v["bytes_received"] for k, v in learners.items()},
@@ -289,9 +402,17 @@ def summarize(o: LocalOptions, slots: list[Slot], samples: dict, final: dict, go
         "dp_over_sent": dp_per_step * full_steps / mean_sent if mean_sent else None,
         "final_param_hash": final.get("param_hash"),
         "faults": {
-            "slow": f"l{o.slow_learner} x{o.slow_factor:g}" if any(s.slow > 1 for s in slots) else None,
-            "killed": next((f"l{s.index} at step {s.killed_at_step}, restarted after {o.restart_after_s:g} s"
-                            for s in slots if s.killed_at_step is not None), None),
+            "slow": f"l{o.slow_learner} x{o.slow_factor:g}"
+            if any(s.slow > 1 for s in slots)
+            else None,
+            "killed": next(
+                (
+                    f"l{s.index} at step {s.killed_at_step}, restarted after {o.restart_after_s:g} s"
+                    for s in slots
+                    if s.killed_at_step is not None
+                ),
+                None,
+            ),
         },
         "per_learner": learners,
         "goodput_series": goodput_series,
@@ -303,11 +424,20 @@ def print_summary(s: dict, out: Path) -> None:
     def mb(b: float) -> str:
         return f"{b / 1e6:.2f} MB"
 
-    print(f"\nDone in {s['wall_s']:.0f} s: {s['learners']} learners, {s['steps']} steps, {s['params']:,} parameters")
+    print(
+        f"\nDone in {s['wall_s']:.0f} s: {s['learners']} learners, {s['steps']} steps, {s['params']:,} parameters"
+    )
     print(f"  eval loss (global model): {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f}")
-    print(f"  goodput: {s['goodput']:.1%}   outer steps: {s['outer_steps']:.0f}   pushes: {s['pushes']}")
+    print(
+        f"  goodput: {s['goodput']:.1%}   outer steps: {s['outer_steps']:.0f}   pushes: {s['pushes']}"
+    )
     for name, sent in s["bytes_sent_per_learner"].items():
         print(f"  {name}: sent {mb(sent)}, received {mb(s['bytes_received_per_learner'][name])}")
     ratio = f" ({s['dp_over_sent']:.0f}x more)" if s["dp_over_sent"] else ""
-    print(f"  data-parallel ring all-reduce would have sent {mb(s['dp_bytes_per_learner'])} per learner{ratio}")
-    print(f"  summary: {out / 'summary.json'}" + (f", plot: {out / 'summary.png'}" if (out / "summary.png").exists() else ""))
+    print(
+        f"  data-parallel ring all-reduce would have sent {mb(s['dp_bytes_per_learner'])} per learner{ratio}"
+    )
+    print(
+        f"  summary: {out / 'summary.json'}"
+        + (f", plot: {out / 'summary.png'}" if (out / "summary.png").exists() else "")
+    )

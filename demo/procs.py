@@ -66,15 +66,22 @@ class Procs:
     def start(self, name: str, cmd: Sequence[str]) -> subprocess.Popen:
         """Starts `cmd` in a new session, stdout and stderr appended to `log(name)`."""
         with open(self.log(name), "ab") as f:
-            p = subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+            p = subprocess.Popen(
+                list(cmd),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.procs.append(p)
         return p
 
     def tails(self, chars: int = 2000) -> str:
         """The end of every log, for a failure message."""
-        return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-chars:]}"
-                         for p in sorted((self.root / "logs").glob("*.log")))
+        return "\n".join(
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-chars:]}"
+            for p in sorted((self.root / "logs").glob("*.log"))
+        )
 
     @staticmethod
     def signal(p: subprocess.Popen, sig: int) -> None:
@@ -122,15 +129,33 @@ def start_synchronizer(
     log if it exits first or is not ready within `timeout_s`."""
     ready = procs.root / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
-    proc = procs.start(name, [
-        sys.executable, "-m", "synchronizer", "serve", "--port", str(port), "--metrics-port", "0",
-        "--state-dir", str(state_dir or procs.root / "state"), "--ready-file", str(ready), *flags,
-    ])
+    proc = procs.start(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "synchronizer",
+            "serve",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--state-dir",
+            str(state_dir or procs.root / "state"),
+            "--ready-file",
+            str(ready),
+            *flags,
+        ],
+    )
     deadline = time.monotonic() + timeout_s
     while not (info := read_json(ready)):
         if proc.poll() is not None:
-            raise RuntimeError(f"the Synchronizer exited with code {proc.returncode}; see {procs.log(name)}")
+            raise RuntimeError(
+                f"the Synchronizer exited with code {proc.returncode}; see {procs.log(name)}"
+            )
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the Synchronizer did not become ready within {timeout_s:g} s; see {procs.log(name)}")
+            raise RuntimeError(
+                f"the Synchronizer did not become ready within {timeout_s:g} s; see {procs.log(name)}"
+            )
         time.sleep(0.05)  # another process's file: no event to wait on
     return proc, info

@@ -45,17 +45,17 @@ EXAMPLE_SYNC_DEFAULTS = {"sync_every": 25}
 @dataclass
 class TrainOptions:
     # what to train
-    steps: int = 1000                 # the step count the schedule runs to
-    start_step: int = 0               # resume here (a restarted learner): steps start_step..steps-1
-    model: str | None = None          # "pkg.module:factory" for a user model; None = the example
-    data: str | None = None           # directory of text files; None = the Python stdlib sources
-    max_bytes: int = 4 << 20          # training bytes read per learner
+    steps: int = 1000  # the step count the schedule runs to
+    start_step: int = 0  # resume here (a restarted learner): steps start_step..steps-1
+    model: str | None = None  # "pkg.module:factory" for a user model; None = the example
+    data: str | None = None  # directory of text files; None = the Python stdlib sources
+    max_bytes: int = 4 << 20  # training bytes read per learner
     n_layer: int = 2
     d_model: int = 64
     n_head: int = 2
-    block: int = 128                  # context length in bytes
+    block: int = 128  # context length in bytes
     batch_size: int = 16
-    seed: int = 0                     # model init (same on every learner) and data order
+    seed: int = 0  # model init (same on every learner) and data order
     # inner optimizer: AdamW, linear warm-up, cosine decay to min_lr_ratio * lr
     lr: float = 8e-3
     warmup_steps: int = 50
@@ -63,17 +63,19 @@ class TrainOptions:
     weight_decay: float = 0.1
     clip: float = 1.0
     # syncing: the Learner's settings, or None to train alone (the same loop without a Learner)
-    sync: LearnerConfig | None = field(default_factory=lambda: LearnerConfig.model_validate(EXAMPLE_SYNC_DEFAULTS))
-    name: str = "learner"             # for the log lines and the result
-    wait_for_learners: int = 0        # before step one, wait until this many learners are joined
-    learner_index: int = 0            # which data shard this learner reads...
-    learners: int = 1                 # ...out of this many
+    sync: LearnerConfig | None = field(
+        default_factory=lambda: LearnerConfig.model_validate(EXAMPLE_SYNC_DEFAULTS)
+    )
+    name: str = "learner"  # for the log lines and the result
+    wait_for_learners: int = 0  # before step one, wait until this many learners are joined
+    learner_index: int = 0  # which data shard this learner reads...
+    learners: int = 1  # ...out of this many
     # running
-    slow: float = 1.0                 # > 1: sleep (slow - 1) x step time after each step
+    slow: float = 1.0  # > 1: sleep (slow - 1) x step time after each step
     log_every: int = 25
     eval_windows: int = 256
-    threads: int = 0                  # torch intra-op threads; 0 = torch's default
-    out: str | None = None            # JSON result path
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    out: str | None = None  # JSON result path
 
 
 def lr_at(step: int, o: TrainOptions) -> float:
@@ -83,7 +85,11 @@ def lr_at(step: int, o: TrainOptions) -> float:
     """
     warm = min(1.0, (step - o.start_step + 1) / o.warmup_steps) if o.warmup_steps else 1.0
     progress = min(1.0, max(0, step - o.warmup_steps) / max(1, o.steps - o.warmup_steps))
-    return warm * o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return (
+        warm
+        * o.lr
+        * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    )
 
 
 def param_hash(model: nn.Module) -> str:
@@ -110,18 +116,30 @@ def load_factory(path: str) -> Callable[..., tuple]:
     return factory
 
 
-def build(o: TrainOptions, device: torch.device) -> tuple[nn.Module, Callable[[], Batch], Callable[[nn.Module], float]]:
+def build(
+    o: TrainOptions, device: torch.device
+) -> tuple[nn.Module, Callable[[], Batch], Callable[[nn.Module], float]]:
     """(model, batch_fn, eval_fn) for the bundled example or the user's factory."""
     torch.manual_seed(o.seed)  # the same initial model on every learner
     if o.model:
         made = load_factory(o.model)(o.learner_index, o.learners)
         if not isinstance(made, tuple) or len(made) not in (2, 3):
-            raise ValueError(f"{o.model} must return (model, batch_fn) or (model, batch_fn, eval_fn)")
-        user_eval: Callable[[nn.Module], float] = made[2] if len(made) == 3 else (lambda m: float("nan"))
+            raise ValueError(
+                f"{o.model} must return (model, batch_fn) or (model, batch_fn, eval_fn)"
+            )
+        user_eval: Callable[[nn.Module], float] = (
+            made[2] if len(made) == 3 else (lambda m: float("nan"))
+        )
         return made[0].to(device), made[1], user_eval
-    data = ByteData(o.data, learner=o.learner_index, learners=o.learners, block=o.block, max_bytes=o.max_bytes)
-    model = GPT(GPTConfig(n_layer=o.n_layer, d_model=o.d_model, n_head=o.n_head, block=o.block)).to(device)
-    gen = torch.Generator().manual_seed(o.seed * 1000 + o.learner_index)  # each learner its own windows
+    data = ByteData(
+        o.data, learner=o.learner_index, learners=o.learners, block=o.block, max_bytes=o.max_bytes
+    )
+    model = GPT(GPTConfig(n_layer=o.n_layer, d_model=o.d_model, n_head=o.n_head, block=o.block)).to(
+        device
+    )
+    gen = torch.Generator().manual_seed(
+        o.seed * 1000 + o.learner_index
+    )  # each learner its own windows
     eval_set = data.eval_set(o.eval_windows)
 
     def batch_fn() -> Batch:
@@ -136,7 +154,10 @@ def make_optimizer(model: nn.Module, o: TrainOptions) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=o.lr, betas=(0.9, 0.95))
 
 
@@ -185,15 +206,25 @@ def train(o: TrainOptions) -> dict:
 
     eval_start = eval_fn(model)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("[%s] %d parameters on %s, eval loss %.4f at start", o.name, n_params, device, eval_start)
+    logger.info(
+        "[%s] %d parameters on %s, eval loss %.4f at start", o.name, n_params, device, eval_start
+    )
     result: dict[str, Any] = {
-        "name": o.name, "learner_index": o.learner_index, "sync": learner is not None,
-        "params": n_params, "steps_target": o.steps, "start_step": o.start_step, "eval_loss_start": eval_start,
-        "finished": False, "step": o.start_step, "series": [], "started_at": time.time(),
+        "name": o.name,
+        "learner_index": o.learner_index,
+        "sync": learner is not None,
+        "params": n_params,
+        "steps_target": o.steps,
+        "start_step": o.start_step,
+        "eval_loss_start": eval_start,
+        "finished": False,
+        "step": o.start_step,
+        "series": [],
+        "started_at": time.time(),
     }
 
     tokens = 0
-    compute_s = 0.0   # seconds in the steps themselves, without the --slow sleep
+    compute_s = 0.0  # seconds in the steps themselves, without the --slow sleep
     window_loss, window_steps = 0.0, 0  # mean training loss since the last progress line
     t_start, cpu_start = time.perf_counter(), time.process_time()
     if learner is not None:
@@ -214,7 +245,9 @@ def train(o: TrainOptions) -> dict:
             window_loss += loss_value
             window_steps += 1
             if learner is not None:
-                learner.step(tokens=y.numel(), loss=loss_value)  # optimizer.step(), then syncs and merges
+                learner.step(
+                    tokens=y.numel(), loss=loss_value
+                )  # optimizer.step(), then syncs and merges
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -231,11 +264,22 @@ def train(o: TrainOptions) -> dict:
                 sync_state = stats.get("sync_state", "off")
                 logger.info(
                     "[%s] step %5d/%d | loss %.4f | %8.0f tok/s | %s",
-                    o.name, step + 1, o.steps, mean_loss, tokens / elapsed, sync_state,
+                    o.name,
+                    step + 1,
+                    o.steps,
+                    mean_loss,
+                    tokens / elapsed,
+                    sync_state,
                 )
                 result["series"].append({"t": time.time(), "step": step + 1, "loss": mean_loss})
-                result.update(step=step + 1, tokens=tokens, loss=mean_loss, tokens_per_s=tokens / elapsed,
-                              sync_state=sync_state, learner=stats)
+                result.update(
+                    step=step + 1,
+                    tokens=tokens,
+                    loss=mean_loss,
+                    tokens_per_s=tokens / elapsed,
+                    sync_state=sync_state,
+                    learner=stats,
+                )
                 write_json(o.out, result)
     except BaseException:  # Ctrl-C or a crash: stop the sync threads (no final pull) and re-raise
         if learner is not None:
@@ -250,16 +294,31 @@ def train(o: TrainOptions) -> dict:
     eval_end = eval_fn(model)
     stats = stats_dict(learner)
     result.update(
-        finished=True, step=o.steps, tokens=tokens, eval_loss_end=eval_end, train_s=train_s,
-        compute_s=compute_s, steps_per_s=steps / train_s if train_s > 0 else 0.0,
-        compute_steps_per_s=steps / compute_s if compute_s > 0 else 0.0, cpu_s=cpu_s,
-        bytes_sent=stats.get("bytes_sent", 0), bytes_received=stats.get("bytes_received", 0),
-        blocked_s=stats.get("blocked_s", 0.0), param_hash=param_hash(model), learner=stats,
+        finished=True,
+        step=o.steps,
+        tokens=tokens,
+        eval_loss_end=eval_end,
+        train_s=train_s,
+        compute_s=compute_s,
+        steps_per_s=steps / train_s if train_s > 0 else 0.0,
+        compute_steps_per_s=steps / compute_s if compute_s > 0 else 0.0,
+        cpu_s=cpu_s,
+        bytes_sent=stats.get("bytes_sent", 0),
+        bytes_received=stats.get("bytes_received", 0),
+        blocked_s=stats.get("blocked_s", 0.0),
+        param_hash=param_hash(model),
+        learner=stats,
     )
     write_json(o.out, result)
     logger.info(
         "[%s] done: %d steps in %.1f s (%.2f steps/s), eval loss %.4f -> %.4f, sent %d B, received %d B",
-        o.name, steps, train_s, result["steps_per_s"], eval_start, eval_end,
-        result["bytes_sent"], result["bytes_received"],
+        o.name,
+        steps,
+        train_s,
+        result["steps_per_s"],
+        eval_start,
+        eval_end,
+        result["bytes_sent"],
+        result["bytes_received"],
     )
     return result

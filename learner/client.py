@@ -23,7 +23,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from protos import codec, framing
+from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.channel import bearer, open_channel
@@ -34,7 +34,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RETRYABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
 )
 
 
@@ -74,7 +78,11 @@ class SyncClient:
         self.chunk_bytes = chunk_bytes
         self.metadata = bearer(auth_token)
         self.channel = open_channel(
-            address, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name,
+            address,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_server_name=tls_server_name,
             options=[("grpc.enable_retries", 0)],  # retries are ours, with idempotency keys
         )
         self.stub = pb_grpc.SynchronizerStub(self.channel)
@@ -101,12 +109,16 @@ class SyncClient:
                 if not is_retryable(e) or attempt + 1 >= self.attempts or self.closed.is_set():
                     raise
                 wait = backoff_s(attempt, self.retry_initial_s, self.retry_max_s)
-                logger.debug("%s failed (%s), retry %d in %.2fs", name, e.code().name, attempt + 1, wait)
+                logger.debug(
+                    "%s failed (%s), retry %d in %.2fs", name, e.code().name, attempt + 1, wait
+                )
                 if self.closed.wait(wait):
                     raise
         raise AssertionError("unreachable")
 
-    def _unary(self, name: str, method: Callable[..., T], request: object, timeout_s: float | None = None) -> T:
+    def _unary(
+        self, name: str, method: Callable[..., T], request: object, timeout_s: float | None = None
+    ) -> T:
         def call() -> T:
             self._count(sent=request.ByteSize())  # type: ignore[attr-defined]
             reply = method(request, timeout=timeout_s or self.rpc_timeout_s, metadata=self.metadata)
@@ -138,15 +150,26 @@ class SyncClient:
         """Uploads every fragment's flat FP32 parameters (CPU tensors, in fragment order)."""
 
         def call() -> pb.InitModelReply:
-            messages = init_model_requests(self.learner_id, self.spec_hash, fragments, self.chunk_bytes)
-            reply = self.stub.InitModel(self._counted(messages), timeout=self.rpc_timeout_s, metadata=self.metadata)
+            messages = init_model_requests(
+                self.learner_id, self.spec_hash, fragments, self.chunk_bytes
+            )
+            reply = self.stub.InitModel(
+                self._counted(messages), timeout=self.rpc_timeout_s, metadata=self.metadata
+            )
             self._count(received=reply.ByteSize())
             return reply
 
         return self._retry("InitModel", call)
 
-    def heartbeat(self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0) -> pb.HeartbeatReply:
-        req = pb.HeartbeatRequest(learner_id=self.learner_id, counters=counters, step_time_s=step_time_s, overlap_steps=overlap_steps)
+    def heartbeat(
+        self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0
+    ) -> pb.HeartbeatReply:
+        req = pb.HeartbeatRequest(
+            learner_id=self.learner_id,
+            counters=counters,
+            step_time_s=step_time_s,
+            overlap_steps=overlap_steps,
+        )
         return self._unary("Heartbeat", self.stub.Heartbeat, req)
 
     def push(
@@ -207,10 +230,20 @@ class SyncClient:
         """
         if have is not None:
             try:
-                return self._retry("PullFragment", lambda: self._pull_once(fragment_id, min_version, wait_s, codec_id, out, numel, have))
-            except codec.CodecError as e:
-                logger.info("delta pull of fragment %d failed (%s); pulling it whole", fragment_id, e)
-        return self._retry("PullFragment", lambda: self._pull_once(fragment_id, min_version, wait_s, codec_id, out, numel, None))
+                return self._retry(
+                    "PullFragment",
+                    lambda: self._pull_once(
+                        fragment_id, min_version, wait_s, codec_id, out, numel, have
+                    ),
+                )
+            except layout.CodecError as e:
+                logger.info(
+                    "delta pull of fragment %d failed (%s); pulling it whole", fragment_id, e
+                )
+        return self._retry(
+            "PullFragment",
+            lambda: self._pull_once(fragment_id, min_version, wait_s, codec_id, out, numel, None),
+        )
 
     def _pull_once(
         self,
@@ -232,31 +265,45 @@ class SyncClient:
             have_version=have[0] if have is not None else 0,
         )
         self._count(sent=req.ByteSize())
-        stream = self.stub.PullFragment(req, timeout=self.rpc_timeout_s + wait_s, metadata=self.metadata)
+        stream = self.stub.PullFragment(
+            req, timeout=self.rpc_timeout_s + wait_s, metadata=self.metadata
+        )
         messages = iter(stream)
         first = next(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
-            raise codec.CodecError(f"pull stream of fragment {fragment_id} did not start with a header")
+            raise layout.CodecError(
+                f"pull stream of fragment {fragment_id} did not start with a header"
+            )
         self._count(received=first.ByteSize())
         h = first.header
         n = out.numel() if out is not None else numel
         if h.HasField("payload"):  # the whole fragment
             n = h.payload.numel if n is None else n
-            codec.validate_header(h.payload, n, (pb.CODEC_FP32, pb.CODEC_BF16))
+            layout.validate_header(h.payload, n, (pb.CODEC_FP32, pb.CODEC_BF16))
             whole = framing.Assembler(h.payload)
             for msg in messages:
                 self._count(received=msg.ByteSize())
                 if msg.WhichOneof("kind") != "chunk":
-                    raise codec.CodecError(f"unexpected {msg.WhichOneof('kind')!r} in the pull stream of fragment {fragment_id}")
+                    raise layout.CodecError(
+                        f"unexpected {msg.WhichOneof('kind')!r} in the pull stream of fragment {fragment_id}"
+                    )
                 whole.add(msg.chunk)
             target = out if out is not None else torch.empty(n, dtype=torch.float32)
             codec.decode(whole.finish(), h.payload, target)
-            if h.checksum and h.payload.codec == pb.CODEC_FP32 and framing.checksum(target) != h.checksum:
-                raise codec.CodecError(f"fragment {fragment_id} version {h.version}: checksum mismatch")
+            if (
+                h.checksum
+                and h.payload.codec == pb.CODEC_FP32
+                and framing.checksum(target) != h.checksum
+            ):
+                raise layout.CodecError(
+                    f"fragment {fragment_id} version {h.version}: checksum mismatch"
+                )
             return h.version, h.server_epoch, target
         # A delta: the updates after have[0], each turning version - 1 into version.
         if have is None or h.delta_from != have[0]:
-            raise codec.CodecError(f"fragment {fragment_id}: a delta from version {h.delta_from} that was not asked for")
+            raise layout.CodecError(
+                f"fragment {fragment_id}: a delta from version {h.delta_from} that was not asked for"
+            )
         base = have[1]
         target = out if out is not None else torch.empty(base.numel(), dtype=torch.float32)
         target.copy_(base)
@@ -270,24 +317,34 @@ class SyncClient:
             if kind == "link" and asm is None:
                 link = msg.link
                 if link.version != expected:
-                    raise codec.CodecError(f"fragment {fragment_id}: update {link.version} arrived, {expected} expected")
-                codec.validate_header(link.payload, target.numel())
+                    raise layout.CodecError(
+                        f"fragment {fragment_id}: update {link.version} arrived, {expected} expected"
+                    )
+                layout.validate_header(link.payload, target.numel())
                 asm = framing.Assembler(link.payload)
             elif kind == "chunk" and asm is not None:
                 asm.add(msg.chunk)
             else:
-                raise codec.CodecError(f"unexpected {kind!r} in the delta pull of fragment {fragment_id}")
+                raise layout.CodecError(
+                    f"unexpected {kind!r} in the delta pull of fragment {fragment_id}"
+                )
             if asm is not None and link is not None and asm.complete:
                 target.add_(codec.decode(asm.finish(), link.payload, scratch))
                 expected, asm = expected + 1, None
         if asm is not None or expected - 1 != h.version or expected - 1 - h.delta_from != h.links:
-            raise codec.CodecError(f"fragment {fragment_id}: the delta to version {h.version} is incomplete")
+            raise layout.CodecError(
+                f"fragment {fragment_id}: the delta to version {h.version} is incomplete"
+            )
         if h.checksum and framing.checksum(target) != h.checksum:
-            raise codec.CodecError(f"fragment {fragment_id} version {h.version}: checksum mismatch after the delta")
+            raise layout.CodecError(
+                f"fragment {fragment_id} version {h.version}: checksum mismatch after the delta"
+            )
         return h.version, h.server_epoch, target
 
     def leave(self, counters: pb.LearnerCounters) -> None:
-        self._unary("Leave", self.stub.Leave, pb.LeaveRequest(learner_id=self.learner_id, counters=counters))
+        self._unary(
+            "Leave", self.stub.Leave, pb.LeaveRequest(learner_id=self.learner_id, counters=counters)
+        )
 
     def status(self) -> pb.StatusReply:
         return self._unary("Status", self.stub.Status, pb.StatusRequest())

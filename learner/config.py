@@ -13,65 +13,171 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from protos import layout
+
 
 class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # Where and who
-    synchronizer: str = Field(default="127.0.0.1:50051", description="host:port of the Synchronizer's gRPC endpoint")
-    name: str = Field(default="", description="Human-readable learner name for the Synchronizer's logs; empty means host-pid")
-    learner_id: str = Field(default="", description="Join under this earlier learner id (a restarted learner comes back as itself); empty joins as a new learner")
+    synchronizer: str = Field(
+        default="127.0.0.1:50051", description="host:port of the Synchronizer's gRPC endpoint"
+    )
+    name: str = Field(
+        default="",
+        description="Human-readable learner name for the Synchronizer's logs; empty means host-pid",
+    )
+    learner_id: str = Field(
+        default="",
+        description="Join under this earlier learner id (a restarted learner comes back as itself); empty joins as a new learner",
+    )
 
     # Schedule
-    sync_every: int = Field(default=100, ge=1, description="H: inner steps between two syncs of the same fragment")
-    fragments: int = Field(default=4, ge=1, description="P: fragments the model is split into; fragment p syncs at offset p*H//P")
-    fragment_strategy: Literal["balanced", "strided"] = Field(default="balanced", description="Fragment plan: balanced bin-packing of tensors, or strided contiguous bands of the model")
+    sync_every: int = Field(
+        default=100, ge=1, description="H: inner steps between two syncs of the same fragment"
+    )
+    fragments: int = Field(
+        default=4,
+        ge=1,
+        description="P: fragments the model is split into; fragment p syncs at offset p*H//P",
+    )
+    fragment_strategy: Literal["balanced", "strided"] = Field(
+        default="balanced",
+        description="Fragment plan: balanced bin-packing of tensors, or strided contiguous bands of the model",
+    )
 
     # Push encoding
-    codec: str = Field(default="int4", description="Codec of pushed outer gradients: fp32, bf16, int8, int4 or fp4 (see protos.codec)")
-    block_size: int = Field(default=256, ge=8, le=1 << 20, description="Elements per scale block of the blockwise codecs")
-    scale_dtype: Literal["fp32", "fp16"] = Field(default="fp32", description="dtype of the per-block scales on the wire")
-    error_feedback: bool = Field(default=True, description="Carry each push's quantization error into the next push of that fragment")
+    codec: str = Field(
+        default="int4",
+        description="Codec of pushed outer gradients: fp32, bf16, int8, int4 or fp4 (see protos.codec)",
+    )
+    block_size: int = Field(
+        default=256,
+        ge=8,
+        le=1 << 20,
+        description="Elements per scale block of the blockwise codecs",
+    )
+    scale_dtype: Literal["fp32", "fp16"] = Field(
+        default="fp32", description="dtype of the per-block scales on the wire"
+    )
+    error_feedback: bool = Field(
+        default=True,
+        description="Carry each push's quantization error into the next push of that fragment",
+    )
 
     # Merge
-    merge: Literal["overwrite", "mix", "rebase"] = Field(default="mix", description="How a fresh global fragment is merged: overwrite local, mix with alpha (Streaming DiLoCo), or rebase local progress since the push onto it")
-    alpha: float = Field(default=0.5, ge=0, le=1, description="mix: weight of the fresh global fragment (1 = overwrite)")
-    overlap_steps: int = Field(default=1, ge=0, description="tau: inner steps a push may stay in flight; only enforced (by waiting) when strict_overlap is set")
-    strict_overlap: bool = Field(default=False, description="Block the training loop tau steps after a push until that fragment's fresh parameters are merged")
-    delta_pulls: bool = Field(default=True, description="Ask only for the outer updates since the version held (kept INT8-coded by the Synchronizer), checked by checksum; falls back to a full FP32 pull")
-    pull_codec: Literal["fp32", "bf16"] = Field(default="fp32", description="Encoding of full pulls when delta_pulls is off (with delta pulls, full pulls are FP32 so that later deltas apply exactly)")
+    merge: Literal["overwrite", "mix", "rebase"] = Field(
+        default="mix",
+        description="How a fresh global fragment is merged: overwrite local, mix with alpha (Streaming DiLoCo), or rebase local progress since the push onto it",
+    )
+    alpha: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="mix: weight of the fresh global fragment (1 = overwrite)",
+    )
+    overlap_steps: int = Field(
+        default=1,
+        ge=0,
+        description="tau: inner steps a push may stay in flight; only enforced (by waiting) when strict_overlap is set",
+    )
+    strict_overlap: bool = Field(
+        default=False,
+        description="Block the training loop tau steps after a push until that fragment's fresh parameters are merged",
+    )
+    delta_pulls: bool = Field(
+        default=True,
+        description="Ask only for the outer updates since the version held (kept INT8-coded by the Synchronizer), checked by checksum; falls back to a full FP32 pull",
+    )
+    pull_codec: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="Encoding of full pulls when delta_pulls is off (with delta pulls, full pulls are FP32 so that later deltas apply exactly)",
+    )
 
     # Network behaviour
-    rpc_timeout_s: float = Field(default=30.0, gt=0, description="Deadline of each RPC (a pull that waits gets pull_wait_s on top)")
-    rpc_attempts: int = Field(default=3, ge=1, description="Attempts per RPC on UNAVAILABLE, DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED before the sync engine backs off")
-    pull_wait_s: float = Field(default=10.0, ge=0, description="How long one pull waits on the Synchronizer for the round that includes this learner's push")
-    retry_initial_s: float = Field(default=0.2, gt=0, description="First backoff after a failed RPC; doubles per failure, with jitter")
+    rpc_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Deadline of each RPC (a pull that waits gets pull_wait_s on top)",
+    )
+    rpc_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Attempts per RPC on UNAVAILABLE, DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED before the sync engine backs off",
+    )
+    pull_wait_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="How long one pull waits on the Synchronizer for the round that includes this learner's push",
+    )
+    retry_initial_s: float = Field(
+        default=0.2,
+        gt=0,
+        description="First backoff after a failed RPC; doubles per failure, with jitter",
+    )
     retry_max_s: float = Field(default=10.0, gt=0, description="Longest backoff between retries")
-    join_timeout_s: float = Field(default=60.0, gt=0, description="How long the constructor keeps trying to join and fetch the initial model before raising")
-    finish_timeout_s: float = Field(default=60.0, ge=0, description="How long finish() waits for syncs in flight before the final pull")
-    heartbeat_interval_s: float = Field(default=0.0, ge=0, description="Seconds between heartbeats; 0 uses the interval the Synchronizer asks for")
-    chunk_bytes: int = Field(default=2 << 20, ge=1 << 12, le=4 << 20, description="Bytes per streamed chunk of a pushed payload")
+    join_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long the constructor keeps trying to join and fetch the initial model before raising",
+    )
+    finish_timeout_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="How long finish() waits for syncs in flight before the final pull",
+    )
+    heartbeat_interval_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Seconds between heartbeats; 0 uses the interval the Synchronizer asks for",
+    )
+    chunk_bytes: int = Field(
+        default=2 << 20,
+        ge=1 << 12,
+        le=4 << 20,
+        description="Bytes per streamed chunk of a pushed payload",
+    )
 
     # Security
-    auth_token: str | None = Field(default=None, description="Bearer token sent on every RPC (metadata 'authorization: Bearer TOKEN')")
-    tls_ca: Path | None = Field(default=None, description="PEM CA bundle that signed the Synchronizer's certificate: connect with TLS")
-    tls_cert: Path | None = Field(default=None, description="PEM client certificate for mutual TLS (with tls_key)")
+    auth_token: str | None = Field(
+        default=None,
+        description="Bearer token sent on every RPC (metadata 'authorization: Bearer TOKEN')",
+    )
+    tls_ca: Path | None = Field(
+        default=None,
+        description="PEM CA bundle that signed the Synchronizer's certificate: connect with TLS",
+    )
+    tls_cert: Path | None = Field(
+        default=None, description="PEM client certificate for mutual TLS (with tls_key)"
+    )
     tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
-    tls_server_name: str | None = Field(default=None, description="Name to check the server certificate against when it differs from the address's host")
+    tls_server_name: str | None = Field(
+        default=None,
+        description="Name to check the server certificate against when it differs from the address's host",
+    )
 
     # Observability
-    metrics_host: str = Field(default="127.0.0.1", description="Address the learner's Prometheus endpoint binds to (0.0.0.0 to be scraped from other hosts)")
-    metrics_port: int = Field(default=-1, ge=-1, le=65535, description="Port of the learner's Prometheus /metrics endpoint; 0 picks a free port, -1 disables it")
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address the learner's Prometheus endpoint binds to (0.0.0.0 to be scraped from other hosts)",
+    )
+    metrics_port: int = Field(
+        default=-1,
+        ge=-1,
+        le=65535,
+        description="Port of the learner's Prometheus /metrics endpoint; 0 picks a free port, -1 disables it",
+    )
 
     # Placement
-    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where fragment state (base, residual) lives and pushes are encoded: auto = the model's device")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="Where fragment state (base, residual) lives and pushes are encoded: auto = the model's device",
+    )
 
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, v: str) -> str:
-        from protos import codec
-
-        codec.parse_codec(v)  # CodecError (a ValueError) names the allowed codecs
+        layout.parse_codec(v)  # CodecError (a ValueError) names the allowed codecs
         return v
 
     @model_validator(mode="after")

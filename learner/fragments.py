@@ -28,7 +28,9 @@ def tensor_infos(model: torch.nn.Module) -> list[TensorInfo]:
 class FragmentPlan:
     """The spec of a model plus, per fragment, the live parameters it covers."""
 
-    def __init__(self, model: torch.nn.Module, num_fragments: int, strategy: str = "balanced") -> None:
+    def __init__(
+        self, model: torch.nn.Module, num_fragments: int, strategy: str = "balanced"
+    ) -> None:
         self.spec: ModelSpec = plan_fragments(tensor_infos(model), num_fragments, strategy)
         params = dict(model.named_parameters())
         self.params: list[list[torch.nn.Parameter]] = [
@@ -54,7 +56,9 @@ class FragmentPlan:
 
 
 @torch.no_grad()
-def gather(params: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+def gather(
+    params: Sequence[torch.Tensor], device: torch.device | str | None = None
+) -> torch.Tensor:
     flat = torch.cat([t.detach().reshape(-1).float() for t in params])
     return flat if device is None else flat.to(device)
 
@@ -64,7 +68,9 @@ def scatter(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Copies a flat vector back into the parameters (in place, casting to their dtype/device)."""
     total = sum(t.numel() for t in params)
     if flat.numel() != total:
-        raise ValueError(f"flat vector has {flat.numel()} elements, the fragment's tensors hold {total}")
+        raise ValueError(
+            f"flat vector has {flat.numel()} elements, the fragment's tensors hold {total}"
+        )
     start = 0
     for t in params:
         n = t.numel()
@@ -73,6 +79,7 @@ def scatter(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 # Schedule --------------------------------------------------------------------------------------
+
 
 def schedule_offsets(sync_every: int, num_fragments: int) -> list[int]:
     """offset_p = p*H//P: fragments are spread evenly over the H steps of a cycle."""
@@ -88,6 +95,7 @@ def due_fragments(step: int, sync_every: int, offsets: Sequence[int]) -> list[in
 
 # Error feedback --------------------------------------------------------------------------------
 
+
 class ErrorFeedback:
     """Per fragment, what earlier quantized pushes meant to send but did not.
 
@@ -97,7 +105,9 @@ class ErrorFeedback:
     that is superseded or dropped sent nothing, so the old residual still stands.
     """
 
-    def __init__(self, numels: Sequence[int], device: torch.device | str, enabled: bool = True) -> None:
+    def __init__(
+        self, numels: Sequence[int], device: torch.device | str, enabled: bool = True
+    ) -> None:
         self.enabled = enabled
         self.residuals = [torch.zeros(n, device=device) if enabled else None for n in numels]
 
@@ -106,7 +116,9 @@ class ErrorFeedback:
         r = self.residuals[p]
         return delta if r is None else delta.add_(r)
 
-    def residual_after(self, compensated: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor | None:
+    def residual_after(
+        self, compensated: torch.Tensor, decoded: torch.Tensor
+    ) -> torch.Tensor | None:
         """The residual that stands once `compensated` is sent as `decoded` (a new tensor)."""
         return compensated - decoded if self.enabled else None
 
@@ -116,6 +128,7 @@ class ErrorFeedback:
 
 
 # Merges ----------------------------------------------------------------------------------------
+
 
 def merge_fragment(
     mode: str, local: torch.Tensor, fresh: torch.Tensor, anchor: torch.Tensor | None, alpha: float

@@ -43,7 +43,7 @@ from learner.fragments import (
 )
 from learner.session import Clock
 from learner.sync import Arrival, PushJob, SyncEngine
-from protos import codec
+from protos import codec, layout
 from protos import diloco_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class Learner:
         self.num_fragments = len(self.plan)
         self.param_device = next(model.parameters()).device
         self.device = self._state_device(cfg.device)
-        self.codec_id = codec.parse_codec(cfg.codec)
+        self.codec_id = layout.parse_codec(cfg.codec)
         self.scale_dtype = SCALE_DTYPES[cfg.scale_dtype]
         self.rank, self.world = _island()
         self.leader = self.rank == 0
@@ -118,10 +118,16 @@ class Learner:
         self.merges = 0
         self.deferred: set[int] = set()  # due while busy: pushed as soon as the fragment is free
         self.strict_waits: dict[int, int] = {}  # fragment -> step of its push (strict_overlap)
-        self.since_push = [[0, 0, 0.0] for _ in range(self.num_fragments)]  # tokens, steps, compute_s
+        self.since_push = [
+            [0, 0, 0.0] for _ in range(self.num_fragments)
+        ]  # tokens, steps, compute_s
         self.base: list[torch.Tensor] = []
         self.versions = [0] * self.num_fragments
-        self.ef = ErrorFeedback([self.plan.numel(p) for p in range(self.num_fragments)] if self.leader else [], self.device, cfg.error_feedback)
+        self.ef = ErrorFeedback(
+            [self.plan.numel(p) for p in range(self.num_fragments)] if self.leader else [],
+            self.device,
+            cfg.error_feedback,
+        )
         self.client: SyncClient | None = None
         self.engine: SyncEngine | None = None
         self.closed = False
@@ -162,13 +168,18 @@ class Learner:
         self.client.learner_id = cfg.learner_id  # empty: the Synchronizer assigns one
         name = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = SyncEngine(
-            self.client, cfg, self.plan.spec, name, self.clock,
+            self.client,
+            cfg,
+            self.plan.spec,
+            name,
+            self.clock,
             global_params=lambda: [b.detach().cpu() for b in self.base],
             pin=self.device.type == "cuda",
         )
         try:
             versions, fetched = self.engine.connect(
-                cfg.join_timeout_s, lambda: [self.plan.gather(p, "cpu") for p in range(self.num_fragments)]
+                cfg.join_timeout_s,
+                lambda: [self.plan.gather(p, "cpu") for p in range(self.num_fragments)],
             )
         except BaseException:
             self.client.close()
@@ -177,11 +188,20 @@ class Learner:
         for p in range(self.num_fragments):
             if fetched is not None:
                 self.plan.scatter(p, fetched[p])
-            self.base.append(fetched[p].to(self.device) if fetched is not None else self.plan.gather(p, self.device))
+            self.base.append(
+                fetched[p].to(self.device)
+                if fetched is not None
+                else self.plan.gather(p, self.device)
+            )
         self.engine.start()
-        logger.info("learner=%s joined %s: %d fragments of %s parameters, versions %s",
-                    self.client.learner_id, cfg.synchronizer, self.num_fragments,
-                    f"{self.plan.spec.numel:,}", self.versions)
+        logger.info(
+            "learner=%s joined %s: %d fragments of %s parameters, versions %s",
+            self.client.learner_id,
+            cfg.synchronizer,
+            self.num_fragments,
+            f"{self.plan.spec.numel:,}",
+            self.versions,
+        )
 
     def _serve_metrics(self) -> None:
         from learner.metrics import start_learner_metrics
@@ -237,11 +257,18 @@ class Learner:
         assert self.engine is not None
         h = self.engine.session.inner_steps or self.cfg.sync_every
         if h != self.sync_every:
-            logger.info("learner=%s sync_every %d -> %d (Dynamic Local Updates)", self.learner_id, self.sync_every, h)
+            logger.info(
+                "learner=%s sync_every %d -> %d (Dynamic Local Updates)",
+                self.learner_id,
+                self.sync_every,
+                h,
+            )
             self.sync_every = h
             self.offsets = schedule_offsets(h, self.num_fragments)
         merged = self._apply_arrivals()
-        for p in sorted(set(due_fragments(self.clock.step, self.sync_every, self.offsets)) | self.deferred):
+        for p in sorted(
+            set(due_fragments(self.clock.step, self.sync_every, self.offsets)) | self.deferred
+        ):
             self._push(p)
         if self.cfg.strict_overlap:
             merged |= self._wait_overlap()
@@ -256,13 +283,19 @@ class Learner:
             with torch.no_grad():
                 theta = self.plan.gather(p, self.device)
                 x = self.ef.compensate(p, self.base[p] - theta)
-                header = codec.make_header(self.codec_id, x.numel(), self.cfg.block_size, self.scale_dtype)
+                header = layout.make_header(
+                    self.codec_id, x.numel(), self.cfg.block_size, self.scale_dtype
+                )
                 encoded = codec.encode(x, self.codec_id, self.cfg.block_size, self.scale_dtype)
                 residual = None
                 if self.ef.enabled:
-                    residual = self.ef.residual_after(x, codec.decode(encoded, header, torch.empty_like(x)))
-        except codec.CodecError as e:  # NaN/Inf in the parameters: never send them
-            self.engine.session.failed(f"push skipped at step {self.clock.step}: {e}", p, network=False)
+                    residual = self.ef.residual_after(
+                        x, codec.decode(encoded, header, torch.empty_like(x))
+                    )
+        except layout.CodecError as e:  # NaN/Inf in the parameters: never send them
+            self.engine.session.failed(
+                f"push skipped at step {self.clock.step}: {e}", p, network=False
+            )
             self.deferred.discard(p)
             return
         payload, ready = encoded, None
@@ -275,8 +308,19 @@ class Learner:
         anchor = theta if self.cfg.merge == "rebase" else None
         steps = max(1, int(steps))
         tokens = int(tokens) if tokens > 0 else steps  # no tokens reported: weigh by steps
-        job = PushJob(p, self.versions[p], tokens, steps, float(compute_s),
-                       payload, header, residual, anchor, self.clock.step, ready)
+        job = PushJob(
+            p,
+            self.versions[p],
+            tokens,
+            steps,
+            float(compute_s),
+            payload,
+            header,
+            residual,
+            anchor,
+            self.clock.step,
+            ready,
+        )
         if not self.engine.submit(job):
             self.deferred.add(p)
             return
@@ -299,7 +343,9 @@ class Learner:
         p = a.fragment
         fresh = a.params.to(self.device, non_blocking=True)
         theta = self.plan.gather(p, self.device)
-        anchor = a.job.theta_at_push if a.job is not None else self.base[p]  # re-sync: all local progress
+        anchor = (
+            a.job.theta_at_push if a.job is not None else self.base[p]
+        )  # re-sync: all local progress
         self.plan.scatter(p, merge_fragment(self.cfg.merge, theta, fresh, anchor, self.cfg.alpha))
         self.base[p] = fresh  # replaced, never modified in place (a re-join may read it)
         self.versions[p] = a.version
@@ -308,8 +354,14 @@ class Learner:
         self.merges += 1
         self.strict_waits.pop(p, None)
         self.engine.merged(p)
-        logger.debug("learner=%s fragment=%d version=%d merged (%s) at step %d",
-                     self.learner_id, p, a.version, "round" if a.job else "re-sync", self.clock.step)
+        logger.debug(
+            "learner=%s fragment=%d version=%d merged (%s) at step %d",
+            self.learner_id,
+            p,
+            a.version,
+            "round" if a.job else "re-sync",
+            self.clock.step,
+        )
 
     def _merge_until(self, done: Callable[[], bool], deadline: float, merged: set[int]) -> bool:
         """Merges arrivals as they come until `done()` or the monotonic deadline; True if done."""
@@ -329,15 +381,24 @@ class Learner:
         """strict_overlap: waits for fragments pushed at least tau steps ago (bounded)."""
         assert self.engine is not None
         merged: set[int] = set()
-        late = [p for p, s in self.strict_waits.items() if self.clock.step - s >= self.cfg.overlap_steps]
+        late = [
+            p for p, s in self.strict_waits.items() if self.clock.step - s >= self.cfg.overlap_steps
+        ]
         if not late:
             return merged
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.pull_wait_s + self.cfg.rpc_timeout_s
         session = self.engine.session
-        if not self._merge_until(lambda: not session.healthy or not any(p in self.strict_waits for p in late), deadline, merged):
-            logger.warning("learner=%s strict overlap: fragments %s not back in time, carrying on",
-                           self.learner_id, [p for p in late if p in self.strict_waits])
+        if not self._merge_until(
+            lambda: not session.healthy or not any(p in self.strict_waits for p in late),
+            deadline,
+            merged,
+        ):
+            logger.warning(
+                "learner=%s strict overlap: fragments %s not back in time, carrying on",
+                self.learner_id,
+                [p for p in late if p in self.strict_waits],
+            )
         for p in late:
             self.strict_waits.pop(p, None)  # wait for a push at most once
         self.clock.blocked_s += time.perf_counter() - t0
@@ -356,8 +417,11 @@ class Learner:
             dist.broadcast(mask, src=0)
             frags = mask.nonzero().flatten().tolist()
         for p in frags:
-            flat = self.plan.gather(p, self.param_device) if self.leader else torch.empty(
-                self.plan.numel(p), dtype=torch.float32, device=self.param_device)
+            flat = (
+                self.plan.gather(p, self.param_device)
+                if self.leader
+                else torch.empty(self.plan.numel(p), dtype=torch.float32, device=self.param_device)
+            )
             dist.broadcast(flat, src=0)
             if not self.leader:
                 self.plan.scatter(p, flat)
@@ -369,13 +433,18 @@ class Learner:
         back. Pushes that were due but deferred are not sent. Collective under torchrun."""
         done, merged = True, set()
         if self.leader and self.engine is not None and not self.closed:
-            deadline = time.monotonic() + (self.cfg.finish_timeout_s if timeout_s is None else timeout_s)
+            deadline = time.monotonic() + (
+                self.cfg.finish_timeout_s if timeout_s is None else timeout_s
+            )
             engine = self.engine
             merged |= self._apply_arrivals()
             done = self._merge_until(lambda: engine.in_flight() == 0, deadline, merged)
             if not done:
-                logger.warning("learner=%s flush: %d syncs still in flight, giving up waiting",
-                               self.learner_id, engine.in_flight())
+                logger.warning(
+                    "learner=%s flush: %d syncs still in flight, giving up waiting",
+                    self.learner_id,
+                    engine.in_flight(),
+                )
         if self.world > 1:
             self._broadcast(merged)
         return done
@@ -392,8 +461,10 @@ class Learner:
             for p in range(self.num_fragments):
                 try:
                     version, _, fresh = self.engine.pull(p, self.versions[p], exact=True)
-                except (grpc.RpcError, codec.CodecError) as e:
-                    self.engine.session.failed(f"final pull failed, keeping local parameters: {e}", p)
+                except (grpc.RpcError, layout.CodecError) as e:
+                    self.engine.session.failed(
+                        f"final pull failed, keeping local parameters: {e}", p
+                    )
                     reachable = False
                     break  # the Synchronizer is out of reach: do not wait on every fragment
                 self.plan.scatter(p, fresh)
@@ -401,8 +472,12 @@ class Learner:
                 self.versions[p] = version
             if reachable:
                 self.engine.session.leave()
-            logger.info("learner=%s finished at step %d with versions %s",
-                        self.learner_id, self.clock.step, self.versions)
+            logger.info(
+                "learner=%s finished at step %d with versions %s",
+                self.learner_id,
+                self.clock.step,
+                self.versions,
+            )
         if self.world > 1:
             self._broadcast(set(range(self.num_fragments)), announce=False)
         self.close()

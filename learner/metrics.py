@@ -59,16 +59,30 @@ class LearnerCollector(Collector):
         def value(field: str) -> float | None:
             return None if s is None else float(getattr(s, field))
 
-        yield CounterMetricFamily("diloco_learner_steps", "Inner optimizer steps taken.", value=value("step"))
-        yield CounterMetricFamily("diloco_learner_tokens", "Tokens trained on.", value=value("tokens"))
-        yield CounterMetricFamily("diloco_learner_compute_seconds", "Seconds spent in inner steps.", value=value("compute_s"))
+        yield CounterMetricFamily(
+            "diloco_learner_steps", "Inner optimizer steps taken.", value=value("step")
+        )
+        yield CounterMetricFamily(
+            "diloco_learner_tokens", "Tokens trained on.", value=value("tokens")
+        )
+        yield CounterMetricFamily(
+            "diloco_learner_compute_seconds",
+            "Seconds spent in inner steps.",
+            value=value("compute_s"),
+        )
         yield GaugeMetricFamily(
             "diloco_learner_step_seconds",
             "Mean compute seconds per inner step since the previous scrape.",
             value=None if s is None else self._step_seconds(s.step, s.compute_s),
         )
-        yield GaugeMetricFamily("diloco_learner_tokens_per_second", "Recent training throughput.", value=value("tokens_per_s"))
-        loss = GaugeMetricFamily("diloco_learner_loss", "Most recent training loss (absent before the first step).")
+        yield GaugeMetricFamily(
+            "diloco_learner_tokens_per_second",
+            "Recent training throughput.",
+            value=value("tokens_per_s"),
+        )
+        loss = GaugeMetricFamily(
+            "diloco_learner_loss", "Most recent training loss (absent before the first step)."
+        )
         if s is not None and s.loss is not None:
             loss.add_metric([], float(s.loss))
         yield loss
@@ -77,14 +91,26 @@ class LearnerCollector(Collector):
             "Seconds this learner's training loop waited on synchronization.",
             value=value("blocked_s"),
         )
-        yield CounterMetricFamily("diloco_learner_sent_bytes", "Payload bytes sent to the Synchronizer.", value=value("bytes_sent"))
-        yield CounterMetricFamily("diloco_learner_received_bytes", "Payload bytes received from the Synchronizer.", value=value("bytes_received"))
-        pushes = CounterMetricFamily("diloco_learner_pushes", "Fragment pushes by outcome.", labels=["outcome"])
+        yield CounterMetricFamily(
+            "diloco_learner_sent_bytes",
+            "Payload bytes sent to the Synchronizer.",
+            value=value("bytes_sent"),
+        )
+        yield CounterMetricFamily(
+            "diloco_learner_received_bytes",
+            "Payload bytes received from the Synchronizer.",
+            value=value("bytes_received"),
+        )
+        pushes = CounterMetricFamily(
+            "diloco_learner_pushes", "Fragment pushes by outcome.", labels=["outcome"]
+        )
         for outcome, n in sorted(s.pushes.items()) if s is not None else ():
             pushes.add_metric([outcome], n)
         yield pushes
         yield CounterMetricFamily(
-            "diloco_learner_sync_errors", "Failed sync RPCs (each was retried or superseded).", value=value("errors")
+            "diloco_learner_sync_errors",
+            "Failed sync RPCs (each was retried or superseded).",
+            value=value("errors"),
         )
 
 

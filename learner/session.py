@@ -47,7 +47,9 @@ class Transport(Protocol):
 
     def init_model(self, fragments: Sequence[torch.Tensor]) -> pb.InitModelReply: ...
 
-    def heartbeat(self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0) -> pb.HeartbeatReply: ...
+    def heartbeat(
+        self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0
+    ) -> pb.HeartbeatReply: ...
 
     def push(
         self,
@@ -134,7 +136,9 @@ class Session:
         self.epoch = reply.server_epoch
         self.next_seq = max(self.next_seq, reply.next_seq)
         self.inner_steps = reply.inner_steps
-        self.heartbeat_s = self.cfg.heartbeat_interval_s or reply.heartbeat_interval_s or reply.lease_s / 3 or 3.0
+        self.heartbeat_s = (
+            self.cfg.heartbeat_interval_s or reply.heartbeat_interval_s or reply.lease_s / 3 or 3.0
+        )
         return reply
 
     def connect(
@@ -155,14 +159,21 @@ class Session:
                 try:
                     reply = self._join(self.client.learner_id)  # a retry keeps the id it got
                 except grpc.RpcError as e:
-                    if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                        raise ValueError(f"the Synchronizer at {self.client.address} refused this model: {e.details()}") from None
+                    if e.code() in (
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                    ):
+                        raise ValueError(
+                            f"the Synchronizer at {self.client.address} refused this model: {e.details()}"
+                        ) from None
                     raise
                 if reply.needs_init:
                     try:
                         params = local_params()
                         init = self.client.init_model(params)
-                        logger.info("learner=%s initialised the global model", self.client.learner_id)
+                        logger.info(
+                            "learner=%s initialised the global model", self.client.learner_id
+                        )
                         return versions_of(init.versions, self.num), params, True
                     except grpc.RpcError as e:
                         if e.code() != grpc.StatusCode.ALREADY_EXISTS:
@@ -171,7 +182,9 @@ class Session:
                 return versions, fetched, False
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    raise PermissionError(f"the Synchronizer at {self.client.address} refused the credentials: {e.details()}") from None
+                    raise PermissionError(
+                        f"the Synchronizer at {self.client.address} refused the credentials: {e.details()}"
+                    ) from None
                 wait = backoff_s(failures, self.cfg.retry_initial_s, self.cfg.retry_max_s)
                 failures += 1
                 if time.monotonic() + wait > deadline:
@@ -179,7 +192,9 @@ class Session:
                         f"could not join the Synchronizer at {self.client.address} within {timeout_s}s: "
                         f"{e.code().name} {e.details()}"
                     ) from None
-                logger.info("joining %s: %s, retrying in %.1fs", self.client.address, e.code().name, wait)
+                logger.info(
+                    "joining %s: %s, retrying in %.1fs", self.client.address, e.code().name, wait
+                )
                 time.sleep(wait)
 
     def recover(self, seen_generation: int, fresh: bool = False) -> None:
@@ -195,7 +210,10 @@ class Session:
                 if reply.needs_init:
                     try:
                         self.client.init_model(self.global_params())
-                        logger.warning("learner=%s re-initialised the Synchronizer's empty model from its global fragments", reply.learner_id)
+                        logger.warning(
+                            "learner=%s re-initialised the Synchronizer's empty model from its global fragments",
+                            reply.learner_id,
+                        )
                     except grpc.RpcError as e:
                         if e.code() != grpc.StatusCode.ALREADY_EXISTS:
                             raise
@@ -209,8 +227,13 @@ class Session:
                 self.lock.notify_all()
             self.healthy = True
             logger.warning(
-                "learner=%s re-joined as %s (epoch %s%s)", old_id, reply.learner_id, reply.server_epoch,
-                f", new: re-pulling every fragment, {dropped} unfinished syncs dropped" if new_epoch else "",
+                "learner=%s re-joined as %s (epoch %s%s)",
+                old_id,
+                reply.learner_id,
+                reply.server_epoch,
+                f", new: re-pulling every fragment, {dropped} unfinished syncs dropped"
+                if new_epoch
+                else "",
             )
 
     def new_seq(self) -> int:
@@ -219,7 +242,13 @@ class Session:
         self.next_seq += 1
         return seq
 
-    def failed(self, message: str, fragment: int | None = None, network: bool = True, exc_info: bool = False) -> None:
+    def failed(
+        self,
+        message: str,
+        fragment: int | None = None,
+        network: bool = True,
+        exc_info: bool = False,
+    ) -> None:
         """Records a failure: counted, logged, and when it was the network's, the session is
         unhealthy until the next RPC that goes through. Never raises."""
         with self.lock:
@@ -227,8 +256,13 @@ class Session:
         if network:
             self.healthy = False
         log = logger.error if exc_info else logger.warning
-        log("learner=%s fragment=%s %s", self.client.learner_id, "-" if fragment is None else fragment, message,
-            exc_info=exc_info)
+        log(
+            "learner=%s fragment=%s %s",
+            self.client.learner_id,
+            "-" if fragment is None else fragment,
+            message,
+            exc_info=exc_info,
+        )
 
     def succeeded(self) -> None:
         """An RPC went through: the session is healthy again."""
@@ -248,7 +282,9 @@ class Session:
             generation = self.generation
             clock = self.clock
             try:
-                reply = self.client.heartbeat(clock.counters(), clock.step_time_s, self.overlap_steps())
+                reply = self.client.heartbeat(
+                    clock.counters(), clock.step_time_s, self.overlap_steps()
+                )
             except grpc.RpcError as e:
                 if self.stopping.is_set():
                     return

@@ -31,13 +31,17 @@ import torch
 from learner.client import backoff_s
 from learner.config import LearnerConfig
 from learner.session import REJOIN_CODES, Clock, Session, Transport
-from protos import codec
 from protos import diloco_pb2 as pb
+from protos import layout
 from protos.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-OUTCOMES = {pb.PUSH_ACCEPTED: "accepted", pb.PUSH_DROPPED_STALE: "dropped_stale", pb.PUSH_DUPLICATE: "duplicate"}
+OUTCOMES = {
+    pb.PUSH_ACCEPTED: "accepted",
+    pb.PUSH_DROPPED_STALE: "dropped_stale",
+    pb.PUSH_DUPLICATE: "duplicate",
+}
 PULL_CODECS = {"fp32": pb.CODEC_FP32, "bf16": pb.CODEC_BF16}
 
 
@@ -83,8 +87,15 @@ class SyncEngine:
         self.cv = threading.Condition()
         self.stopping = threading.Event()
         self.session = Session(
-            client, cfg, spec, name, clock, global_params,
-            lock=self.cv, stopping=self.stopping, on_new_epoch=self._forget_unfinished,
+            client,
+            cfg,
+            spec,
+            name,
+            clock,
+            global_params,
+            lock=self.cv,
+            stopping=self.stopping,
+            on_new_epoch=self._forget_unfinished,
         )
         self.queued: dict[int, PushJob] = {}  # pushes not yet answered (supersedable)
         self.awaiting: dict[int, tuple[PushJob, int]] = {}  # answered pushes: (job, min_version)
@@ -100,7 +111,9 @@ class SyncEngine:
 
     # The training thread's interface ---------------------------------------------------------
 
-    def connect(self, timeout_s: float, local_params: Callable[[], list[torch.Tensor]]) -> tuple[list[int], list[torch.Tensor] | None]:
+    def connect(
+        self, timeout_s: float, local_params: Callable[[], list[torch.Tensor]]
+    ) -> tuple[list[int], list[torch.Tensor] | None]:
         """Joins and obtains the global model: (versions, fragments to load), or (versions, None)
         when this learner's own parameters became the global model. Raises ValueError when the
         Synchronizer refuses the model, PermissionError on auth failures, TimeoutError when it
@@ -158,7 +171,8 @@ class SyncEngine:
         """Fragments with a sync not yet merged (queued, awaited, re-syncing or in the inbox)."""
         with self.cv:
             return sum(
-                1 for p in range(self.num)
+                1
+                for p in range(self.num)
                 if p in self.queued or p in self.awaiting or p in self.resync or self.undelivered[p]
             )
 
@@ -174,7 +188,9 @@ class SyncEngine:
         n = self.in_flight()
         return f"syncing {n}/{self.num}" if n else "idle"
 
-    def pull(self, p: int, min_version: int = 0, wait_s: float = 0.0, exact: bool = False) -> tuple[int, str, torch.Tensor]:
+    def pull(
+        self, p: int, min_version: int = 0, wait_s: float = 0.0, exact: bool = False
+    ) -> tuple[int, str, torch.Tensor]:
         """(version, server epoch, FP32 parameters) of fragment p, now, on the caller's thread:
         as a delta from the version held when possible; `exact` forces FP32 even when
         pull_codec is bf16. Raises `grpc.RpcError` or `CodecError` (the caller records it)."""
@@ -182,8 +198,12 @@ class SyncEngine:
         have, held = None, self.held[p]
         if self.cfg.delta_pulls and held is not None and held[0] == self.session.epoch:
             have = (held[1], held[2])
-        codec_id = pb.CODEC_FP32 if exact or self.cfg.delta_pulls else PULL_CODECS[self.cfg.pull_codec]
-        version, epoch, params = self.client.pull(p, min_version, wait_s, codec_id, out=out, have=have)
+        codec_id = (
+            pb.CODEC_FP32 if exact or self.cfg.delta_pulls else PULL_CODECS[self.cfg.pull_codec]
+        )
+        version, epoch, params = self.client.pull(
+            p, min_version, wait_s, codec_id, out=out, have=have
+        )
         self.held[p] = (epoch, version, params) if codec_id == pb.CODEC_FP32 else None
         with self.cv:
             self.pulls += 1
@@ -191,11 +211,15 @@ class SyncEngine:
 
     def start(self) -> None:
         """Starts the sender, one puller per fragment and the heartbeat."""
-        loops: list[tuple[str, Callable[..., None], tuple[int, ...]]] = [("push", self._send_loop, ())]
+        loops: list[tuple[str, Callable[..., None], tuple[int, ...]]] = [
+            ("push", self._send_loop, ())
+        ]
         loops += [(f"pull-{p}", self._pull_loop, (p,)) for p in range(self.num)]
         loops.append(("heartbeat", self.session.heartbeat_loop, ()))
         self.threads = [
-            threading.Thread(target=self._guarded, args=(fn, *args), name=f"diloco-{name}", daemon=True)
+            threading.Thread(
+                target=self._guarded, args=(fn, *args), name=f"diloco-{name}", daemon=True
+            )
             for name, fn, args in loops
         ]
         for t in self.threads:
@@ -222,14 +246,18 @@ class SyncEngine:
                 loop(*args)
                 return
             except Exception:
-                self.session.failed("background sync loop crashed; restarting it", network=False, exc_info=True)
+                self.session.failed(
+                    "background sync loop crashed; restarting it", network=False, exc_info=True
+                )
                 if self._backoff(failures):
                     return
                 failures += 1
 
     def _backoff(self, failures: int) -> bool:
         """Sleeps before a retry; True if the engine is stopping."""
-        return self.stopping.wait(backoff_s(failures, self.cfg.retry_initial_s, self.cfg.retry_max_s))
+        return self.stopping.wait(
+            backoff_s(failures, self.cfg.retry_initial_s, self.cfg.retry_max_s)
+        )
 
     def _forget_unfinished(self) -> int:
         """A new server epoch (the session calls this with cv held): unanswered and awaited
@@ -256,14 +284,26 @@ class SyncEngine:
                 job.ready.synchronize()
             try:
                 reply = self.client.push(
-                    p, job.seq, job.base_version, job.tokens, job.steps, job.compute_s, job.payload, job.header
+                    p,
+                    job.seq,
+                    job.base_version,
+                    job.tokens,
+                    job.steps,
+                    job.compute_s,
+                    job.payload,
+                    job.header,
                 )
             except grpc.RpcError as e:
                 if self.stopping.is_set():
                     return
                 code = e.code()
-                self.session.failed(f"push seq={job.seq} base_version={job.base_version} failed: {code.name} {e.details()}", p)
-                if code == grpc.StatusCode.INVALID_ARGUMENT:  # retrying cannot help; progress stays local
+                self.session.failed(
+                    f"push seq={job.seq} base_version={job.base_version} failed: {code.name} {e.details()}",
+                    p,
+                )
+                if (
+                    code == grpc.StatusCode.INVALID_ARGUMENT
+                ):  # retrying cannot help; progress stays local
                     self._drop(job, "rejected")
                 elif code in REJOIN_CODES:
                     # A lapsed lease or a restarted server: re-join (which re-pulls everything on a
@@ -293,9 +333,17 @@ class SyncEngine:
                     self.resync.add(p)
                 self.cv.notify_all()
             log = logger.info if outcome == "dropped_stale" else logger.debug
-            log("learner=%s fragment=%d seq=%d base_version=%d push %s: round_version=%d staleness=%d %s",
-                self.client.learner_id, p, job.seq, job.base_version, outcome, reply.round_version,
-                reply.staleness, reply.message)
+            log(
+                "learner=%s fragment=%d seq=%d base_version=%d push %s: round_version=%d staleness=%d %s",
+                self.client.learner_id,
+                p,
+                job.seq,
+                job.base_version,
+                outcome,
+                reply.round_version,
+                reply.staleness,
+                reply.message,
+            )
 
     def _drop(self, job: PushJob, outcome: str, resync: bool = False) -> None:
         with self.cv:
@@ -311,7 +359,9 @@ class SyncEngine:
         waited_since: float | None = None
         while True:
             with self.cv:
-                while not self.stopping.is_set() and p not in self.resync and p not in self.awaiting:
+                while (
+                    not self.stopping.is_set() and p not in self.resync and p not in self.awaiting
+                ):
                     self.cv.wait()
                 if self.stopping.is_set():
                     return
@@ -319,8 +369,10 @@ class SyncEngine:
                 generation, epoch = self.session.generation, self.session.epoch
             job, min_version = task if task is not None else (None, 0)
             try:
-                version, server_epoch, params = self.pull(p, min_version, self.cfg.pull_wait_s if task else 0.0)
-            except (grpc.RpcError, codec.CodecError) as e:
+                version, server_epoch, params = self.pull(
+                    p, min_version, self.cfg.pull_wait_s if task else 0.0
+                )
+            except (grpc.RpcError, layout.CodecError) as e:
                 if self.stopping.is_set():
                     return
                 if isinstance(e, grpc.RpcError):
@@ -337,7 +389,9 @@ class SyncEngine:
             failures = 0
             self.session.succeeded()
             if server_epoch != epoch:
-                self.session.recover(generation)  # the server restarted: re-join, re-pull everything
+                self.session.recover(
+                    generation
+                )  # the server restarted: re-join, re-pull everything
                 if self.session.generation == generation:  # the re-join failed: do not spin
                     failures += 1
                     if self._backoff(failures):
@@ -362,8 +416,13 @@ class SyncEngine:
             if waited_since is None:
                 waited_since = time.monotonic()
             elif time.monotonic() - waited_since > max(60.0, 6 * self.cfg.pull_wait_s):
-                logger.warning("learner=%s fragment=%d still waiting for version %d (server at %d)",
-                               self.client.learner_id, p, min_version, version)
+                logger.warning(
+                    "learner=%s fragment=%d still waiting for version %d (server at %d)",
+                    self.client.learner_id,
+                    p,
+                    min_version,
+                    version,
+                )
                 waited_since = time.monotonic()
             if self.stopping.wait(self.cfg.retry_initial_s):
                 return

@@ -1,8 +1,7 @@
 """The tensor codec of the wire: how a flat FP32 vector becomes payload bytes and back.
 
-This module owns the byte layout of every ``Codec`` in ``diloco.proto``, the ``PayloadHeader``
-that describes a payload (``make_header``, ``validate_header``, ``encoded_nbytes``), and the
-quantization itself (``encode``, ``decode``, ``check``, ``accumulate``). How the bytes travel in
+This module owns the byte layout of every ``Codec`` in ``diloco.proto`` and the quantization
+itself (``encode``, ``decode``, ``check``, ``accumulate``). How the bytes travel in
 chunks is ``protos.framing``'s job. Encode and decode are vectorised torch code that runs unchanged on CPU
 and CUDA; they walk the tensor in runs of whole blocks (about 1M elements) and write into
 preallocated outputs, so temporaries stay small whatever the tensor's size.
@@ -63,162 +62,17 @@ A payload of 0 elements is allowed: it is 0 bytes (``protos.framing`` sends it a
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
-from typing import cast
 
 import torch
 
 from protos import diloco_pb2 as pb
+from protos import layout
 
-DEFAULT_BLOCK_SIZE = 256
-
-CODEC_NAMES: dict[str, int] = {
-    "fp32": pb.CODEC_FP32,
-    "bf16": pb.CODEC_BF16,
-    "int8": pb.CODEC_INT8,
-    "int4": pb.CODEC_INT4,
-    "fp4": pb.CODEC_FP4_E3M0,
-}
-_NAMES_BY_CODEC: dict[int, str] = {v: k for k, v in CODEC_NAMES.items()}
-_BLOCKWISE = (pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_FP4_E3M0)
 _QMAX: dict[int, int] = {pb.CODEC_INT8: 127, pb.CODEC_INT4: 7}  # FP4's scale is absmax itself
 # Largest |code| the encoder writes; decode requires scale * _MAX_CODE to be finite.
 _MAX_CODE: dict[int, float] = {pb.CODEC_INT8: 127.0, pb.CODEC_INT4: 7.0, pb.CODEC_FP4_E3M0: 1.0}
-_SCALE_BYTES: dict[int, int] = {pb.SCALE_FP32: 4, pb.SCALE_FP16: 2}
-_SCALE_NAMES: dict[int, str] = {pb.SCALE_FP32: "fp32", pb.SCALE_FP16: "fp16"}
 _RUN_ELEMS = 1 << 20  # elements per run of whole blocks in encode/decode
 _FP4_FLUSH = 2.0**-7  # |x| / scale below this encodes as zero
-
-
-class CodecError(ValueError):
-    """A payload, header or tensor that the codec cannot accept; the message says why."""
-
-
-def codec_name(codec: int) -> str:
-    """The short name ("int8", ...) of a ``pb.Codec`` value."""
-    try:
-        return _NAMES_BY_CODEC[codec]
-    except KeyError:
-        raise CodecError(
-            f"unknown codec {codec}; expected one of {_allowed_names(CODEC_NAMES.values())}"
-        ) from None
-
-
-def parse_codec(name: str) -> int:
-    """The ``pb.Codec`` value of a short name such as "int8" (case-insensitive)."""
-    try:
-        return CODEC_NAMES[name.strip().lower()]
-    except KeyError:
-        raise CodecError(
-            f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}"
-        ) from None
-
-
-def _allowed_names(codecs: Collection[int]) -> str:
-    return ", ".join(_NAMES_BY_CODEC.get(c, str(c)) for c in codecs)
-
-
-def _check_params(codec: int, numel: int, block_size: int, scale_dtype: int) -> None:
-    codec_name(codec)
-    if numel < 0:
-        raise CodecError(f"numel must be >= 0, got {numel}")
-    if scale_dtype not in _SCALE_BYTES:
-        raise CodecError(f"unknown scale dtype {scale_dtype}; expected SCALE_FP32 or SCALE_FP16")
-    if codec in _BLOCKWISE and (block_size <= 0 or block_size % 2):
-        raise CodecError(
-            f"block_size must be a positive even number for {codec_name(codec)}, got {block_size}"
-        )
-
-
-def _code_bytes(codec: int, numel: int) -> int:
-    if codec == pb.CODEC_FP32:
-        return 4 * numel
-    if codec == pb.CODEC_BF16:
-        return 2 * numel
-    if codec == pb.CODEC_INT8:
-        return numel
-    return (numel + 1) // 2
-
-
-def encoded_nbytes(
-    codec: int,
-    numel: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    scale_dtype: int = pb.SCALE_FP32,
-) -> int:
-    """Exact payload size in bytes of ``numel`` elements; block_size/scale_dtype only matter
-    for the blockwise codecs."""
-    _check_params(codec, numel, block_size, scale_dtype)
-    nbytes = _code_bytes(codec, numel)
-    if codec in _BLOCKWISE:
-        nbytes += -(-numel // block_size) * _SCALE_BYTES[scale_dtype]
-    return nbytes
-
-
-def make_header(
-    codec: int,
-    numel: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    scale_dtype: int = pb.SCALE_FP32,
-) -> pb.PayloadHeader:
-    """The header for a payload; ``block_size`` and ``scale_dtype`` are stored as 0 (fp32)
-    for FP32/BF16, which have neither."""
-    if codec not in _BLOCKWISE:
-        block_size, scale_dtype = 0, pb.SCALE_FP32
-    return pb.PayloadHeader(
-        codec=cast(pb.Codec, codec),  # the enum types are ints at run time
-        numel=numel,
-        block_size=block_size,
-        scale_dtype=cast(pb.ScaleDtype, scale_dtype),
-        total_bytes=encoded_nbytes(codec, numel, block_size, scale_dtype),
-    )
-
-
-def validate_header(
-    header: pb.PayloadHeader,
-    expected_numel: int,
-    allowed: Collection[int] | None = None,
-    max_block_size: int = 1 << 20,
-) -> None:
-    """Raise ``CodecError`` unless ``header`` describes a payload this side can decode.
-
-    For FP32/BF16, ``block_size`` and ``scale_dtype`` are not used (``make_header`` sets 0).
-    """
-    codec = header.codec
-    if codec not in _NAMES_BY_CODEC:
-        raise CodecError(
-            f"payload codec {codec} is unknown or unspecified; "
-            f"set it to one of {_allowed_names(CODEC_NAMES.values())}"
-        )
-    if allowed is not None and codec not in allowed:
-        raise CodecError(
-            f"codec {codec_name(codec)} is not accepted here; allowed: {_allowed_names(allowed)}"
-        )
-    if header.numel != expected_numel:
-        raise CodecError(
-            f"payload has {header.numel} elements but {expected_numel} were expected "
-            "(does the fragment plan match?)"
-        )
-    if codec in _BLOCKWISE:
-        if header.block_size == 0 or header.block_size % 2 or header.block_size > max_block_size:
-            raise CodecError(
-                f"block_size {header.block_size} is invalid for {codec_name(codec)}: "
-                f"it must be even and in 2..{max_block_size}"
-            )
-    scale_dtype = header.scale_dtype if codec in _BLOCKWISE else pb.SCALE_FP32
-    if scale_dtype not in _SCALE_BYTES:
-        raise CodecError(f"unknown scale dtype {scale_dtype}; expected SCALE_FP32 or SCALE_FP16")
-    expected = encoded_nbytes(codec, header.numel, header.block_size, scale_dtype)
-    if header.total_bytes != expected:
-        raise CodecError(
-            f"total_bytes {header.total_bytes} does not match {expected}, the size of "
-            f"{header.numel} elements as {codec_name(codec)}"
-            + (
-                f" with block_size {header.block_size} and {_SCALE_NAMES[scale_dtype]} scales"
-                if codec in _BLOCKWISE
-                else ""
-            )
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,23 +83,23 @@ def validate_header(
 def encode(
     x: torch.Tensor,
     codec: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int = layout.DEFAULT_BLOCK_SIZE,
     scale_dtype: int = pb.SCALE_FP32,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Encode the 1-D float tensor ``x`` into a 1-D uint8 tensor on ``x.device``.
 
-    The result has exactly ``encoded_nbytes(codec, x.numel(), block_size, scale_dtype)`` bytes;
+    The result has exactly ``layout.encoded_nbytes(codec, x.numel(), block_size, scale_dtype)`` bytes;
     if ``out`` is given it must be such a tensor (4-byte aligned for FP32/BF16, as any fresh
     allocation is) and is written in place. Non-fp32 inputs are converted run by run; a
     non-contiguous ``x`` is copied once.
     """
     if x.dim() != 1 or not x.is_floating_point():
-        raise CodecError(
+        raise layout.CodecError(
             f"encode takes a 1-D float tensor, got {x.dtype} of shape {tuple(x.shape)}"
         )
     n = x.numel()
-    nbytes = encoded_nbytes(codec, n, block_size, scale_dtype)
+    nbytes = layout.encoded_nbytes(codec, n, block_size, scale_dtype)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     elif (
@@ -255,7 +109,7 @@ def encode(
         or out.device != x.device
         or not out.is_contiguous()
     ):
-        raise CodecError(
+        raise layout.CodecError(
             f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes on {x.device}, got "
             f"{out.dtype} of shape {tuple(out.shape)} on {out.device}"
         )
@@ -277,7 +131,9 @@ def _as_dtype(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret uint8 ``buf`` as ``dtype``; writes go through only if ``buf`` is aligned."""
     size = torch.empty((), dtype=dtype).element_size()
     if buf.storage_offset() % size or buf.data_ptr() % size:
-        raise CodecError(f"buffer is not aligned to {size} bytes; pass a freshly allocated tensor")
+        raise layout.CodecError(
+            f"buffer is not aligned to {size} bytes; pass a freshly allocated tensor"
+        )
     return buf.view(dtype)
 
 
@@ -291,8 +147,10 @@ def _check_finite_input(x: torch.Tensor, encoded: torch.Tensor, name: str) -> No
     if _all_finite(encoded):
         return
     if not _all_finite(x):
-        raise CodecError("cannot encode a tensor containing NaN or Inf")
-    raise CodecError(f"values beyond the range of {name} (|x| > {torch.finfo(encoded.dtype).max})")
+        raise layout.CodecError("cannot encode a tensor containing NaN or Inf")
+    raise layout.CodecError(
+        f"values beyond the range of {name} (|x| > {torch.finfo(encoded.dtype).max})"
+    )
 
 
 def _encode_blockwise(
@@ -301,7 +159,7 @@ def _encode_blockwise(
     n, dev = x.numel(), x.device
     nblocks = -(-n // bs)
     full = (n // bs) * bs  # elements in whole blocks; the rest is one partial block
-    code_bytes = _code_bytes(codec, n)
+    code_bytes = layout.code_bytes(codec, n)
     codes_per_byte = 1 if codec == pb.CODEC_INT8 else 2
     absmax = torch.empty(nblocks, dtype=torch.float32, device=dev)
     scales = torch.empty(nblocks, dtype=torch.float32, device=dev)
@@ -338,12 +196,12 @@ def _encode_blockwise(
         out[full // codes_per_byte : code_bytes] = tail_codes[: code_bytes - full // codes_per_byte]
     # One check (one device sync) for the whole tensor: NaN propagates through amax.
     if not bool(torch.isfinite(absmax).all()):
-        raise CodecError("cannot encode a tensor containing NaN or Inf")
+        raise layout.CodecError("cannot encode a tensor containing NaN or Inf")
     if scale_dtype == pb.SCALE_FP16:
         if not bool(torch.isfinite(scales).all()):
-            raise CodecError(
+            raise layout.CodecError(
                 f"a block's absmax ({float(absmax.max()):.6g}) is beyond what an fp16 scale "
-                f"holds for {codec_name(codec)} (max scale 65504); use fp32 scales"
+                f"holds for {layout.codec_name(codec)} (max scale 65504); use fp32 scales"
             )
         out[code_bytes:].copy_(scales.to(torch.float16).view(torch.uint8))
     else:
@@ -439,22 +297,22 @@ def decode(buf: torch.Tensor, header: pb.PayloadHeader, out: torch.Tensor) -> to
     """Decode ``buf`` (1-D uint8, ``header.total_bytes``) into ``out`` (1-D fp32, ``header.numel``,
     same device) in place and return ``out``.
 
-    Raises ``CodecError`` on any size mismatch, invalid scales or non-finite values; ``out`` may
+    Raises ``layout.CodecError`` on any size mismatch, invalid scales or non-finite values; ``out`` may
     then be partly written.
     """
     if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
-        raise CodecError(
+        raise layout.CodecError(
             "out must be a contiguous 1-D float32 tensor, got "
             f"{out.dtype} of shape {tuple(out.shape)}"
         )
-    validate_header(header, expected_numel=out.numel())
+    layout.validate_header(header, expected_numel=out.numel())
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != header.total_bytes:
-        raise CodecError(
+        raise layout.CodecError(
             f"payload buffer must be 1-D uint8 of {header.total_bytes} bytes, got {buf.dtype} "
             f"of shape {tuple(buf.shape)}"
         )
     if buf.device != out.device:
-        raise CodecError(f"payload is on {buf.device} but out is on {out.device}")
+        raise layout.CodecError(f"payload is on {buf.device} but out is on {out.device}")
     n = out.numel()
     if n == 0:
         return out
@@ -464,7 +322,7 @@ def decode(buf: torch.Tensor, header: pb.PayloadHeader, out: torch.Tensor) -> to
         dtype = torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16
         out.copy_(_aligned(buf, dtype))
         if not _all_finite(out):
-            raise CodecError(f"{codec_name(codec)} payload contains NaN or Inf")
+            raise layout.CodecError(f"{layout.codec_name(codec)} payload contains NaN or Inf")
         return out
     _decode_blockwise(buf, codec, header.block_size, header.scale_dtype, out)
     return out
@@ -502,33 +360,43 @@ def _decode_blockwise(
     # only then, which needs a scale within 1% of float32's limit, is the output scanned.
     if codec == pb.CODEC_INT8 and not bool(torch.isfinite(scales * 128.0).all()):
         if not _all_finite(out):
-            raise CodecError("int8 payload decodes to Inf: code -128 with a scale near float32 max")
+            raise layout.CodecError(
+                "int8 payload decodes to Inf: code -128 with a scale near float32 max"
+            )
 
 
-def _decode_tail(buf: torch.Tensor, codec: int, bs: int, n: int, scale: torch.Tensor) -> torch.Tensor:
+def _decode_tail(
+    buf: torch.Tensor, codec: int, bs: int, n: int, scale: torch.Tensor
+) -> torch.Tensor:
     """The values of the partial last block (``n % bs`` of them, FP32), decoded through a
     zero-padded copy of its codes; ``scale`` is that block's (1-element) scale."""
     per_byte = 1 if codec == pb.CODEC_INT8 else 2
-    full, code_bytes = (n // bs) * bs, _code_bytes(codec, n)
+    full, code_bytes = (n // bs) * bs, layout.code_bytes(codec, n)
     tail_codes = torch.zeros(bs // per_byte, dtype=torch.uint8, device=buf.device)
     tail_codes[: code_bytes - full // per_byte] = buf[full // per_byte : code_bytes]
     tail = torch.empty(1, bs, dtype=torch.float32, device=buf.device)
-    _decode_run(tail_codes, codec, scale, tail, torch.empty(bs // per_byte, dtype=torch.int32, device=buf.device))
+    _decode_run(
+        tail_codes,
+        codec,
+        scale,
+        tail,
+        torch.empty(bs // per_byte, dtype=torch.int32, device=buf.device),
+    )
     return tail.view(-1)[: n - full]
 
 
 def _checked_scales(buf: torch.Tensor, codec: int, n: int, scale_dtype: int) -> torch.Tensor:
-    """The payload's block scales as FP32; ``CodecError`` unless every decoded value is finite.
+    """The payload's block scales as FP32; ``layout.CodecError`` unless every decoded value is finite.
 
     Checked on the (small) scales: scale * max|code| finite guarantees that every decoded value
     is finite, so the values themselves need not be scanned (but see int8's -128 in decode).
     """
     scale_type = torch.float32 if scale_dtype == pb.SCALE_FP32 else torch.float16
-    scales = _aligned(buf[_code_bytes(codec, n) :], scale_type).float()
+    scales = _aligned(buf[layout.code_bytes(codec, n) :], scale_type).float()
     bad = ~torch.isfinite(scales * _MAX_CODE[codec]) | (scales < 0)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        raise CodecError(
+        raise layout.CodecError(
             f"block {i} has scale {float(scales[i])}: scales must be finite, >= 0 and small "
             "enough that scale * code stays finite"
         )
@@ -539,13 +407,13 @@ def _checked_scales(buf: torch.Tensor, codec: int, n: int, scale_dtype: int) -> 
 def check(buf: torch.Tensor, header: pb.PayloadHeader) -> None:
     """Validate a received payload as ``decode`` would, without decoding it.
 
-    Raises ``CodecError`` exactly when ``decode`` would. It reads only the scales of a quantized
+    Raises ``layout.CodecError`` exactly when ``decode`` would. It reads only the scales of a quantized
     payload (one read pass over FP32/BF16 values), so a receiver can accept a push at once and
     decode it later (``values``) knowing that the decode will succeed.
     """
-    validate_header(header, expected_numel=int(header.numel))
+    layout.validate_header(header, expected_numel=int(header.numel))
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != header.total_bytes:
-        raise CodecError(
+        raise layout.CodecError(
             f"payload buffer must be 1-D uint8 of {header.total_bytes} bytes, got {buf.dtype} "
             f"of shape {tuple(buf.shape)}"
         )
@@ -555,7 +423,7 @@ def check(buf: torch.Tensor, header: pb.PayloadHeader) -> None:
     if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
         dtype = torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16
         if not _all_finite(_aligned(buf.contiguous(), dtype)):
-            raise CodecError(f"{codec_name(codec)} payload contains NaN or Inf")
+            raise layout.CodecError(f"{layout.codec_name(codec)} payload contains NaN or Inf")
         return
     scales = _checked_scales(buf, codec, n, header.scale_dtype)
     if codec == pb.CODEC_INT8 and not bool(torch.isfinite(scales * 128.0).all()):
@@ -577,7 +445,7 @@ def accumulate(
     """
     codec, n = header.codec, int(header.numel)
     if out.dtype != torch.float32 or out.shape != (n,) or not out.is_contiguous():
-        raise CodecError(f"out must be a contiguous 1-D float32 tensor of {n} elements")
+        raise layout.CodecError(f"out must be a contiguous 1-D float32 tensor of {n} elements")
     if n == 0:
         return
     bs = int(header.block_size)
@@ -585,7 +453,9 @@ def accumulate(
     full = (n // bs) * bs if codec in (pb.CODEC_INT8, pb.CODEC_INT4) else 0
     words = codec == pb.CODEC_INT8 or (bs % 8 == 0 and buf.data_ptr() % 4 == 0)
     if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
-        vals = _aligned(buf.contiguous(), torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16)
+        vals = _aligned(
+            buf.contiguous(), torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16
+        )
     elif full > 0 and words:
         raw_scales = _checked_scales(buf, codec, n, header.scale_dtype)
         # Not in place: FP32 scales are a view of the payload, which must stay as received.
@@ -620,7 +490,13 @@ def accumulate(
 def values(buf: torch.Tensor, header: pb.PayloadHeader, scratch: torch.Tensor) -> torch.Tensor:
     """The payload's values as flat FP32: an FP32 payload's own bytes when they are aligned (no
     copy: valid while ``buf`` is), otherwise decoded into ``scratch`` (as ``decode``)."""
-    if header.codec == pb.CODEC_FP32 and header.numel > 0 and buf.is_contiguous() and buf.data_ptr() % 4 == 0 and buf.numel() == header.numel * 4:
+    if (
+        header.codec == pb.CODEC_FP32
+        and header.numel > 0
+        and buf.is_contiguous()
+        and buf.data_ptr() % 4 == 0
+        and buf.numel() == header.numel * 4
+    ):
         return buf.view(torch.float32)
     return decode(buf, header, scratch)
 

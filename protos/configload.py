@@ -83,12 +83,28 @@ def add_flags(parser: argparse._ActionsContainer, model: type[BaseModel]) -> Non
         flag = "--" + name.replace("_", "-")
         kind, is_bool = _flag_type(field.annotation)
         default = field.default
-        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-        help_text = f"{field.description or ''} (default: {default!r}; env {ENV_PREFIX}{name.upper()})"
+        choices = (
+            typing.get_args(field.annotation)
+            if typing.get_origin(field.annotation) is typing.Literal
+            else None
+        )
+        help_text = (
+            f"{field.description or ''} (default: {default!r}; env {ENV_PREFIX}{name.upper()})"
+        )
         if is_bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
-            parser.add_argument(flag, dest=name, type=kind, default=None, choices=choices, metavar=name.upper() if not choices else None, help=help_text)
+            parser.add_argument(
+                flag,
+                dest=name,
+                type=kind,
+                default=None,
+                choices=choices,
+                metavar=name.upper() if not choices else None,
+                help=help_text,
+            )
 
 
 def load(
@@ -102,7 +118,9 @@ def load(
     if config_file:
         values.update(read_file(config_file))
     values.update(from_env(model, environ))
-    values.update({k: v for k, v in (flags or {}).items() if v is not None and k in model.model_fields})
+    values.update(
+        {k: v for k, v in (flags or {}).items() if v is not None and k in model.model_fields}
+    )
     unknown = sorted(set(values) - set(model.model_fields))
     if unknown:
         raise ConfigError(f"unknown setting {unknown[0]!r}; see --help for the list of settings")
@@ -111,5 +129,9 @@ def load(
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "config"
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        got = (
+            f" (got {err['input']!r})"
+            if "input" in err and not isinstance(err["input"], dict)
+            else ""
+        )
         raise ConfigError(f"invalid setting {field}: {err['msg']}{got}") from None

@@ -4,7 +4,7 @@ Owns the default chunk size, the split of an encoded payload (a 1-D uint8 CPU te
 in-order ``Chunk`` messages (``iter_chunks``), their reassembly into one preallocated buffer with
 every offset and size checked (``Assembler``), and the crc32 that proves two sides hold the same
 FP32 parameters (``checksum``). It knows nothing of what the bytes mean: ``protos.codec`` owns
-the quantization and the ``PayloadHeader``. Every failure raises ``codec.CodecError``.
+the quantization, ``protos.layout`` the ``PayloadHeader``. Every failure raises ``CodecError``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from collections.abc import Iterator
 import torch
 
 from protos import diloco_pb2 as pb
-from protos.codec import CodecError
+from protos.layout import CodecError
 
 CHUNK_BYTES = 2 * 1024 * 1024  # default wire chunk size
+
 
 def iter_chunks(buf: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
     """Yield ``buf`` (a CPU uint8 tensor) as in-order ``Chunk`` messages of at most
@@ -50,7 +51,12 @@ class Assembler:
     pass ``max_bytes`` wherever the header comes from the network.
     """
 
-    def __init__(self, header: pb.PayloadHeader, max_bytes: int | None = None, buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        header: pb.PayloadHeader,
+        max_bytes: int | None = None,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         """``buffer``: a uint8 CPU tensor of ``total_bytes`` to fill instead of a fresh one
         (receivers reuse buffers: fresh large allocations cost page faults on every push)."""
         self.total_bytes = int(header.total_bytes)
@@ -59,9 +65,18 @@ class Assembler:
                 f"payload of {self.total_bytes} bytes exceeds the limit of {max_bytes} bytes"
             )
         self.received = 0
-        if buffer is not None and (buffer.dtype != torch.uint8 or buffer.numel() != self.total_bytes or buffer.device.type != "cpu" or not buffer.is_contiguous()):
-            raise CodecError(f"Assembler buffer must be a contiguous CPU uint8 tensor of {self.total_bytes} bytes")
-        self._buf = buffer if buffer is not None else torch.empty(self.total_bytes, dtype=torch.uint8)
+        if buffer is not None and (
+            buffer.dtype != torch.uint8
+            or buffer.numel() != self.total_bytes
+            or buffer.device.type != "cpu"
+            or not buffer.is_contiguous()
+        ):
+            raise CodecError(
+                f"Assembler buffer must be a contiguous CPU uint8 tensor of {self.total_bytes} bytes"
+            )
+        self._buf = (
+            buffer if buffer is not None else torch.empty(self.total_bytes, dtype=torch.uint8)
+        )
 
     def add(self, chunk: pb.Chunk) -> None:
         self.add_data(chunk.offset, chunk.data)  # read the field once: each read copies it

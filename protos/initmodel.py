@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from protos import codec, framing
+from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 
 
@@ -28,7 +28,9 @@ def init_model_requests(
     yield pb.InitModelRequest(start=pb.InitStart(learner_id=learner_id, spec_hash=spec_hash))
     for fragment_id, params in enumerate(fragments):
         flat = params.detach().to("cpu", torch.float32).reshape(-1)
-        header = codec.make_header(pb.CODEC_FP32, flat.numel())
-        yield pb.InitModelRequest(fragment=pb.InitFragmentHeader(fragment_id=fragment_id, payload=header))
+        header = layout.make_header(pb.CODEC_FP32, flat.numel())
+        yield pb.InitModelRequest(
+            fragment=pb.InitFragmentHeader(fragment_id=fragment_id, payload=header)
+        )
         for chunk in framing.iter_chunks(codec.encode(flat, pb.CODEC_FP32), chunk_bytes):
             yield pb.InitModelRequest(chunk=chunk)

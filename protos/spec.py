@@ -73,7 +73,9 @@ class ModelSpec:
 
     def to_proto(self) -> pb.ModelSpec:
         return pb.ModelSpec(
-            tensors=[pb.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in self.tensors],
+            tensors=[
+                pb.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype) for t in self.tensors
+            ],
             fragments=[
                 pb.FragmentSpec(
                     fragment_id=f.fragment_id,
@@ -102,7 +104,9 @@ class ModelSpec:
         seen: set[str] = set()
         for i, fmsg in enumerate(msg.fragments):
             if fmsg.fragment_id != i:
-                raise ValueError(f"fragment ids must be 0..P-1 in order; got {fmsg.fragment_id} at position {i}")
+                raise ValueError(
+                    f"fragment ids must be 0..P-1 in order; got {fmsg.fragment_id} at position {i}"
+                )
             missing = [n for n in fmsg.tensor_names if n not in by_name]
             if missing:
                 raise ValueError(f"fragment {i} names unknown tensors {missing[:3]}")
@@ -112,7 +116,9 @@ class ModelSpec:
             seen.update(fmsg.tensor_names)
             frag = Fragment(i, tuple(by_name[n] for n in fmsg.tensor_names))
             if fmsg.numel != frag.numel:
-                raise ValueError(f"fragment {i} says numel {fmsg.numel} but its tensors hold {frag.numel}")
+                raise ValueError(
+                    f"fragment {i} says numel {fmsg.numel} but its tensors hold {frag.numel}"
+                )
             fragments.append(frag)
         if not fragments:
             raise ValueError("the model spec has no fragments")
@@ -120,7 +126,9 @@ class ModelSpec:
             raise ValueError(f"tensors {sorted(set(by_name) - seen)[:3]} are in no fragment")
         spec = cls(tuple(tensors), tuple(fragments))
         if msg.spec_hash and msg.spec_hash != spec.spec_hash:
-            raise ValueError("spec_hash does not match the spec's contents (different protos version?)")
+            raise ValueError(
+                "spec_hash does not match the spec's contents (different protos version?)"
+            )
         return spec
 
     def describe_difference(self, other: ModelSpec) -> str:
@@ -180,6 +188,4 @@ def plan_fragments(
             bins[i].append(t)
             done += t.numel
     bins = [sorted(b, key=lambda t: order[t.name]) for b in bins if b]
-    return ModelSpec(
-        tuple(tensors), tuple(Fragment(i, tuple(b)) for i, b in enumerate(bins))
-    )
+    return ModelSpec(tuple(tensors), tuple(Fragment(i, tuple(b)) for i, b in enumerate(bins)))

@@ -46,17 +46,27 @@ def list_checkpoints(state_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save(state_dir: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int) -> Path:
+def save(
+    state_dir: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int
+) -> Path:
     """Writes the next numbered checkpoint atomically and prunes all but the newest `keep`."""
     state_dir.mkdir(parents=True, exist_ok=True)
     existing = list_checkpoints(state_dir)
     number = existing[-1][0] + 1 if existing else 1
     final = state_dir / f"ckpt-{number:010d}.safetensors"
     tmp = state_dir / f".tmp-{final.name}-{os.getpid()}"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={META_KEY: json.dumps(meta)})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(tmp),
+            metadata={META_KEY: json.dumps(meta)},
+        )
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a half-written file must not fill the disk further
+        raise
     _fsync_dir(state_dir)
     for _, old in list_checkpoints(state_dir)[:-keep]:
         old.unlink(missing_ok=True)

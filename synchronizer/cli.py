@@ -44,20 +44,38 @@ class RemoteConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    synchronizer: str = Field(default="127.0.0.1:50051", description="host:port of the Synchronizer's gRPC endpoint")
-    auth_token: str | None = Field(default=None, description="Learner bearer token: init joins and uploads as a learner (status falls back to it)")
-    admin_token: str | None = Field(default=None, description="Admin bearer token: status needs it when the Synchronizer has one (init may use it too)")
-    tls_ca: Path | None = Field(default=None, description="PEM CA bundle that signed the Synchronizer's certificate: connect with TLS")
-    tls_cert: Path | None = Field(default=None, description="PEM client certificate for mutual TLS (with tls_key)")
+    synchronizer: str = Field(
+        default="127.0.0.1:50051", description="host:port of the Synchronizer's gRPC endpoint"
+    )
+    auth_token: str | None = Field(
+        default=None,
+        description="Learner bearer token: init joins and uploads as a learner (status falls back to it)",
+    )
+    admin_token: str | None = Field(
+        default=None,
+        description="Admin bearer token: status needs it when the Synchronizer has one (init may use it too)",
+    )
+    tls_ca: Path | None = Field(
+        default=None,
+        description="PEM CA bundle that signed the Synchronizer's certificate: connect with TLS",
+    )
+    tls_cert: Path | None = Field(
+        default=None, description="PEM client certificate for mutual TLS (with tls_key)"
+    )
     tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
-    tls_server_name: str | None = Field(default=None, description="Name to check the server certificate against when it differs from the address's host")
+    tls_server_name: str | None = Field(
+        default=None,
+        description="Name to check the server certificate against when it differs from the address's host",
+    )
 
     @field_validator("synchronizer")
     @classmethod
     def _host_port(cls, v: str) -> str:
         host, _, port = v.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(f"must be host:port with a port in 1..65535 (e.g. 127.0.0.1:50051), got {v!r}")
+            raise ValueError(
+                f"must be host:port with a port in 1..65535 (e.g. 127.0.0.1:50051), got {v!r}"
+            )
         return v
 
     @model_validator(mode="after")
@@ -85,6 +103,7 @@ def _positive(kind: type[int] | type[float]) -> Any:
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
+
     return parse
 
 
@@ -94,27 +113,72 @@ def _parser() -> argparse.ArgumentParser:
         description="The Synchronizer of Decoupled DiLoCo: merges learners' outer gradients into a global model and serves it back.",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    s = sub.add_parser("serve", help="run the service until SIGTERM", description="Run the Synchronizer service until SIGTERM/SIGINT (then checkpoint and exit 0).")
-    s.add_argument("--config", help="TOML or YAML file with settings (flags and DILOCO_* variables override it)")
-    s.add_argument("--ready-file", help="once serving, write the bound ports as JSON to this path (for scripts and launchers)")
+    s = sub.add_parser(
+        "serve",
+        help="run the service until SIGTERM",
+        description="Run the Synchronizer service until SIGTERM/SIGINT (then checkpoint and exit 0).",
+    )
+    s.add_argument(
+        "--config",
+        help="TOML or YAML file with settings (flags and DILOCO_* variables override it)",
+    )
+    s.add_argument(
+        "--ready-file",
+        help="once serving, write the bound ports as JSON to this path (for scripts and launchers)",
+    )
     add_flags(s, SynchronizerConfig)
-    i = sub.add_parser("init", help="upload initial parameters from a safetensors file", description="Initialise a running Synchronizer's model from a safetensors file of named tensors.")
-    i.add_argument("file", help="safetensors file; its tensors, in file order, define the model spec unless it carries 'diloco.spec' metadata")
-    i.add_argument("--fragments", type=_positive(int), default=4, help="fragments to split the model into; must match the learners' (default: %(default)s)")
+    i = sub.add_parser(
+        "init",
+        help="upload initial parameters from a safetensors file",
+        description="Initialise a running Synchronizer's model from a safetensors file of named tensors.",
+    )
+    i.add_argument(
+        "file",
+        help="safetensors file; its tensors, in file order, define the model spec unless it carries 'diloco.spec' metadata",
+    )
+    i.add_argument(
+        "--fragments",
+        type=_positive(int),
+        default=4,
+        help="fragments to split the model into; must match the learners' (default: %(default)s)",
+    )
     i.add_argument("--fragment-strategy", default="balanced", choices=("balanced", "strided"))
-    i.add_argument("--timeout-s", type=_positive(float), default=120.0, help="deadline of each RPC (default: %(default)s)")
+    i.add_argument(
+        "--timeout-s",
+        type=_positive(float),
+        default=120.0,
+        help="deadline of each RPC (default: %(default)s)",
+    )
     add_flags(i.add_argument_group("connection (also from DILOCO_* variables)"), RemoteConfig)
-    st = sub.add_parser("status", help="print fragments, versions and learners as a table (or --json)", description="Show a running Synchronizer's epoch, fragment versions and learners, as a table or as JSON.")
-    st.add_argument("--json", action="store_true", help="print the status as one JSON object (fields documented in synchronizer/cli.py: status_json)")
-    st.add_argument("--timeout-s", type=_positive(float), default=10.0, help="deadline of the RPC (default: %(default)s)")
+    st = sub.add_parser(
+        "status",
+        help="print fragments, versions and learners as a table (or --json)",
+        description="Show a running Synchronizer's epoch, fragment versions and learners, as a table or as JSON.",
+    )
+    st.add_argument(
+        "--json",
+        action="store_true",
+        help="print the status as one JSON object (fields documented in synchronizer/cli.py: status_json)",
+    )
+    st.add_argument(
+        "--timeout-s",
+        type=_positive(float),
+        default=10.0,
+        help="deadline of the RPC (default: %(default)s)",
+    )
     add_flags(st.add_argument_group("connection (also from DILOCO_* variables)"), RemoteConfig)
     return parser
 
 
 def _connect(cfg: RemoteConfig) -> pb_grpc.SynchronizerStub:
     try:
-        channel = open_channel(cfg.synchronizer, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
-                               tls_server_name=cfg.tls_server_name)
+        channel = open_channel(
+            cfg.synchronizer,
+            tls_ca=cfg.tls_ca,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            tls_server_name=cfg.tls_server_name,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return pb_grpc.SynchronizerStub(channel)
@@ -131,7 +195,10 @@ def _read_model(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any]]:
     except (OSError, SafetensorError) as e:
         raise ConfigError(f"cannot read {args.file} as safetensors: {e}") from None
     if SPEC_METADATA_KEY not in meta:
-        infos = [TensorInfo(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()]
+        infos = [
+            TensorInfo(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for n, t in tensors.items()
+        ]
         return plan_fragments(infos, args.fragments, args.fragment_strategy), tensors
     import base64
 
@@ -142,10 +209,14 @@ def _read_model(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any]]:
         msg.ParseFromString(base64.b64decode(meta[SPEC_METADATA_KEY]))
         spec = ModelSpec.from_proto(msg)
     except (ValueError, DecodeError) as e:
-        raise ConfigError(f"{args.file}: the {SPEC_METADATA_KEY!r} metadata is not a valid model spec: {e}") from None
+        raise ConfigError(
+            f"{args.file}: the {SPEC_METADATA_KEY!r} metadata is not a valid model spec: {e}"
+        ) from None
     for t in spec.tensors:
         if t.name not in tensors or tuple(tensors[t.name].shape) != t.shape:
-            raise ConfigError(f"{args.file}: its {SPEC_METADATA_KEY!r} metadata names tensor {t.name!r} of shape {t.shape}, which the file does not hold")
+            raise ConfigError(
+                f"{args.file}: its {SPEC_METADATA_KEY!r} metadata names tensor {t.name!r} of shape {t.shape}, which the file does not hold"
+            )
     return spec, tensors
 
 
@@ -155,23 +226,35 @@ def _init(args: argparse.Namespace, cfg: RemoteConfig) -> int:
     spec, tensors = _read_model(args)
     stub = _connect(cfg)
     md = bearer(cfg.auth_token or cfg.admin_token)
-    joined = stub.Join(pb.JoinRequest(learner_name="init", spec=spec.to_proto()), timeout=args.timeout_s, metadata=md)
+    joined = stub.Join(
+        pb.JoinRequest(learner_name="init", spec=spec.to_proto()),
+        timeout=args.timeout_s,
+        metadata=md,
+    )
     try:
         if not joined.needs_init:
-            raise ConfigError("the Synchronizer's model is already initialised; nothing was changed")
+            raise ConfigError(
+                "the Synchronizer's model is already initialised; nothing was changed"
+            )
 
         def fragments() -> Iterator[torch.Tensor]:
             for frag in spec.fragments:
-                yield torch.cat([tensors[t.name].to(torch.float32).reshape(-1) for t in frag.tensors])
+                yield torch.cat(
+                    [tensors[t.name].to(torch.float32).reshape(-1) for t in frag.tensors]
+                )
 
         requests = init_model_requests(joined.learner_id, spec.spec_hash, fragments())
         reply = stub.InitModel(requests, timeout=args.timeout_s, metadata=md)
     finally:
         try:
-            stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id), timeout=args.timeout_s, metadata=md)
+            stub.Leave(
+                pb.LeaveRequest(learner_id=joined.learner_id), timeout=args.timeout_s, metadata=md
+            )
         except grpc.RpcError:
             pass  # its lease lapses instead; the error that matters is the one above
-    print(f"initialised {spec.numel} parameters in {len(spec.fragments)} fragments (spec {spec.spec_hash[:12]}); versions {[v.version for v in reply.versions]}")
+    print(
+        f"initialised {spec.numel} parameters in {len(spec.fragments)} fragments (spec {spec.spec_hash[:12]}); versions {[v.version for v in reply.versions]}"
+    )
     return 0
 
 
@@ -193,11 +276,20 @@ def status_json(reply: pb.StatusReply) -> dict[str, Any]:
       null while it is healthy.
     """
     learners = [
-        {"learner_id": x.learner_id, "name": x.name, "state": x.state, "steps": x.counters.steps,
-         "tokens": x.counters.tokens, "compute_s": x.counters.compute_s, "blocked_s": x.counters.blocked_s}
+        {
+            "learner_id": x.learner_id,
+            "name": x.name,
+            "state": x.state,
+            "steps": x.counters.steps,
+            "tokens": x.counters.tokens,
+            "compute_s": x.counters.compute_s,
+            "blocked_s": x.counters.blocked_s,
+        }
         for x in reply.learners
     ]
-    by_state = {state: sum(x["state"] == state for x in learners) for state in ("alive", "dead", "left")}
+    by_state = {
+        state: sum(x["state"] == state for x in learners) for state in ("alive", "dead", "left")
+    }
     totals: dict[str, Any] = {"learners": by_state}
     for key in ("steps", "tokens", "compute_s", "blocked_s"):
         totals[key] = sum(x[key] for x in learners)
@@ -207,7 +299,10 @@ def status_json(reply: pb.StatusReply) -> dict[str, Any]:
         "initialized": reply.initialized,
         "spec_hash": reply.spec_hash,
         "outer_steps": reply.outer_steps,
-        "fragments": [{"fragment_id": v.fragment_id, "version": v.version} for v in sorted(reply.versions, key=lambda v: v.fragment_id)],
+        "fragments": [
+            {"fragment_id": v.fragment_id, "version": v.version}
+            for v in sorted(reply.versions, key=lambda v: v.fragment_id)
+        ],
         "learners": learners,
         "totals": totals,
         "goodput": reply.goodput,
@@ -219,8 +314,13 @@ def status_json(reply: pb.StatusReply) -> dict[str, Any]:
 def _table(header: list[str], rows: list[list[str]], text_columns: int = 1) -> list[str]:
     """Columns as wide as their widest cell: the first `text_columns` left-aligned, numbers right."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
-            for r in [header, *rows]]
+    return [
+        "  ".join(
+            c.ljust(w) if i < text_columns else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in [header, *rows]
+    ]
 
 
 def _share(part: float, whole: float) -> str:
@@ -229,30 +329,63 @@ def _share(part: float, whole: float) -> str:
 
 def status_table(s: dict[str, Any]) -> str:
     """`status_json`'s object for people: a summary line, fragments, learners, goodput."""
-    lines = [f"Synchronizer epoch {s['server_epoch']}: "
-             + (f"initialised, spec {s['spec_hash'][:12]}, {s['outer_steps']} outer steps" if s["initialized"] else "not initialised yet (no model)"),
-             ""]
+    lines = [
+        f"Synchronizer epoch {s['server_epoch']}: "
+        + (
+            f"initialised, spec {s['spec_hash'][:12]}, {s['outer_steps']} outer steps"
+            if s["initialized"]
+            else "not initialised yet (no model)"
+        ),
+        "",
+    ]
     if s["fragments"]:
-        lines += _table(["fragment", "version"], [[str(f["fragment_id"]), str(f["version"])] for f in s["fragments"]]) + [""]
+        lines += _table(
+            ["fragment", "version"],
+            [[str(f["fragment_id"]), str(f["version"])] for f in s["fragments"]],
+        ) + [""]
     if s["learners"]:
-        rows = [[x["name"] or "-", x["learner_id"], x["state"], f"{x['steps']:,}", f"{x['tokens']:,}", f"{x['compute_s']:.1f}",
-                 f"{x['blocked_s']:.1f}", _share(x["compute_s"], x["compute_s"] + x["blocked_s"])] for x in s["learners"]]
-        lines += _table(["learner", "id", "state", "steps", "tokens", "compute_s", "blocked_s", "loop goodput"], rows, text_columns=3)
+        rows = [
+            [
+                x["name"] or "-",
+                x["learner_id"],
+                x["state"],
+                f"{x['steps']:,}",
+                f"{x['tokens']:,}",
+                f"{x['compute_s']:.1f}",
+                f"{x['blocked_s']:.1f}",
+                _share(x["compute_s"], x["compute_s"] + x["blocked_s"]),
+            ]
+            for x in s["learners"]
+        ]
+        lines += _table(
+            ["learner", "id", "state", "steps", "tokens", "compute_s", "blocked_s", "loop goodput"],
+            rows,
+            text_columns=3,
+        )
     else:
         lines.append("no learners")
     t = s["totals"]
-    lines += ["", f"learners: {t['learners']['alive']} alive, {t['learners']['dead']} dead, {t['learners']['left']} left; "
-                  f"{t['steps']:,} steps, {t['tokens']:,} tokens",
-              f"goodput: {s['goodput']:.1%} of learner capacity merged (diloco_goodput_ratio)",
-              f"loop goodput: {_share(t['compute_s'], t['compute_s'] + t['blocked_s'])} of the learners' time in inner steps, "
-              "the rest blocked on sync" if t["compute_s"] + t["blocked_s"] > 0 else "loop goodput: no inner steps reported yet"]
+    lines += [
+        "",
+        f"learners: {t['learners']['alive']} alive, {t['learners']['dead']} dead, {t['learners']['left']} left; "
+        f"{t['steps']:,} steps, {t['tokens']:,} tokens",
+        f"goodput: {s['goodput']:.1%} of learner capacity merged (diloco_goodput_ratio)",
+        f"loop goodput: {_share(t['compute_s'], t['compute_s'] + t['blocked_s'])} of the learners' time in inner steps, "
+        "the rest blocked on sync"
+        if t["compute_s"] + t["blocked_s"] > 0
+        else "loop goodput: no inner steps reported yet",
+    ]
     if s["unhealthy"]:
         lines = [f"UNHEALTHY: {s['unhealthy']}", *lines]
     return "\n".join(lines)
 
 
 def _status(args: argparse.Namespace, cfg: RemoteConfig) -> int:
-    reply = _connect(cfg).Status(pb.StatusRequest(), timeout=args.timeout_s, metadata=bearer(cfg.admin_token or cfg.auth_token))
+    reply = _connect(cfg).Status(
+        pb.StatusRequest(),
+        timeout=args.timeout_s,
+        metadata=bearer(cfg.admin_token or cfg.auth_token),
+    )
     s = status_json(reply)
     print(json.dumps(s, indent=2) if args.json else status_table(s))
     return 0
@@ -275,22 +408,35 @@ def _remote(args: argparse.Namespace) -> int:
         code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
         details = ((e.details() or "").splitlines() or [""])[0]  # type: ignore[attr-defined]
         hint = f" ({HINTS[code]})" if code in HINTS else ""
-        print(f"diloco-synchronizer: {args.command} at {cfg.synchronizer}: {code.name}: {details}{hint}", file=sys.stderr)
+        print(
+            f"diloco-synchronizer: {args.command} at {cfg.synchronizer}: {code.name}: {details}{hint}",
+            file=sys.stderr,
+        )
         return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
     cfg = load(SynchronizerConfig, args.config, vars(args))
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     def ready(running: RunningServer) -> None:
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
-            tmp.write_text(json.dumps({"address": running.address, "port": running.port, "metrics_port": running.metrics_port, "epoch": running.synchronizer.epoch}))
+            tmp.write_text(
+                json.dumps(
+                    {
+                        "address": running.address,
+                        "port": running.port,
+                        "metrics_port": running.metrics_port,
+                        "epoch": running.synchronizer.epoch,
+                    }
+                )
+            )
             tmp.replace(args.ready_file)
 
-    serve(cfg, on_ready=ready)
-    return 0
+    return 0 if serve(cfg, on_ready=ready) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

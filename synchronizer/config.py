@@ -22,63 +22,182 @@ class SynchronizerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # Network
-    host: str = Field("127.0.0.1", description="Address the gRPC server binds to; 0.0.0.0 or [::] to serve other hosts")
-    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free port (logged on start)")
-    metrics_host: str = Field("127.0.0.1", description="Address the Prometheus metrics endpoint binds to")
-    metrics_port: int = Field(9464, ge=-1, le=65535, description="Prometheus metrics port; 0 picks a free port, -1 disables the endpoint")
-    state_dir: Path = Field(Path("diloco-state"), description="Directory for checkpoints; the newest complete one is restored on start")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the gRPC server binds to; 0.0.0.0 or [::] to serve other hosts",
+    )
+    port: int = Field(
+        50051, ge=0, le=65535, description="gRPC port; 0 picks a free port (logged on start)"
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address the Prometheus metrics endpoint binds to"
+    )
+    metrics_port: int = Field(
+        9464,
+        ge=-1,
+        le=65535,
+        description="Prometheus metrics port; 0 picks a free port, -1 disables the endpoint",
+    )
+    state_dir: Path = Field(
+        Path("diloco-state"),
+        description="Directory for checkpoints; the newest complete one is restored on start",
+    )
 
     # Rounds
-    quorum: int = Field(1, ge=0, description="Minimum contributions K before a round may close; 0 means every live learner (synchronous DiLoCo)")
-    grace: Literal["adaptive", "fixed", "none"] = Field("adaptive", description="After the quorum: wait adaptively while waiting is free, a fixed grace_max_s, or not at all")
-    grace_max_s: float = Field(2.0, ge=0, description="Upper bound on the grace window after the quorum is reached")
-    grace_gamma: float = Field(0.5, gt=0, le=1, description="Adaptive grace = gamma * (overlap_steps * step time - quorum time - apply time)")
-    overlap_steps: int = Field(0, ge=0, description="Steps a learner trains between pushing a fragment and needing it back (tau); sizes the adaptive grace. 0: as the learners report it in heartbeats (their H, or their strict-overlap bound)")
-    max_staleness: int = Field(16, ge=0, description="Pushes staler than this many outer steps are dropped and the learner told to re-pull")
-    token_weight: Literal["uniform", "tokens", "tokens2_per_step"] = Field("tokens2_per_step", description="Weight of a contribution by work done: uniform, tokens, or tokens^2/steps (Decoupled DiLoCo)")
-    staleness_weight: Literal["none", "poly", "hinge", "exp"] = Field("none", description="Down-weighting of stale contributions: none, poly (1+s)^-a, hinge, exp(-a s)")
+    quorum: int = Field(
+        1,
+        ge=0,
+        description="Minimum contributions K before a round may close; 0 means every live learner (synchronous DiLoCo)",
+    )
+    grace: Literal["adaptive", "fixed", "none"] = Field(
+        "adaptive",
+        description="After the quorum: wait adaptively while waiting is free, a fixed grace_max_s, or not at all",
+    )
+    grace_max_s: float = Field(
+        2.0, ge=0, description="Upper bound on the grace window after the quorum is reached"
+    )
+    grace_gamma: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Adaptive grace = gamma * (overlap_steps * step time - quorum time - apply time)",
+    )
+    overlap_steps: int = Field(
+        0,
+        ge=0,
+        description="Steps a learner trains between pushing a fragment and needing it back (tau); sizes the adaptive grace. 0: as the learners report it in heartbeats (their H, or their strict-overlap bound)",
+    )
+    max_staleness: int = Field(
+        16,
+        ge=0,
+        description="Pushes staler than this many outer steps are dropped and the learner told to re-pull",
+    )
+    token_weight: Literal["uniform", "tokens", "tokens2_per_step"] = Field(
+        "tokens2_per_step",
+        description="Weight of a contribution by work done: uniform, tokens, or tokens^2/steps (Decoupled DiLoCo)",
+    )
+    staleness_weight: Literal["none", "poly", "hinge", "exp"] = Field(
+        "none",
+        description="Down-weighting of stale contributions: none, poly (1+s)^-a, hinge, exp(-a s)",
+    )
     staleness_alpha: float = Field(0.5, ge=0, description="The a in the staleness factor")
     staleness_hinge: int = Field(2, ge=0, description="Staleness up to which the hinge factor is 1")
-    anchor: Literal["current", "base"] = Field("current", description="Re-anchor a stale delta at the current global fragment (Decoupled DiLoCo), or apply it relative to its base")
-    update_history: int = Field(16, ge=0, description="Recent outer updates kept per fragment: serve delta pulls and the current anchor; 0 keeps exact FP32 parameters and allows neither")
-    update_codec: Literal["int8", "fp32"] = Field("int8", description="How kept updates are stored and sent to delta pulls; int8 carries an error-feedback residual so nothing is lost over time")
-    merge: Literal["mean", "radial"] = Field("mean", description="Weighted mean of deltas, or radial-directional averaging per tensor")
+    anchor: Literal["current", "base"] = Field(
+        "current",
+        description="Re-anchor a stale delta at the current global fragment (Decoupled DiLoCo), or apply it relative to its base",
+    )
+    update_history: int = Field(
+        16,
+        ge=0,
+        description="Recent outer updates kept per fragment: serve delta pulls and the current anchor; 0 keeps exact FP32 parameters and allows neither",
+    )
+    update_codec: Literal["int8", "fp32"] = Field(
+        "int8",
+        description="How kept updates are stored and sent to delta pulls; int8 carries an error-feedback residual so nothing is lost over time",
+    )
+    merge: Literal["mean", "radial"] = Field(
+        "mean", description="Weighted mean of deltas, or radial-directional averaging per tensor"
+    )
 
     # Outer optimizer
-    outer: Literal["nesterov", "delayed_nesterov", "sgd"] = Field("delayed_nesterov", description="Outer optimizer applied to each merged round. Delayed Nesterov (momentum every outer_delay rounds) is stable when rounds close on few learners; Nesterov suits synchronous rounds (quorum 0)")
+    outer: Literal["nesterov", "delayed_nesterov", "sgd"] = Field(
+        "delayed_nesterov",
+        description="Outer optimizer applied to each merged round. Delayed Nesterov (momentum every outer_delay rounds) is stable when rounds close on few learners; Nesterov suits synchronous rounds (quorum 0)",
+    )
     outer_lr: float = Field(0.7, gt=0, le=10, description="Outer learning rate")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum (Nesterov, Delayed Nesterov)")
-    outer_delay: int = Field(4, ge=1, description="Delayed Nesterov: momentum is updated every this many rounds (about the number of learners)")
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="Outer momentum (Nesterov, Delayed Nesterov)"
+    )
+    outer_delay: int = Field(
+        4,
+        ge=1,
+        description="Delayed Nesterov: momentum is updated every this many rounds (about the number of learners)",
+    )
 
     # Learners
-    lease_s: float = Field(10.0, gt=0, description="A learner not heard from for this long is dead until it heartbeats or re-joins")
-    forget_after_s: float = Field(300.0, gt=0, description="A dead learner stops counting toward capacity after this long")
-    max_learners: int = Field(256, ge=1, description="Learners that may be joined at once (alive or dead)")
-    dynamic_local_updates: bool = Field(False, description="Tell each learner its inner steps H_m = floor(v_m / v_max * inner_steps) from measured step rates")
-    inner_steps: int = Field(0, ge=0, description="H for the fastest learner under Dynamic Local Updates (required when they are on)")
+    lease_s: float = Field(
+        10.0,
+        gt=0,
+        description="A learner not heard from for this long is dead until it heartbeats or re-joins",
+    )
+    forget_after_s: float = Field(
+        300.0, gt=0, description="A dead learner stops counting toward capacity after this long"
+    )
+    max_learners: int = Field(
+        256, ge=1, description="Learners that may be joined at once (alive or dead)"
+    )
+    dynamic_local_updates: bool = Field(
+        False,
+        description="Tell each learner its inner steps H_m = floor(v_m / v_max * inner_steps) from measured step rates",
+    )
+    inner_steps: int = Field(
+        0,
+        ge=0,
+        description="H for the fastest learner under Dynamic Local Updates (required when they are on)",
+    )
 
     # Limits
-    max_pull_wait_s: float = Field(30.0, ge=0, description="Longest a pull may wait for a minimum version (it holds a stream slot and a gRPC worker meanwhile)")
-    max_message_bytes: int = Field(8 << 20, ge=MIN_MESSAGE_BYTES, description=f"Largest single gRPC message accepted or sent; at least one wire chunk ({MIN_MESSAGE_BYTES} bytes)")
-    max_concurrent_streams: int = Field(32, ge=1, description="Push and pull streams served at once (each holds a gRPC worker); more get RESOURCE_EXHAUSTED")
-    max_workers: int = Field(40, ge=2, description=f"gRPC worker threads; at least max_concurrent_streams + {RESERVED_WORKERS}, so heartbeats, joins and health checks always find one")
-    apply_threads: int = Field(1, ge=1, description="Threads that decode pushes, merge rounds and apply outer steps; more apply fragments in parallel on machines with cores to spare, and take CPU from receiving pushes on small ones")
-    compute_threads: int = Field(1, ge=1, description="Torch threads for decoding and outer steps; memory-bound work gains little from more, which the gRPC threads need")
+    max_pull_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="Longest a pull may wait for a minimum version (it holds a stream slot and a gRPC worker meanwhile)",
+    )
+    max_message_bytes: int = Field(
+        8 << 20,
+        ge=MIN_MESSAGE_BYTES,
+        description=f"Largest single gRPC message accepted or sent; at least one wire chunk ({MIN_MESSAGE_BYTES} bytes)",
+    )
+    max_concurrent_streams: int = Field(
+        32,
+        ge=1,
+        description="Push and pull streams served at once (each holds a gRPC worker); more get RESOURCE_EXHAUSTED",
+    )
+    max_workers: int = Field(
+        40,
+        ge=2,
+        description=f"gRPC worker threads; at least max_concurrent_streams + {RESERVED_WORKERS}, so heartbeats, joins and health checks always find one",
+    )
+    apply_threads: int = Field(
+        1,
+        ge=1,
+        description="Threads that decode pushes, merge rounds and apply outer steps; more apply fragments in parallel on machines with cores to spare, and take CPU from receiving pushes on small ones",
+    )
+    compute_threads: int = Field(
+        1,
+        ge=1,
+        description="Torch threads for decoding and outer steps; memory-bound work gains little from more, which the gRPC threads need",
+    )
 
     # Durability
-    checkpoint_interval_s: float = Field(60.0, ge=0, description="Seconds between periodic checkpoints; 0 checkpoints only on shutdown")
+    checkpoint_interval_s: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds between periodic checkpoints; 0 checkpoints only on shutdown",
+    )
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept in state_dir")
-    shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM: seconds in-flight RPCs get to finish")
+    shutdown_grace_s: float = Field(
+        10.0, ge=0, description="On SIGTERM: seconds in-flight RPCs get to finish"
+    )
 
     # Security
-    auth_token: str | None = Field(None, description="Bearer token every learner RPC must carry (metadata 'authorization: Bearer TOKEN')")
-    admin_token: str | None = Field(None, description="Bearer token for the admin Status RPC; learners' token gets PERMISSION_DENIED there")
+    auth_token: str | None = Field(
+        None,
+        description="Bearer token every learner RPC must carry (metadata 'authorization: Bearer TOKEN')",
+    )
+    admin_token: str | None = Field(
+        None,
+        description="Bearer token for the admin Status RPC; learners' token gets PERMISSION_DENIED there",
+    )
     tls_cert: Path | None = Field(None, description="PEM server certificate: serve TLS")
     tls_key: Path | None = Field(None, description="PEM private key for tls_cert")
-    tls_client_ca: Path | None = Field(None, description="PEM CA bundle: require client certificates signed by it (mTLS)")
+    tls_client_ca: Path | None = Field(
+        None, description="PEM CA bundle: require client certificates signed by it (mTLS)"
+    )
 
     # Observability
-    goodput_window_s: float = Field(300.0, gt=0, description="Window of the diloco_goodput_ratio gauge")
+    goodput_window_s: float = Field(
+        300.0, gt=0, description="Window of the diloco_goodput_ratio gauge"
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
 
     @model_validator(mode="after")
@@ -89,11 +208,17 @@ class SynchronizerConfig(BaseModel):
                 "every push or pull stream holds a gRPC worker, and heartbeats, joins and health checks need workers of their own"
             )
         if self.dynamic_local_updates and self.inner_steps < 1:
-            raise ValueError("dynamic_local_updates needs inner_steps >= 1 (H of the fastest learner)")
+            raise ValueError(
+                "dynamic_local_updates needs inner_steps >= 1 (H of the fastest learner)"
+            )
         if self.anchor == "current" and self.update_history < self.max_staleness:
-            raise ValueError(f"anchor 'current' needs update_history >= max_staleness ({self.update_history} < {self.max_staleness}): the updates a stale push missed must be kept")
+            raise ValueError(
+                f"anchor 'current' needs update_history >= max_staleness ({self.update_history} < {self.max_staleness}): the updates a stale push missed must be kept"
+            )
         if self.merge == "radial" and self.anchor == "current":
-            raise ValueError("radial merge re-anchors nothing: use anchor 'base' with merge 'radial'")
+            raise ValueError(
+                "radial merge re-anchors nothing: use anchor 'base' with merge 'radial'"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from protos import codec, framing
 from protos import diloco_pb2 as pb
+from protos import framing, layout
 from protos.spec import ModelSpec
 from synchronizer import checkpoint, receive, wire
 from synchronizer.config import SynchronizerConfig
@@ -42,7 +42,11 @@ logger = logging.getLogger(__name__)
 
 PUSH_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_FP4_E3M0)
 PULL_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)
-OUTCOME_LABEL = {pb.PUSH_ACCEPTED: "accepted", pb.PUSH_DROPPED_STALE: "dropped_stale", pb.PUSH_DUPLICATE: "duplicate"}
+OUTCOME_LABEL = {
+    pb.PUSH_ACCEPTED: "accepted",
+    pb.PUSH_DROPPED_STALE: "dropped_stale",
+    pb.PUSH_DUPLICATE: "duplicate",
+}
 
 PushMessages = Iterable[pb.PushRequest | wire.RawChunk]
 
@@ -63,56 +67,92 @@ class Synchronizer:
         self.init_in_progress = False
         self.streams = threading.BoundedSemaphore(cfg.max_concurrent_streams)
         self.failures: dict[int, str] = {}  # fragment id -> why its outer step failed
+        self.checkpoint_failure: str | None = None  # why the last checkpoint could not be written
         self.health_listeners: list[Callable[[str], None]] = []  # told the reason once unhealthy
         self.stopping = threading.Event()
         self.checkpoint_lock = threading.Lock()
         self._restore()
-        self.housekeeper = threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True)
+        self.housekeeper = threading.Thread(
+            target=self._housekeeping, name="housekeeping", daemon=True
+        )
         self.housekeeper.start()
 
     # Model -----------------------------------------------------------------------------------
 
     def _set_spec(self, spec: ModelSpec) -> None:
         self.spec = spec
-        self.fragments = [Fragment(f, self.cfg, self.metrics, self.goodput, spec.numel) for f in spec.fragments]
-        self.rounds = Rounds(self.fragments, self.grace, self.metrics, self.goodput, self.registry.live_ids, self.cfg.apply_threads, self._fragment_failed)
+        self.fragments = [
+            Fragment(f, self.cfg, self.metrics, self.goodput, spec.numel) for f in spec.fragments
+        ]
+        self.rounds = Rounds(
+            self.fragments,
+            self.grace,
+            self.metrics,
+            self.goodput,
+            self.registry.live_ids,
+            self.cfg.apply_threads,
+            self._fragment_failed,
+        )
 
     def versions(self) -> list[pb.FragmentVersion]:
         return [pb.FragmentVersion(fragment_id=f.fid, version=f.version) for f in self.fragments]
 
     def fragment(self, fragment_id: int) -> Fragment:
         if fragment_id >= len(self.fragments):
-            raise Rejected(Code.NOT_FOUND, "unknown_fragment", f"fragment {fragment_id} does not exist; the model has fragments 0..{len(self.fragments) - 1}")
+            raise Rejected(
+                Code.NOT_FOUND,
+                "unknown_fragment",
+                f"fragment {fragment_id} does not exist; the model has fragments 0..{len(self.fragments) - 1}",
+            )
         return self.fragments[fragment_id]
 
     def _require_initialized(self) -> None:
         if not self.initialized:
-            raise Rejected(Code.FAILED_PRECONDITION, "not_initialized", "the model has no parameters yet: the first learner must call InitModel (or run `diloco-synchronizer init FILE`)")
+            raise Rejected(
+                Code.FAILED_PRECONDITION,
+                "not_initialized",
+                "the model has no parameters yet: the first learner must call InitModel (or run `diloco-synchronizer init FILE`)",
+            )
 
     def _check_spec_hash(self, spec_hash: str) -> None:
         assert self.spec is not None
         if spec_hash != self.spec.spec_hash:
-            raise Rejected(Code.FAILED_PRECONDITION, "spec_mismatch", f"spec hash {spec_hash[:12]!r} does not match the served model's {self.spec.spec_hash[:12]!r}; re-join with the served model's spec")
+            raise Rejected(
+                Code.FAILED_PRECONDITION,
+                "spec_mismatch",
+                f"spec hash {spec_hash[:12]!r} does not match the served model's {self.spec.spec_hash[:12]!r}; re-join with the served model's spec",
+            )
 
     # Health ----------------------------------------------------------------------------------
 
     @property
     def unhealthy(self) -> str | None:
-        """Why the Synchronizer cannot serve its whole model, or None while it can."""
-        if not self.failures:
-            return None
-        return "; ".join(f"fragment {fid}: {why}" for fid, why in sorted(self.failures.items()))
+        """Why the Synchronizer cannot serve its whole model or keep it, or None while all is
+        well. Only failed fragments turn gRPC health NOT_SERVING: with failing checkpoints the
+        model is still served, and a restart would not mend the disk."""
+        problems = [f"fragment {fid}: {why}" for fid, why in sorted(self.failures.items())]
+        if self.checkpoint_failure is not None:
+            problems.append(f"checkpoints failing: {self.checkpoint_failure}")
+        return "; ".join(problems) or None
 
     def _fragment_failed(self, frag: Fragment, reason: str) -> None:
         frag.model.fail(reason)
         self.failures[frag.fid] = reason
         self.metrics.fragments_failed.set(len(self.failures))
-        logger.error("fragment %d failed and serves nothing until a restart from the last checkpoint: %s", frag.fid, reason)
+        logger.error(
+            "fragment %d failed and serves nothing until a restart from the last checkpoint: %s",
+            frag.fid,
+            reason,
+        )
         for listener in self.health_listeners:
-            listener(self.unhealthy or reason)
+            listener(reason)
 
     def _unavailable(self, frag: Fragment) -> Rejected:
-        return Rejected(Code.UNAVAILABLE, "fragment_failed", f"fragment {frag.fid} failed ({frag.model.failure}); the Synchronizer must be restarted from its last checkpoint; retry with backoff")
+        return Rejected(
+            Code.UNAVAILABLE,
+            "fragment_failed",
+            f"fragment {frag.fid} failed ({frag.model.failure}); the Synchronizer must be restarted from its last checkpoint; retry with backoff",
+        )
 
     # Learners --------------------------------------------------------------------------------
 
@@ -124,12 +164,23 @@ class Synchronizer:
         with self.model_lock:
             if self.spec is None:
                 self._set_spec(spec)
-                logger.info("serving a model of %d parameters in %d fragments (spec %s)", spec.numel, len(spec.fragments), spec.spec_hash[:12])
+                logger.info(
+                    "serving a model of %d parameters in %d fragments (spec %s)",
+                    spec.numel,
+                    len(spec.fragments),
+                    spec.spec_hash[:12],
+                )
             elif spec.spec_hash != self.spec.spec_hash:
-                raise Rejected(Code.FAILED_PRECONDITION, "spec_mismatch", f"model spec does not match the served model: {self.spec.describe_difference(spec)}")
+                raise Rejected(
+                    Code.FAILED_PRECONDITION,
+                    "spec_mismatch",
+                    f"model spec does not match the served model: {self.spec.describe_difference(spec)}",
+                )
             needs_init = not self.initialized
         rec, revived = self.registry.join(request.learner_name, request.learner_id)
-        logger.info("learner %s (%s) %s", rec.learner_id, rec.name, "re-joined" if revived else "joined")
+        logger.info(
+            "learner %s (%s) %s", rec.learner_id, rec.name, "re-joined" if revived else "joined"
+        )
         return pb.JoinReply(
             learner_id=rec.learner_id,
             lease_s=self.cfg.lease_s,
@@ -150,10 +201,18 @@ class Synchronizer:
         rec = self.registry.alive(request.learner_id)
         self._report(rec, request.counters, request.step_time_s)
         self.grace.observe(overlap_steps=request.overlap_steps)
-        return pb.HeartbeatReply(server_epoch=self.epoch, lease_s=self.cfg.lease_s, inner_steps=self._inner_steps(rec), versions=self.versions())
+        return pb.HeartbeatReply(
+            server_epoch=self.epoch,
+            lease_s=self.cfg.lease_s,
+            inner_steps=self._inner_steps(rec),
+            versions=self.versions(),
+        )
 
     def _report(self, rec: LearnerRecord, counters: pb.LearnerCounters, step_time_s: float) -> None:
-        if not all(math.isfinite(x) and x >= 0 for x in (counters.compute_s, counters.blocked_s, step_time_s)):
+        if not all(
+            math.isfinite(x) and x >= 0
+            for x in (counters.compute_s, counters.blocked_s, step_time_s)
+        ):
             raise invalid("bad_counters", "counters and step time must be finite and non-negative")
         blocked = self.registry.report(rec, counters, step_time_s)
         self.metrics.blocked.inc(blocked)
@@ -173,7 +232,16 @@ class Synchronizer:
 
     def status(self) -> pb.StatusReply:
         with self.registry.lock:
-            learners = [pb.LearnerStatus(learner_id=r.learner_id, name=r.name, state=r.state, counters=r.counters(), inner_steps=0) for r in self.registry.learners.values()]
+            learners = [
+                pb.LearnerStatus(
+                    learner_id=r.learner_id,
+                    name=r.name,
+                    state=r.state,
+                    counters=r.counters(),
+                    inner_steps=0,
+                )
+                for r in self.registry.learners.values()
+            ]
         return pb.StatusReply(
             server_epoch=self.epoch,
             initialized=self.initialized,
@@ -193,14 +261,22 @@ class Synchronizer:
             raise invalid("bad_stream", "InitModel must start with an InitStart message")
         self.registry.alive(first.start.learner_id)
         if self.spec is None:
-            raise Rejected(Code.FAILED_PRECONDITION, "no_spec", "no model spec yet: call Join first")
+            raise Rejected(
+                Code.FAILED_PRECONDITION, "no_spec", "no model spec yet: call Join first"
+            )
         self._check_spec_hash(first.start.spec_hash)
         with self.model_lock:
             if self.initialized or self.init_in_progress:
-                raise Rejected(Code.ALREADY_EXISTS, "already_initialized", "the model is already initialised (or being initialised by another learner); pull its fragments instead")
+                raise Rejected(
+                    Code.ALREADY_EXISTS,
+                    "already_initialized",
+                    "the model is already initialised (or being initialised by another learner); pull its fragments instead",
+                )
             self.init_in_progress = True
         try:
-            received = receive.init_fragments(messages, self.fragment, [f.numel for f in self.fragments])
+            received = receive.init_fragments(
+                messages, self.fragment, [f.numel for f in self.fragments]
+            )
             with self.model_lock:
                 for frag, params in zip(self.fragments, received, strict=True):
                     frag.initialize(params)
@@ -215,7 +291,11 @@ class Synchronizer:
     def push(self, messages: PushMessages) -> pb.PushReply:
         """Receives, validates and judges one push; the reply says what became of it."""
         if not self.streams.acquire(blocking=False):
-            raise Rejected(Code.RESOURCE_EXHAUSTED, "too_many_streams", f"the Synchronizer is serving {self.cfg.max_concurrent_streams} streams already; retry with backoff")
+            raise Rejected(
+                Code.RESOURCE_EXHAUSTED,
+                "too_many_streams",
+                f"the Synchronizer is serving {self.cfg.max_concurrent_streams} streams already; retry with backoff",
+            )
         try:
             reply, frag = self._push(iter(messages))
         finally:
@@ -225,7 +305,9 @@ class Synchronizer:
             self.rounds.check(frag)
         return reply
 
-    def _push(self, messages: Iterator[pb.PushRequest | wire.RawChunk]) -> tuple[pb.PushReply, Fragment | None]:
+    def _push(
+        self, messages: Iterator[pb.PushRequest | wire.RawChunk]
+    ) -> tuple[pb.PushReply, Fragment | None]:
         first = next(messages, None)
         if not isinstance(first, pb.PushRequest) or first.WhichOneof("kind") != "header":
             raise invalid("bad_stream", "PushFragment must start with a PushHeader")
@@ -251,12 +333,22 @@ class Synchronizer:
             # Validated now, decoded by the outer step: the reply need not wait for the decode.
             # Past the memory budget for held payloads it is decoded here instead.
             reserved = frag.held.reserve(nbytes)
-            self.metrics.bytes_in.labels(codec.codec_name(h.payload.codec)).inc(nbytes)
+            self.metrics.bytes_in.labels(layout.codec_name(h.payload.codec)).inc(nbytes)
             with rec.push_lock:  # judging and recording a seq is atomic per learner
-                seen = self.registry.seen_reply(rec, h.seq)  # a concurrent retry may have won the race
+                seen = self.registry.seen_reply(
+                    rec, h.seq
+                )  # a concurrent retry may have won the race
                 if seen is not None:
                     return self._duplicate(seen), None
-                verdict, rnd = frag.submit(rec.learner_id, h.base_version, h.tokens, h.steps, h.compute_s, (received, header), hold=reserved)
+                verdict, rnd = frag.submit(
+                    rec.learner_id,
+                    h.base_version,
+                    h.tokens,
+                    h.steps,
+                    h.compute_s,
+                    (received, header),
+                    hold=reserved,
+                )
                 kept = reserved and verdict.outcome == pb.PUSH_ACCEPTED  # the round owns it now
                 reply = pb.PushReply(
                     outcome=verdict.outcome,
@@ -264,7 +356,9 @@ class Synchronizer:
                     current_version=verdict.current_version,
                     staleness=verdict.staleness,
                     weight=verdict.weight,
-                    message="" if verdict.outcome == pb.PUSH_ACCEPTED else f"staleness {verdict.staleness} > max_staleness {self.cfg.max_staleness}: re-pull fragment {frag.fid}",
+                    message=""
+                    if verdict.outcome == pb.PUSH_ACCEPTED
+                    else f"staleness {verdict.staleness} > max_staleness {self.cfg.max_staleness}: re-pull fragment {frag.fid}",
                 )
                 self.registry.record_reply(rec, h.seq, reply)
         finally:
@@ -294,37 +388,75 @@ class Synchronizer:
         if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
             raise invalid("bad_wait", "wait_s must be finite and non-negative")
         if not self.streams.acquire(blocking=False):
-            raise Rejected(Code.RESOURCE_EXHAUSTED, "too_many_streams", "too many streams; retry with backoff")
+            raise Rejected(
+                Code.RESOURCE_EXHAUSTED, "too_many_streams", "too many streams; retry with backoff"
+            )
         try:
             if request.min_version > frag.version or not frag.model.initialized:
-                frag.model.wait_for(request.min_version, min(request.wait_s, self.cfg.max_pull_wait_s))
+                frag.model.wait_for(
+                    request.min_version, min(request.wait_s, self.cfg.max_pull_wait_s)
+                )
             self._require_initialized()
-            snap, links, version, checksum = frag.model.served(codec_id, request.have_version if request.delta_ok else None)
+            snap, links, version, checksum = frag.model.served(
+                codec_id, request.have_version if request.delta_ok else None
+            )
         except FragmentFailed:
             raise self._unavailable(frag) from None
         finally:
             self.streams.release()
         return self._stream_pull(frag.fid, request.have_version, snap, links, version, checksum)
 
-    def _stream_pull(self, fid: int, have_version: int, snap: tuple[int, pb.PayloadHeader, torch.Tensor] | None, links: list[tuple[int, pb.PayloadHeader, torch.Tensor]] | None, version: int, checksum: int) -> Iterator[pb.PullReply]:
+    def _stream_pull(
+        self,
+        fid: int,
+        have_version: int,
+        snap: tuple[int, pb.PayloadHeader, torch.Tensor] | None,
+        links: list[tuple[int, pb.PayloadHeader, torch.Tensor]] | None,
+        version: int,
+        checksum: int,
+    ) -> Iterator[pb.PullReply]:
         if links is not None:
-            yield pb.PullReply(header=pb.PullHeader(fragment_id=fid, version=version, server_epoch=self.epoch, delta_from=have_version, links=len(links), checksum=checksum))
+            yield pb.PullReply(
+                header=pb.PullHeader(
+                    fragment_id=fid,
+                    version=version,
+                    server_epoch=self.epoch,
+                    delta_from=have_version,
+                    links=len(links),
+                    checksum=checksum,
+                )
+            )
             for v, link_header, link_buf in links:
                 yield pb.PullReply(link=pb.DeltaLink(version=v, payload=link_header))
                 for chunk in framing.iter_chunks(link_buf):
                     yield pb.PullReply(chunk=chunk)
-                self.metrics.bytes_out.labels(codec.codec_name(link_header.codec)).inc(link_header.total_bytes)
+                self.metrics.bytes_out.labels(layout.codec_name(link_header.codec)).inc(
+                    link_header.total_bytes
+                )
             return
         assert snap is not None
         _, header, buf = snap
-        yield pb.PullReply(header=pb.PullHeader(fragment_id=fid, version=version, server_epoch=self.epoch, payload=header, checksum=checksum))
+        yield pb.PullReply(
+            header=pb.PullHeader(
+                fragment_id=fid,
+                version=version,
+                server_epoch=self.epoch,
+                payload=header,
+                checksum=checksum,
+            )
+        )
         for chunk in framing.iter_chunks(buf):
             yield pb.PullReply(chunk=chunk)
-        self.metrics.bytes_out.labels(codec.codec_name(header.codec)).inc(header.total_bytes)
+        self.metrics.bytes_out.labels(layout.codec_name(header.codec)).inc(header.total_bytes)
 
     def open_round_shares(self) -> list[Share]:
         """Shares held in open rounds (for tests and shutdown accounting)."""
-        return [c.share for f in self.fragments if (r := f.admission.round) is not None for c in r.contributions]
+        return [
+            c.share
+            for f in self.fragments
+            if (r := f.admission.round) is not None
+            for c in r.contributions
+        ]
 
     # Housekeeping and durability -------------------------------------------------------------
 
@@ -343,40 +475,66 @@ class Synchronizer:
                 interval = self.cfg.checkpoint_interval_s
                 if interval > 0 and time.monotonic() - last_checkpoint >= interval:
                     last_checkpoint = time.monotonic()
-                    threading.Thread(target=self.save_checkpoint, name="checkpoint", daemon=True).start()
+                    threading.Thread(
+                        target=self.save_checkpoint, name="checkpoint", daemon=True
+                    ).start()
             except Exception:  # housekeeping must outlive a bad tick
                 logger.exception("housekeeping tick failed")
 
-    def save_checkpoint(self) -> None:
-        """Writes the state atomically (no-op before the model is initialised). While a fragment
-        is failed nothing is written: the newest checkpoint stays the last healthy state."""
+    def save_checkpoint(self) -> bool:
+        """Writes the state atomically; False if it could not (nothing to save before the model
+        is initialised counts as saved). While a fragment is failed nothing is written: the
+        newest checkpoint stays the last healthy state. A write that fails (a full disk, a
+        read-only volume) is an ERROR record, `diloco_checkpoint_failures_total` and part of
+        `unhealthy` until a later one succeeds; the service keeps serving."""
         if not self.initialized or self.spec is None:
-            return
+            return True
         if self.failures:
-            logger.error("no checkpoint written while a fragment is failed (%s); a restart resumes from the last healthy one", self.unhealthy)
-            return
+            logger.error(
+                "no checkpoint written while a fragment is failed (%s); a restart resumes from the last healthy one",
+                self.unhealthy,
+            )
+            return False
+        try:
+            self._write_checkpoint(self.spec)
+        except FragmentFailed as e:  # failed while the state was being collected
+            logger.error("no checkpoint written: %s", e)
+            return False
+        except Exception as e:  # noqa: BLE001 - any failure to save must be loud, not a lost traceback
+            self.checkpoint_failure = f"{type(e).__name__}: {e}"
+            self.metrics.checkpoint_failures.inc()
+            newest = checkpoint.list_checkpoints(self.cfg.state_dir)
+            logger.error(
+                "checkpoint to %s failed (%s); the newest on disk is still %s",
+                self.cfg.state_dir,
+                self.checkpoint_failure,
+                newest[-1][1].name if newest else "none",
+            )
+            return False
+        self.checkpoint_failure = None
+        return True
+
+    def _write_checkpoint(self, spec: ModelSpec) -> None:
         t0 = time.perf_counter()
         with self.checkpoint_lock:
             tensors: dict[str, torch.Tensor] = {}
             frag_meta = []
-            try:
-                for frag in self.fragments:
-                    t, m = frag.model.state()
-                    tensors.update(t)
-                    frag_meta.append(m)
-            except FragmentFailed as e:  # failed while the state was being collected
-                logger.error("no checkpoint written: %s", e)
-                return
+            for frag in self.fragments:
+                t, m = frag.model.state()
+                tensors.update(t)
+                frag_meta.append(m)
             meta = {
                 "format": 1,
-                "spec": base64.b64encode(self.spec.to_proto().SerializeToString()).decode(),
+                "spec": base64.b64encode(spec.to_proto().SerializeToString()).decode(),
                 "fragments": frag_meta,
                 "learners": self.registry.snapshot(),
             }
             path = checkpoint.save(self.cfg.state_dir, tensors, meta, self.cfg.keep_checkpoints)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
-        logger.info("checkpoint %s written (versions %s)", path.name, [f.version for f in self.fragments])
+        logger.info(
+            "checkpoint %s written (versions %s)", path.name, [f.version for f in self.fragments]
+        )
 
     def _restore(self) -> None:
         found = checkpoint.load_latest(self.cfg.state_dir)
@@ -392,9 +550,9 @@ class Synchronizer:
         self.registry.restore(meta.get("learners", []))
         logger.info("restored %s: versions %s", path, [f.version for f in self.fragments])
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Stops housekeeping, answers waiting pulls, merges every acknowledged contribution,
-        writes a final checkpoint."""
+        writes a final checkpoint; False if that checkpoint could not be written."""
         self.stopping.set()
         self.housekeeper.join(timeout=5)
         for frag in self.fragments:
@@ -402,4 +560,4 @@ class Synchronizer:
         if self.rounds is not None:
             self.rounds.flush()
             self.rounds.shutdown()
-        self.save_checkpoint()
+        return self.save_checkpoint()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from protos import codec, framing
+from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 
 Link = tuple[int, pb.PayloadHeader, torch.Tensor]  # (version it produces, header, encoded bytes)
@@ -28,7 +28,7 @@ class Downlink:
     def __init__(self, numel: int, update_codec: str, history: int) -> None:
         self.numel = numel
         self.history = history
-        self.codec = codec.parse_codec(update_codec)
+        self.codec = layout.parse_codec(update_codec)
         self.chain: deque[Link] = deque()
         self.residual: torch.Tensor | None = None  # error feedback of the update codec
         self._decoded = torch.empty(0)  # the newest update as decoded, before it is added
@@ -43,7 +43,7 @@ class Downlink:
         if self.residual is None:
             self.residual = torch.zeros(self.numel)
         update = torch.add(self.residual, merged, alpha=factor, out=merged)
-        header = codec.make_header(self.codec, self.numel)
+        header = layout.make_header(self.codec, self.numel)
         encoded = codec.encode(update, self.codec)  # fresh: pulls may still be streaming old links
         if self._decoded.numel() != self.numel:
             self._decoded = torch.empty(self.numel)
@@ -63,7 +63,7 @@ class Downlink:
         cached = self._snapshots.get(codec_id)
         if cached is not None and cached[0] == version:
             return cached
-        header = codec.make_header(codec_id, self.numel)
+        header = layout.make_header(codec_id, self.numel)
         snap = (version, header, codec.encode(params, codec_id).cpu())
         self._snapshots[codec_id] = snap
         return snap
@@ -92,7 +92,11 @@ class Downlink:
     def restore(self, tensors: dict[str, torch.Tensor], chain: list[Any], prefix: str) -> None:
         self.residual = tensors.get(prefix + "residual")
         self.chain = deque(
-            (int(v), codec.make_header(int(c), self.numel, int(b) or codec.DEFAULT_BLOCK_SIZE), tensors[prefix + f"chain.{i}"])
+            (
+                int(v),
+                layout.make_header(int(c), self.numel, int(b) or layout.DEFAULT_BLOCK_SIZE),
+                tensors[prefix + f"chain.{i}"],
+            )
             for i, (v, c, b) in enumerate(chain)
         )
         while len(self.chain) > self.history:

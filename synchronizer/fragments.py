@@ -30,7 +30,14 @@ EMBEDDING_HINTS = ("emb", "wte", "wpe")  # tensors merged by plain mean in radia
 
 
 class Fragment:
-    def __init__(self, spec: FragmentSpec, cfg: SynchronizerConfig, metrics: Metrics, goodput: Goodput, model_numel: int) -> None:
+    def __init__(
+        self,
+        spec: FragmentSpec,
+        cfg: SynchronizerConfig,
+        metrics: Metrics,
+        goodput: Goodput,
+        model_numel: int,
+    ) -> None:
         self.spec = spec
         self.fid = spec.fragment_id
         self.numel = spec.numel
@@ -38,12 +45,18 @@ class Fragment:
         self.share = spec.numel / max(model_numel, 1)
         offsets = spec.offsets()
         self.segments = [(s, e) for _, s, e in offsets]
-        self.mean_segments = {i for i, (name, _, _) in enumerate(offsets) if any(h in name.lower() for h in EMBEDDING_HINTS)}
+        self.mean_segments = {
+            i
+            for i, (name, _, _) in enumerate(offsets)
+            if any(h in name.lower() for h in EMBEDDING_HINTS)
+        }
         # Budgets of two FP32 copies each: pooled buffers, and payloads held for the outer step.
         self.pool = BufferPool(spec.numel, 2 * 4 * spec.numel)
         self.held = HeldBudget(2 * 4 * spec.numel)
         self.model = FragmentModel(self.fid, spec.numel, cfg)
-        self.admission = Admission(cfg, metrics, goodput, self._new_accumulator, self.pool, self.held)
+        self.admission = Admission(
+            cfg, metrics, goodput, self._new_accumulator, self.pool, self.held
+        )
         self.metrics = metrics
         metrics.fragment_version.labels(str(self.fid)).set(0)
 
@@ -53,7 +66,12 @@ class Fragment:
 
     def _new_accumulator(self) -> Accumulator:
         radial = self.cfg.merge == "radial"
-        return Accumulator(self.numel, self.segments if radial else None, radial=radial, mean_segments=self.mean_segments if radial else None)
+        return Accumulator(
+            self.numel,
+            self.segments if radial else None,
+            radial=radial,
+            mean_segments=self.mean_segments if radial else None,
+        )
 
     def initialize(self, params: torch.Tensor, version: int = 0) -> None:
         self.model.initialize(params, version)
@@ -65,10 +83,21 @@ class Fragment:
         self.admission.reset(self.model.version)
         self.metrics.fragment_version.labels(str(self.fid)).set(self.model.version)
 
-    def submit(self, learner_id: str, base_version: int, tokens: int, steps: int, compute_s: float, payload: tuple[torch.Tensor, pb.PayloadHeader], hold: bool = False) -> tuple[Verdict, Round | None]:
+    def submit(
+        self,
+        learner_id: str,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        compute_s: float,
+        payload: tuple[torch.Tensor, pb.PayloadHeader],
+        hold: bool = False,
+    ) -> tuple[Verdict, Round | None]:
         """Judges one push into the open round (see `Admission.submit`)."""
         share = Share(tokens * self.share, compute_s * self.share)
-        return self.admission.submit(learner_id, base_version, tokens, steps, share, self.model.version, payload, hold)
+        return self.admission.submit(
+            learner_id, base_version, tokens, steps, share, self.model.version, payload, hold
+        )
 
     def apply(self, rnd: Round) -> float:
         """Decodes a taken round's held pushes, merges them and applies the outer step, in
@@ -79,7 +108,9 @@ class Fragment:
         acc = rnd.acc
 
         def merge(out: torch.Tensor) -> torch.Tensor:
-            return out.zero_() if acc.total_weight == 0 else acc.merged(out)  # zero weights: no change
+            return (
+                out.zero_() if acc.total_weight == 0 else acc.merged(out)
+            )  # zero weights: no change
 
         seconds = self.model.step(rnd.start_version, merge, rnd.contributions) + t_decode
         acc.reset()

@@ -108,8 +108,14 @@ class Goodput:
 
     def in_flight(self) -> tuple[float, float]:
         with self.lock:
-            unpushed_t = sum(max(0.0, r[0] - self.accounted.get(k, [0.0, 0.0])[0]) for k, r in self.reported.items())
-            unpushed_c = sum(max(0.0, r[1] - self.accounted.get(k, [0.0, 0.0])[1]) for k, r in self.reported.items())
+            unpushed_t = sum(
+                max(0.0, r[0] - self.accounted.get(k, [0.0, 0.0])[0])
+                for k, r in self.reported.items()
+            )
+            unpushed_c = sum(
+                max(0.0, r[1] - self.accounted.get(k, [0.0, 0.0])[1])
+                for k, r in self.reported.items()
+            )
             return self.pending_tokens + unpushed_t, self.pending_compute + unpushed_c
 
     def ratio(self) -> float:

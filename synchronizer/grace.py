@@ -32,7 +32,13 @@ class GraceWindow:
     def _ema(self, old: float, new: float) -> float:
         return new if old == 0.0 else self.beta * old + (1 - self.beta) * new
 
-    def observe(self, step_time: float = 0.0, quorum_time: float = -1.0, apply_time: float = -1.0, overlap_steps: int = 0) -> None:
+    def observe(
+        self,
+        step_time: float = 0.0,
+        quorum_time: float = -1.0,
+        apply_time: float = -1.0,
+        overlap_steps: int = 0,
+    ) -> None:
         with self.lock:
             if step_time > 0:
                 self.step_time = self._ema(self.step_time, step_time)

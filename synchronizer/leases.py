@@ -100,7 +100,9 @@ class Registry:
                 rec.lease_deadline = now + self.lease_s
             return rec
 
-    def report(self, rec: LearnerRecord, counters: pb.LearnerCounters, step_time_s: float = 0.0) -> float:
+    def report(
+        self, rec: LearnerRecord, counters: pb.LearnerCounters, step_time_s: float = 0.0
+    ) -> float:
         """Stores cumulative counters (they never go down); returns the new blocked seconds."""
         with self.lock:
             blocked_delta = max(0.0, counters.blocked_s - rec.blocked_s)
@@ -131,7 +133,11 @@ class Registry:
                 if rec.state == "alive" and now > rec.lease_deadline:
                     rec.state, rec.died_at = "dead", now
                     died.append(rec)
-                elif rec.state == "dead" and rec.died_at is not None and now - rec.died_at > self.forget_after_s:
+                elif (
+                    rec.state == "dead"
+                    and rec.died_at is not None
+                    and now - rec.died_at > self.forget_after_s
+                ):
                     rec.state = "left"
         for rec in died:
             logger.warning("learner %s (%s) lease lapsed: now dead", rec.learner_id, rec.name)
@@ -140,7 +146,11 @@ class Registry:
     def live_ids(self) -> set[str]:
         now = time.monotonic()
         with self.lock:
-            return {r.learner_id for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline}
+            return {
+                r.learner_id
+                for r in self.learners.values()
+                if r.state == "alive" and now <= r.lease_deadline
+            }
 
     def counts(self) -> dict[str, int]:
         with self.lock:
@@ -189,7 +199,11 @@ class Registry:
     def inner_steps_for(self, rec: LearnerRecord, inner_steps: int) -> int:
         """H_m = floor(v_m / v_max * H) from measured step times (Async Local-SGD DyLU)."""
         with self.lock:
-            times = [r.step_time_s for r in self.learners.values() if r.state == "alive" and r.step_time_s > 0]
+            times = [
+                r.step_time_s
+                for r in self.learners.values()
+                if r.state == "alive" and r.step_time_s > 0
+            ]
             if rec.step_time_s <= 0 or not times:
                 return inner_steps
             return max(1, int(min(times) / rec.step_time_s * inner_steps))

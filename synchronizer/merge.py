@@ -160,12 +160,27 @@ class Accumulator:
         self._total_weight += weight
         self._count += 1
 
-    def add_payload(self, buf: torch.Tensor, header: pb.PayloadHeader, weight: float, scratch: torch.Tensor | None = None) -> None:
+    def add_payload(
+        self,
+        buf: torch.Tensor,
+        header: pb.PayloadHeader,
+        weight: float,
+        scratch: torch.Tensor | None = None,
+    ) -> None:
         """`add` of an encoded contribution that passed `codec.check`: decoded and weighted in
         one pass in mean mode (`codec.accumulate`); radial mode and FP4 decode into `scratch`
         (FP32, numel; allocated when not given)."""
         if self.radial:
-            self.add(codec.decode(buf, header, scratch if scratch is not None else torch.empty(self.numel, device=self._sum.device)), weight)
+            self.add(
+                codec.decode(
+                    buf,
+                    header,
+                    scratch
+                    if scratch is not None
+                    else torch.empty(self.numel, device=self._sum.device),
+                ),
+                weight,
+            )
             return
         weight = _check_weight("weight", weight)
         if int(header.numel) != self.numel:

@@ -42,7 +42,9 @@ class Metrics:
             registry=r,
         )
         self.tokens_in_flight = Gauge(
-            "diloco_tokens_in_flight", "Tokens processed but not yet merged, discarded or lost.", registry=r
+            "diloco_tokens_in_flight",
+            "Tokens processed but not yet merged, discarded or lost.",
+            registry=r,
         )
         self.compute_in_flight = Gauge(
             "diloco_compute_seconds_in_flight",
@@ -90,7 +92,10 @@ class Metrics:
             registry=r,
         )
         self.bytes_in = Counter(
-            "diloco_received_bytes_total", "Payload bytes received, by codec.", ["codec"], registry=r
+            "diloco_received_bytes_total",
+            "Payload bytes received, by codec.",
+            ["codec"],
+            registry=r,
         )
         self.bytes_out = Counter(
             "diloco_sent_bytes_total", "Payload bytes sent, by codec.", ["codec"], registry=r
@@ -107,10 +112,16 @@ class Metrics:
             registry=r,
         )
         self.rpcs = Counter(
-            "diloco_rpcs_total", "RPCs handled, by method and status code.", ["method", "code"], registry=r
+            "diloco_rpcs_total",
+            "RPCs handled, by method and status code.",
+            ["method", "code"],
+            registry=r,
         )
-        self.checkpoints = Counter(
-            "diloco_checkpoints_total", "Checkpoints written.", registry=r
+        self.checkpoints = Counter("diloco_checkpoints_total", "Checkpoints written.", registry=r)
+        self.checkpoint_failures = Counter(
+            "diloco_checkpoint_failures_total",
+            "Checkpoints that could not be written (the previous one stays the newest).",
+            registry=r,
         )
         self.checkpoint_seconds = Histogram(
             "diloco_checkpoint_seconds",

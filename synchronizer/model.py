@@ -84,7 +84,9 @@ class FragmentModel:
             if self.cfg.anchor == "current":
                 self._reanchor(start_version, contributions, merged)
             if self.cfg.update_history > 0:
-                self.downlink.step(self.params, merged, self.outer.direction(merged), start_version + 1)
+                self.downlink.step(
+                    self.params, merged, self.outer.direction(merged), start_version + 1
+                )
             else:
                 self.outer.step(self.params, merged)
             self.version = start_version + 1
@@ -92,7 +94,9 @@ class FragmentModel:
             self.cv.notify_all()
             return time.perf_counter() - t0
 
-    def _reanchor(self, start_version: int, contributions: Sequence[Contributor], merged: torch.Tensor) -> None:
+    def _reanchor(
+        self, start_version: int, contributions: Sequence[Contributor], merged: torch.Tensor
+    ) -> None:
         """Adds sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current fragment."""
         total = sum(c.weight for c in contributions)
         stale = [c for c in contributions if c.base_version < start_version]
@@ -128,20 +132,34 @@ class FragmentModel:
         failed, or shutting down."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
-            while (self.version < min_version or self.params is None) and self.failure is None and not self.stopping:
+            while (
+                (self.version < min_version or self.params is None)
+                and self.failure is None
+                and not self.stopping
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
                 self.cv.wait(left)
 
-    def served(self, codec_id: pb.Codec, have_version: int | None) -> tuple[Link | None, list[Link] | None, int, int]:
+    def served(
+        self, codec_id: pb.Codec, have_version: int | None
+    ) -> tuple[Link | None, list[Link] | None, int, int]:
         """What a pull gets, judged at one version: (full snapshot or None, delta links or None,
         version, checksum). Links when `have_version` is given and the chain still covers it."""
         with self.cv:
             self._check_healthy()
             assert self.params is not None
-            links = self.downlink.since(have_version, self.version) if have_version is not None else None
-            snap = None if links is not None else self.downlink.snapshot(self.params, self.version, codec_id)
+            links = (
+                self.downlink.since(have_version, self.version)
+                if have_version is not None
+                else None
+            )
+            snap = (
+                None
+                if links is not None
+                else self.downlink.snapshot(self.params, self.version, codec_id)
+            )
             return snap, links, self.version, self.downlink.checksum(self.params, self.version)
 
     # Durability ------------------------------------------------------------------------------
@@ -152,7 +170,9 @@ class FragmentModel:
             assert self.params is not None
             p = f"frag.{self.fid}."
             tensors = {p + "params": self.params.clone()}
-            tensors.update({p + "outer." + k: v.clone() for k, v in self.outer.state_dict().items()})
+            tensors.update(
+                {p + "outer." + k: v.clone() for k, v in self.outer.state_dict().items()}
+            )
             chain_tensors, chain = self.downlink.state(p)
             tensors.update(chain_tensors)
             return tensors, {"version": self.version, "outer": self.cfg.outer, "chain": chain}
@@ -162,8 +182,19 @@ class FragmentModel:
         self.initialize(tensors[p + "params"], int(meta["version"]))
         outer_prefix = p + "outer."
         if meta.get("outer") == self.cfg.outer:
-            self.outer.load_state_dict({k[len(outer_prefix):]: v for k, v in tensors.items() if k.startswith(outer_prefix)})
+            self.outer.load_state_dict(
+                {
+                    k[len(outer_prefix) :]: v
+                    for k, v in tensors.items()
+                    if k.startswith(outer_prefix)
+                }
+            )
         else:
-            logger.warning("fragment %d: checkpoint has %s outer state, configured %s: starting it fresh", self.fid, meta.get("outer"), self.cfg.outer)
+            logger.warning(
+                "fragment %d: checkpoint has %s outer state, configured %s: starting it fresh",
+                self.fid,
+                meta.get("outer"),
+                self.cfg.outer,
+            )
         with self.cv:
             self.downlink.restore(tensors, meta.get("chain", []), p)

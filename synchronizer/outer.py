@@ -63,7 +63,9 @@ class OuterOptimizer(ABC):
         if params.dtype != torch.float32:
             raise TypeError(f"params must be float32, got {params.dtype}")
         if params.shape != (self.numel,):
-            raise ValueError(f"params must be flat with {self.numel} elements, got {tuple(params.shape)}")
+            raise ValueError(
+                f"params must be flat with {self.numel} elements, got {tuple(params.shape)}"
+            )
         self._check_grad(grad)  # before direction() changes any state
         params.add_(grad, alpha=self.direction(grad))
 
@@ -89,7 +91,9 @@ class OuterOptimizer(ABC):
         if grad.dtype != torch.float32:
             raise TypeError(f"grad must be float32, got {grad.dtype}")
         if grad.shape != (self.numel,):
-            raise ValueError(f"grad must be flat with {self.numel} elements, got {tuple(grad.shape)}")
+            raise ValueError(
+                f"grad must be flat with {self.numel} elements, got {tuple(grad.shape)}"
+            )
 
     @staticmethod
     def _load_into(state: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:

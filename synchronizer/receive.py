@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from protos import codec, framing
+from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from synchronizer import wire
 from synchronizer.errors import Code, Rejected, invalid
@@ -25,7 +25,10 @@ def check_push_header(h: pb.PushHeader, version: int, needs_tokens: bool) -> Non
     if h.seq < 1:
         raise invalid("bad_seq", "push seq must be >= 1 (number pushes from JoinReply.next_seq)")
     if h.steps < 1 or (needs_tokens and h.tokens < 1):
-        raise invalid("bad_counters", f"a push must cover at least one step and one token (got steps={h.steps}, tokens={h.tokens})")
+        raise invalid(
+            "bad_counters",
+            f"a push must cover at least one step and one token (got steps={h.steps}, tokens={h.tokens})",
+        )
     if not (math.isfinite(h.compute_s) and h.compute_s >= 0):
         raise invalid("bad_counters", "compute_s must be finite and non-negative")
     if h.base_version > version:
@@ -39,8 +42,8 @@ def check_push_header(h: pb.PushHeader, version: int, needs_tokens: bool) -> Non
 
 def validate_payload(header: pb.PayloadHeader, numel: int, allowed: tuple[int, ...]) -> None:
     try:
-        codec.validate_header(header, numel, allowed)
-    except codec.CodecError as e:
+        layout.validate_header(header, numel, allowed)
+    except layout.CodecError as e:
         raise invalid("bad_payload_header", str(e)) from None
 
 
@@ -51,14 +54,20 @@ def add_chunk(asm: framing.Assembler, chunk: pb.Chunk | wire.RawChunk) -> None:
         offset, data, start = chunk.offset, chunk.data, 0
         size = len(data)
     if offset + size > asm.total_bytes:
-        raise Rejected(Code.RESOURCE_EXHAUSTED, "oversized", f"chunk at offset {offset} of {size} bytes runs past the payload's {asm.total_bytes} bytes")
+        raise Rejected(
+            Code.RESOURCE_EXHAUSTED,
+            "oversized",
+            f"chunk at offset {offset} of {size} bytes runs past the payload's {asm.total_bytes} bytes",
+        )
     try:
         asm.add_data(offset, data, start, size)
-    except codec.CodecError as e:
+    except layout.CodecError as e:
         raise invalid("bad_chunk", str(e)) from None
 
 
-def payload(messages: Iterator[Any], header: pb.PayloadHeader, buffer: torch.Tensor) -> pb.PayloadHeader:
+def payload(
+    messages: Iterator[Any], header: pb.PayloadHeader, buffer: torch.Tensor
+) -> pb.PayloadHeader:
     """Receives a push's chunks into `buffer` and checks the values; returns a copy of the
     (validated) header that the round may keep."""
     asm = framing.Assembler(header, buffer=buffer)
@@ -67,17 +76,22 @@ def payload(messages: Iterator[Any], header: pb.PayloadHeader, buffer: torch.Ten
             raise invalid("bad_stream", "only chunks may follow the PushHeader")
         add_chunk(asm, msg.chunk)
     if not asm.complete:
-        raise invalid("incomplete", f"stream ended after {asm.received} of {asm.total_bytes} bytes; nothing was applied")
+        raise invalid(
+            "incomplete",
+            f"stream ended after {asm.received} of {asm.total_bytes} bytes; nothing was applied",
+        )
     kept = pb.PayloadHeader()
     kept.CopyFrom(header)
     try:
         codec.check(asm.finish(), kept)
-    except codec.CodecError as e:
+    except layout.CodecError as e:
         raise invalid("bad_values", f"payload rejected: {e}") from None
     return kept
 
 
-def init_fragments(messages: Iterator[pb.InitModelRequest], known: Callable[[int], object], numels: list[int]) -> list[torch.Tensor]:
+def init_fragments(
+    messages: Iterator[pb.InitModelRequest], known: Callable[[int], object], numels: list[int]
+) -> list[torch.Tensor]:
     """Every fragment's FP32 parameters from an InitModel stream, each exactly once, checked
     finite. `known(fid)` raises for a fragment id the model does not have."""
     got: dict[int, torch.Tensor] = {}
@@ -88,7 +102,10 @@ def init_fragments(messages: Iterator[pb.InitModelRequest], known: Callable[[int
         kind = msg.WhichOneof("kind")
         if kind == "fragment":
             if asm is not None:
-                raise invalid("bad_stream", f"fragment {fid} ended after {asm.received} of {asm.total_bytes} bytes")
+                raise invalid(
+                    "bad_stream",
+                    f"fragment {fid} ended after {asm.received} of {asm.total_bytes} bytes",
+                )
             fid = msg.fragment.fragment_id
             known(fid)
             if fid in got:
@@ -104,12 +121,17 @@ def init_fragments(messages: Iterator[pb.InitModelRequest], known: Callable[[int
             raise invalid("bad_stream", f"unexpected {kind!r} message inside InitModel")
         if asm is not None and asm.complete:
             try:
-                got[fid] = codec.decode(asm.finish(), header, torch.empty(numels[fid], dtype=torch.float32))
-            except codec.CodecError as e:
+                got[fid] = codec.decode(
+                    asm.finish(), header, torch.empty(numels[fid], dtype=torch.float32)
+                )
+            except layout.CodecError as e:
                 raise invalid("bad_values", f"payload rejected: {e}") from None
             asm = None
     if asm is not None:
-        raise invalid("bad_stream", f"stream ended after {asm.received} of {asm.total_bytes} bytes of fragment {fid}")
+        raise invalid(
+            "bad_stream",
+            f"stream ended after {asm.received} of {asm.total_bytes} bytes of fragment {fid}",
+        )
     missing = [f for f in range(len(numels)) if f not in got]
     if missing:
         raise invalid("bad_stream", f"InitModel ended without fragments {missing}")

@@ -90,7 +90,15 @@ class Verdict:
 class Admission:
     """One fragment's open round: judges pushes into it and says when it may close."""
 
-    def __init__(self, cfg: SynchronizerConfig, metrics: Metrics, goodput: Goodput, new_accumulator: Callable[[], Accumulator], pool: BufferPool, held: HeldBudget) -> None:
+    def __init__(
+        self,
+        cfg: SynchronizerConfig,
+        metrics: Metrics,
+        goodput: Goodput,
+        new_accumulator: Callable[[], Accumulator],
+        pool: BufferPool,
+        held: HeldBudget,
+    ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.goodput = goodput
@@ -110,7 +118,17 @@ class Admission:
         """A taken round's outer step has not finished yet."""
         return self.pending_version != version
 
-    def submit(self, learner_id: str, base_version: int, tokens: int, steps: int, share: Share, current_version: int, payload: tuple[torch.Tensor, pb.PayloadHeader], hold: bool) -> tuple[Verdict, Round | None]:
+    def submit(
+        self,
+        learner_id: str,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        share: Share,
+        current_version: int,
+        payload: tuple[torch.Tensor, pb.PayloadHeader],
+        hold: bool,
+    ) -> tuple[Verdict, Round | None]:
         """Judges one push (its encoded bytes and header) and adds it to the open round; returns
         the verdict and its round.
 
@@ -126,9 +144,14 @@ class Admission:
             self.metrics.staleness.observe(staleness)
             if staleness > self.cfg.max_staleness:
                 self.goodput.discarded(learner_id, share)
-                return Verdict(pb.PUSH_DROPPED_STALE, start + 1, current_version, staleness, 0.0), None
+                return Verdict(
+                    pb.PUSH_DROPPED_STALE, start + 1, current_version, staleness, 0.0
+                ), None
             weight = token_weight(self.cfg.token_weight, tokens, steps) * staleness_factor(
-                self.cfg.staleness_weight, staleness, self.cfg.staleness_alpha, self.cfg.staleness_hinge
+                self.cfg.staleness_weight,
+                staleness,
+                self.cfg.staleness_alpha,
+                self.cfg.staleness_hinge,
             )
             if self.round is None:
                 if self.spare is not None:
@@ -192,7 +215,16 @@ class Admission:
 class Rounds:
     """Decides when rounds close and closes them on worker threads (never on gRPC threads)."""
 
-    def __init__(self, fragments: list[Fragment], grace: GraceWindow, metrics: Metrics, goodput: Goodput, live: Callable[[], set[str]], threads: int, on_failure: Callable[[Fragment, str], None]) -> None:
+    def __init__(
+        self,
+        fragments: list[Fragment],
+        grace: GraceWindow,
+        metrics: Metrics,
+        goodput: Goodput,
+        live: Callable[[], set[str]],
+        threads: int,
+        on_failure: Callable[[Fragment, str], None],
+    ) -> None:
         self.fragments = fragments
         self.grace = grace
         self.metrics = metrics
@@ -244,8 +276,13 @@ class Rounds:
             seconds = frag.apply(rnd)
         except Exception as e:  # noqa: BLE001 - the failure becomes the fragment's state
             if frag.model.failure is None:
-                logger.exception("outer step of fragment %d round %d failed", frag.fid, rnd.start_version + 1)
-                self.on_failure(frag, f"the outer step to version {rnd.start_version + 1} raised {type(e).__name__}: {e}")
+                logger.exception(
+                    "outer step of fragment %d round %d failed", frag.fid, rnd.start_version + 1
+                )
+                self.on_failure(
+                    frag,
+                    f"the outer step to version {rnd.start_version + 1} raised {type(e).__name__}: {e}",
+                )
             return
         self.grace.observe(apply_time=seconds)
         self.metrics.round_apply.observe(seconds)
@@ -253,7 +290,13 @@ class Rounds:
         self.metrics.outer_steps.inc()
         self.metrics.fragment_version.labels(str(frag.fid)).set(frag.model.version)
         self.goodput.merged([c.share for c in rnd.contributions])
-        logger.debug("fragment %d -> version %d from %d contributions in %.4fs", frag.fid, frag.model.version, len(rnd.contributions), seconds)
+        logger.debug(
+            "fragment %d -> version %d from %d contributions in %.4fs",
+            frag.fid,
+            frag.model.version,
+            len(rnd.contributions),
+            seconds,
+        )
         self.check(frag)  # the next round may have filled up while this one was applied
 
     def flush(self) -> None:
@@ -265,7 +308,10 @@ class Rounds:
                 self._close(frag, rnd)
         for frag in self.fragments:
             with frag.model.cv:
-                while frag.model.version < frag.admission.pending_version and frag.model.failure is None:
+                while (
+                    frag.model.version < frag.admission.pending_version
+                    and frag.model.failure is None
+                ):
                     frag.model.cv.wait(1.0)
 
     def shutdown(self) -> None:

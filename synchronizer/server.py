@@ -38,7 +38,9 @@ OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry 
 ADMIN_METHODS = (f"/{SERVICE_NAME}/Status",)
 
 
-def _abort_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def _abort_handler(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses the call."""
 
     def deny(request: Any, context: grpc.ServicerContext) -> None:
@@ -65,7 +67,11 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         self.learner = f"Bearer {token}" if token else None
         self.admin = f"Bearer {admin_token}" if admin_token else None
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler], details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         method: str = details.method  # type: ignore[attr-defined]
         if method.startswith(OPEN_METHODS):
             return continuation(details)
@@ -76,11 +82,23 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
                 return continuation(details)
             handler = continuation(details)
             if presented in known:
-                return _abort_handler(handler, grpc.StatusCode.PERMISSION_DENIED, "this RPC needs the admin token, not a learner token")
-            return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')")
+                return _abort_handler(
+                    handler,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "this RPC needs the admin token, not a learner token",
+                )
+            return _abort_handler(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')",
+            )
         if self.learner is None or presented in known:
             return continuation(details)
-        return _abort_handler(continuation(details), grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')")
+        return _abort_handler(
+            continuation(details),
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')",
+        )
 
 
 @dataclass
@@ -106,7 +124,9 @@ def _credentials(cfg: SynchronizerConfig) -> grpc.ServerCredentials | None:
         return None
     key, cert = cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes()
     ca = cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def _not_serving(servicer: health.HealthServicer, reason: str) -> None:
@@ -119,7 +139,11 @@ def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningSer
     """Starts the service; raises OSError if a port cannot be bound."""
     metrics = metrics or Metrics()
     core = Synchronizer(cfg, metrics)
-    interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.admin_token)] if cfg.auth_token or cfg.admin_token else []
+    interceptors = (
+        [BearerTokenInterceptor(cfg.auth_token, cfg.admin_token)]
+        if cfg.auth_token or cfg.admin_token
+        else []
+    )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
@@ -135,34 +159,53 @@ def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningSer
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     bind = f"{cfg.host}:{cfg.port}"
     creds = _credentials(cfg)
     port = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
     if port == 0:
         core.close()
-        raise OSError(f"could not bind the gRPC port {bind} (in use, or not an address of this host)")
+        raise OSError(
+            f"could not bind the gRPC port {bind} (in use, or not an address of this host)"
+        )
     metrics_port, httpd = None, None
     if cfg.metrics_port >= 0:
-        httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
+        httpd, _ = start_http_server(
+            cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry
+        )
         metrics_port = httpd.server_port
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     core.health_listeners.append(lambda reason: _not_serving(health_servicer, reason))
-    logger.info("Synchronizer serving gRPC on %s:%d, metrics on %s (epoch %s)", cfg.host, port, f"{cfg.metrics_host}:{metrics_port}" if metrics_port is not None else "nothing", core.epoch)
+    logger.info(
+        "Synchronizer serving gRPC on %s:%d, metrics on %s (epoch %s)",
+        cfg.host,
+        port,
+        f"{cfg.metrics_host}:{metrics_port}" if metrics_port is not None else "nothing",
+        core.epoch,
+    )
     return RunningServer(server, core, health_servicer, port, metrics_port, cfg.host, httpd)
 
 
-def stop(running: RunningServer, grace_s: float) -> None:
-    """Health NOT_SERVING, stop RPCs within grace, merge acknowledged work, checkpoint."""
+def stop(running: RunningServer, grace_s: float) -> bool:
+    """Health NOT_SERVING, stop RPCs within grace, merge acknowledged work, checkpoint; False if
+    the final checkpoint could not be written (the log says why)."""
     running.health.enter_graceful_shutdown()
     running.server.stop(grace_s).wait()
-    running.synchronizer.close()
+    saved = running.synchronizer.close()
     if running.metrics_httpd is not None:
         running.metrics_httpd.shutdown()
         running.metrics_httpd.server_close()
-    logger.info("Synchronizer stopped")
+    if saved:
+        logger.info("Synchronizer stopped")
+    else:
+        logger.error(
+            "Synchronizer stopped without its final checkpoint: what it acknowledged since the newest checkpoint on disk is lost"
+        )
+    return saved
 
 
 @contextlib.contextmanager
@@ -174,9 +217,10 @@ def serving(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> Iterator
         stop(running, cfg.shutdown_grace_s)
 
 
-def serve(cfg: SynchronizerConfig, on_ready: Callable[[RunningServer], None] | None = None) -> None:
-    """Runs until SIGTERM or SIGINT, then shuts down cleanly. Owns the process: sets its signal
-    handlers and torch's thread count (`compute_threads`)."""
+def serve(cfg: SynchronizerConfig, on_ready: Callable[[RunningServer], None] | None = None) -> bool:
+    """Runs until SIGTERM or SIGINT, then shuts down cleanly; False if the final checkpoint could
+    not be written. Owns the process: sets its signal handlers and torch's thread count
+    (`compute_threads`)."""
     torch.set_num_threads(cfg.compute_threads)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -187,5 +231,7 @@ def serve(cfg: SynchronizerConfig, on_ready: Callable[[RunningServer], None] | N
             on_ready(running)
         done.wait()
         logger.info("shutting down (grace %.1fs)", cfg.shutdown_grace_s)
-    finally:
+    except BaseException:
         stop(running, cfg.shutdown_grace_s)
+        raise
+    return stop(running, cfg.shutdown_grace_s)

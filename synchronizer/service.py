@@ -29,7 +29,9 @@ class SynchronizerService:
         self.core = core
         self.metrics = core.metrics
 
-    def _finish(self, method: str, context: grpc.ServicerContext, exc: BaseException | None) -> NoReturn | None:
+    def _finish(
+        self, method: str, context: grpc.ServicerContext, exc: BaseException | None
+    ) -> NoReturn | None:
         if isinstance(exc, Rejected):
             self.metrics.rejections.labels(exc.code.name, exc.reason).inc()
             self.metrics.rpcs.labels(method, exc.code.name).inc()
@@ -42,10 +44,17 @@ class SynchronizerService:
             # timed out; the service makes no calls of its own), or thrown into a reply stream
             # gRPC stopped reading: expected, and nothing of a half-received push was applied.
             self.metrics.rpcs.labels(method, "CANCELLED").inc()
-            logger.warning("%s: the client went away before the call completed; nothing of it was applied", method)
+            logger.warning(
+                "%s: the client went away before the call completed; nothing of it was applied",
+                method,
+            )
             raise exc
         if exc is not None:
-            code = context.code() if hasattr(context, "code") and context.code() is not None else grpc.StatusCode.UNKNOWN
+            code = (
+                context.code()
+                if hasattr(context, "code") and context.code() is not None
+                else grpc.StatusCode.UNKNOWN
+            )
             self.metrics.rpcs.labels(method, getattr(code, "name", "UNKNOWN")).inc()
             if not isinstance(exc, Exception) or code == grpc.StatusCode.UNKNOWN:
                 logger.exception("%s failed", method, exc_info=exc)
@@ -53,7 +62,9 @@ class SynchronizerService:
         self.metrics.rpcs.labels(method, "OK").inc()
         return None
 
-    def unary(self, method: str, call: Callable[[Any], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def unary(
+        self, method: str, call: Callable[[Any], Any]
+    ) -> Callable[[Any, grpc.ServicerContext], Any]:
         def handler(request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 reply = call(request)
@@ -64,7 +75,9 @@ class SynchronizerService:
 
         return handler
 
-    def streaming(self, method: str, call: Callable[[Any], Iterator[Any]]) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
+    def streaming(
+        self, method: str, call: Callable[[Any], Iterator[Any]]
+    ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
         def handler(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 yield from call(request)
@@ -78,11 +91,39 @@ class SynchronizerService:
         """The method handlers of the `diloco.v1.Synchronizer` service."""
         core = self.core
         return {
-            "Join": grpc.unary_unary_rpc_method_handler(self.unary("Join", core.join), pb.JoinRequest.FromString, pb.JoinReply.SerializeToString),
-            "InitModel": grpc.stream_unary_rpc_method_handler(self.unary("InitModel", core.init_model), pb.InitModelRequest.FromString, pb.InitModelReply.SerializeToString),
-            "Heartbeat": grpc.unary_unary_rpc_method_handler(self.unary("Heartbeat", core.heartbeat), pb.HeartbeatRequest.FromString, pb.HeartbeatReply.SerializeToString),
-            "PushFragment": grpc.stream_unary_rpc_method_handler(self.unary("PushFragment", core.push), wire.parse_push_request, pb.PushReply.SerializeToString),
-            "PullFragment": grpc.unary_stream_rpc_method_handler(self.streaming("PullFragment", core.pull), pb.PullRequest.FromString, pb.PullReply.SerializeToString),
-            "Leave": grpc.unary_unary_rpc_method_handler(self.unary("Leave", core.leave), pb.LeaveRequest.FromString, pb.LeaveReply.SerializeToString),
-            "Status": grpc.unary_unary_rpc_method_handler(self.unary("Status", lambda _: core.status()), pb.StatusRequest.FromString, pb.StatusReply.SerializeToString),
+            "Join": grpc.unary_unary_rpc_method_handler(
+                self.unary("Join", core.join),
+                pb.JoinRequest.FromString,
+                pb.JoinReply.SerializeToString,
+            ),
+            "InitModel": grpc.stream_unary_rpc_method_handler(
+                self.unary("InitModel", core.init_model),
+                pb.InitModelRequest.FromString,
+                pb.InitModelReply.SerializeToString,
+            ),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                self.unary("Heartbeat", core.heartbeat),
+                pb.HeartbeatRequest.FromString,
+                pb.HeartbeatReply.SerializeToString,
+            ),
+            "PushFragment": grpc.stream_unary_rpc_method_handler(
+                self.unary("PushFragment", core.push),
+                wire.parse_push_request,
+                pb.PushReply.SerializeToString,
+            ),
+            "PullFragment": grpc.unary_stream_rpc_method_handler(
+                self.streaming("PullFragment", core.pull),
+                pb.PullRequest.FromString,
+                pb.PullReply.SerializeToString,
+            ),
+            "Leave": grpc.unary_unary_rpc_method_handler(
+                self.unary("Leave", core.leave),
+                pb.LeaveRequest.FromString,
+                pb.LeaveReply.SerializeToString,
+            ),
+            "Status": grpc.unary_unary_rpc_method_handler(
+                self.unary("Status", lambda _: core.status()),
+                pb.StatusRequest.FromString,
+                pb.StatusReply.SerializeToString,
+            ),
         }

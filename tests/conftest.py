@@ -28,7 +28,12 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
     stack: list[Any] = []
 
     def start(**overrides: Any) -> RunningServer:
-        settings: dict[str, Any] = {"port": 0, "metrics_port": -1, "state_dir": tmp_path / "state", "shutdown_grace_s": 1.0}
+        settings: dict[str, Any] = {
+            "port": 0,
+            "metrics_port": -1,
+            "state_dir": tmp_path / "state",
+            "shutdown_grace_s": 1.0,
+        }
         settings.update(overrides)
         cm = serving(SynchronizerConfig(**settings), Metrics())
         running = cm.__enter__()
@@ -49,9 +54,53 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA (ca.pem) and the server and client certificates it signed ({server,client}.pem, .key),
     valid for 127.0.0.1 and localhost."""
     d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+        cwd=d,
+    )
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
         (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
     return d

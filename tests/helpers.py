@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 import torch
 
-from protos import codec, framing
+from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
@@ -19,17 +19,27 @@ TIMEOUT = 20.0
 
 
 def small_spec(sizes: Sequence[int] = (300, 257, 100, 40), fragments: int = 2) -> ModelSpec:
-    return plan_fragments([TensorInfo(f"layer{i}.weight", (n,)) for i, n in enumerate(sizes)], fragments)
+    return plan_fragments(
+        [TensorInfo(f"layer{i}.weight", (n,)) for i, n in enumerate(sizes)], fragments
+    )
 
 
-def push_messages(header: pb.PushHeader, buf: torch.Tensor, chunk_bytes: int = 512) -> Iterator[pb.PushRequest]:
+def push_messages(
+    header: pb.PushHeader, buf: torch.Tensor, chunk_bytes: int = 512
+) -> Iterator[pb.PushRequest]:
     yield pb.PushRequest(header=header)
     for chunk in framing.iter_chunks(buf, chunk_bytes):
         yield pb.PushRequest(chunk=chunk)
 
 
 class Client:
-    def __init__(self, address: str, spec: ModelSpec, name: str = "test", metadata: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(
+        self,
+        address: str,
+        spec: ModelSpec,
+        name: str = "test",
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.SynchronizerStub(self.channel)
         self.spec = spec
@@ -42,33 +52,81 @@ class Client:
         self.channel.close()
 
     def join(self, learner_id: str = "") -> pb.JoinReply:
-        reply = self.stub.Join(pb.JoinRequest(learner_name=self.name, spec=self.spec.to_proto(), learner_id=learner_id), timeout=TIMEOUT, metadata=self.md)
+        reply = self.stub.Join(
+            pb.JoinRequest(
+                learner_name=self.name, spec=self.spec.to_proto(), learner_id=learner_id
+            ),
+            timeout=TIMEOUT,
+            metadata=self.md,
+        )
         self.learner_id = reply.learner_id
         self.seq = reply.next_seq - 1
         return reply
 
     def init(self, flats: Sequence[torch.Tensor]) -> pb.InitModelReply:
-        messages = init_model_requests(self.learner_id, self.spec.spec_hash, flats, chunk_bytes=1000)
+        messages = init_model_requests(
+            self.learner_id, self.spec.spec_hash, flats, chunk_bytes=1000
+        )
         return self.stub.InitModel(messages, timeout=TIMEOUT, metadata=self.md)
 
-    def header(self, fragment: int, delta: torch.Tensor, codec_id: int, base: int, seq: int | None = None, tokens: int = 100, steps: int = 10) -> tuple[pb.PushHeader, torch.Tensor]:
+    def header(
+        self,
+        fragment: int,
+        delta: torch.Tensor,
+        codec_id: int,
+        base: int,
+        seq: int | None = None,
+        tokens: int = 100,
+        steps: int = 10,
+    ) -> tuple[pb.PushHeader, torch.Tensor]:
         if seq is None:
             self.seq += 1
             seq = self.seq
         buf = codec.encode(delta, codec_id)
         h = pb.PushHeader(
-            learner_id=self.learner_id, seq=seq, spec_hash=self.spec.spec_hash, fragment_id=fragment,
-            base_version=base, tokens=tokens, steps=steps, compute_s=1.0,
-            payload=codec.make_header(codec_id, delta.numel()),
+            learner_id=self.learner_id,
+            seq=seq,
+            spec_hash=self.spec.spec_hash,
+            fragment_id=fragment,
+            base_version=base,
+            tokens=tokens,
+            steps=steps,
+            compute_s=1.0,
+            payload=layout.make_header(codec_id, delta.numel()),
         )
         return h, buf
 
-    def push(self, fragment: int, delta: torch.Tensor, codec_id: int = pb.CODEC_FP32, base: int = 0, seq: int | None = None, tokens: int = 100, steps: int = 10) -> pb.PushReply:
+    def push(
+        self,
+        fragment: int,
+        delta: torch.Tensor,
+        codec_id: int = pb.CODEC_FP32,
+        base: int = 0,
+        seq: int | None = None,
+        tokens: int = 100,
+        steps: int = 10,
+    ) -> pb.PushReply:
         h, buf = self.header(fragment, delta, codec_id, base, seq, tokens, steps)
         return self.stub.PushFragment(push_messages(h, buf), timeout=TIMEOUT, metadata=self.md)
 
-    def pull(self, fragment: int, min_version: int = 0, wait_s: float = 0.0, codec_id: int = pb.CODEC_FP32) -> tuple[int, torch.Tensor]:
-        replies = self.stub.PullFragment(pb.PullRequest(learner_id=self.learner_id, fragment_id=fragment, min_version=min_version, wait_s=wait_s, codec=codec_id), timeout=TIMEOUT, metadata=self.md)
+    def pull(
+        self,
+        fragment: int,
+        min_version: int = 0,
+        wait_s: float = 0.0,
+        codec_id: pb.Codec = pb.CODEC_FP32,
+    ) -> tuple[int, torch.Tensor]:
+        replies = self.stub.PullFragment(
+            pb.PullRequest(
+                learner_id=self.learner_id,
+                fragment_id=fragment,
+                min_version=min_version,
+                wait_s=wait_s,
+                codec=codec_id,
+            ),
+            timeout=TIMEOUT,
+            metadata=self.md,
+        )
         header = next(replies).header
         asm = framing.Assembler(header.payload)
         for r in replies:
@@ -76,13 +134,27 @@ class Client:
         out = torch.empty(header.payload.numel, dtype=torch.float32)
         return header.version, codec.decode(asm.finish(), header.payload, out)
 
-    def heartbeat(self, steps: int = 0, tokens: int = 0, compute_s: float = 0.0, step_time_s: float = 0.0, overlap_steps: int = 0) -> pb.HeartbeatReply:
+    def heartbeat(
+        self,
+        steps: int = 0,
+        tokens: int = 0,
+        compute_s: float = 0.0,
+        step_time_s: float = 0.0,
+        overlap_steps: int = 0,
+    ) -> pb.HeartbeatReply:
         counters = pb.LearnerCounters(steps=steps, tokens=tokens, compute_s=compute_s)
-        request = pb.HeartbeatRequest(learner_id=self.learner_id, counters=counters, step_time_s=step_time_s, overlap_steps=overlap_steps)
+        request = pb.HeartbeatRequest(
+            learner_id=self.learner_id,
+            counters=counters,
+            step_time_s=step_time_s,
+            overlap_steps=overlap_steps,
+        )
         return self.stub.Heartbeat(request, timeout=TIMEOUT, metadata=self.md)
 
     def leave(self) -> None:
-        self.stub.Leave(pb.LeaveRequest(learner_id=self.learner_id), timeout=TIMEOUT, metadata=self.md)
+        self.stub.Leave(
+            pb.LeaveRequest(learner_id=self.learner_id), timeout=TIMEOUT, metadata=self.md
+        )
 
     def status(self) -> pb.StatusReply:
         return self.stub.Status(pb.StatusRequest(), timeout=TIMEOUT, metadata=self.md)
@@ -91,7 +163,9 @@ class Client:
 SPEC_FOR_TESTS = small_spec()
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+def wait_until(
+    predicate: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.05
+) -> bool:
     """Polls a condition owned by another thread or process (leases lapse on the server's clock)."""
     stop = threading.Event()
     deadline = time.monotonic() + timeout_s

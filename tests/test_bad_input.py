@@ -28,18 +28,34 @@ def ready(make_server) -> tuple[RunningServer, Client]:
 
 
 def _state(srv: RunningServer) -> list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]]:
-    return [(f.version, f.model.params.clone(), {k: v.clone() for k, v in f.model.outer.state_dict().items()}) for f in srv.synchronizer.fragments]
+    state = []
+    for f in srv.synchronizer.fragments:
+        assert f.model.params is not None
+        state.append(
+            (
+                f.version,
+                f.model.params.clone(),
+                {k: v.clone() for k, v in f.model.outer.state_dict().items()},
+            )
+        )
+    return state
 
 
 def _rejections(srv: RunningServer, code: str) -> float:
     total = 0.0
     for metric in srv.synchronizer.metrics.registry.collect():
         if metric.name == "diloco_rejected_requests":
-            total += sum(s.value for s in metric.samples if s.name.endswith("_total") and s.labels["code"] == code)
+            total += sum(
+                s.value
+                for s in metric.samples
+                if s.name.endswith("_total") and s.labels["code"] == code
+            )
     return total
 
 
-def _expect(srv: RunningServer, code: grpc.StatusCode, call: Callable[[], object], words: str) -> None:
+def _expect(
+    srv: RunningServer, code: grpc.StatusCode, call: Callable[[], object], words: str
+) -> None:
     before, rejected = _state(srv), _rejections(srv, code.name)
     with pytest.raises(grpc.RpcError) as err:
         call()
@@ -71,7 +87,9 @@ def test_unknown_learner_is_not_found(ready):
 
 
 def test_expired_lease_is_failed_precondition_until_rejoin(make_server):
-    srv = make_server(quorum=1, grace="none", lease_s=1.0)  # long enough to join and init on a busy machine
+    srv = make_server(
+        quorum=1, grace="none", lease_s=1.0
+    )  # long enough to join and init on a busy machine
     c = Client(srv.address, SPEC)
     c.join()
     c.init([torch.zeros(f.numel) for f in SPEC.fragments])
@@ -85,51 +103,99 @@ def test_wrong_spec_hash_is_failed_precondition(ready):
     srv, c = ready
     h, buf = c.header(0, _delta(), pb.CODEC_FP32, 0)
     h.spec_hash = "0" * 64
-    _expect(srv, grpc.StatusCode.FAILED_PRECONDITION, lambda: c.stub.PushFragment(push_messages(h, buf), timeout=10), "spec hash")
+    _expect(
+        srv,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        lambda: c.stub.PushFragment(push_messages(h, buf), timeout=10),
+        "spec hash",
+    )
 
 
 def test_join_with_a_different_model_is_refused_with_what_differs(ready):
     srv, _ = ready
-    other = plan_fragments([TensorInfo("layer0.weight", (301,)), TensorInfo("layer1.weight", (257,)), TensorInfo("layer2.weight", (100,)), TensorInfo("layer3.weight", (40,))], 2)
-    _expect(srv, grpc.StatusCode.FAILED_PRECONDITION, lambda: Client(srv.address, other).join(), "layer0.weight")
+    other = plan_fragments(
+        [
+            TensorInfo("layer0.weight", (301,)),
+            TensorInfo("layer1.weight", (257,)),
+            TensorInfo("layer2.weight", (100,)),
+            TensorInfo("layer3.weight", (40,)),
+        ],
+        2,
+    )
+    _expect(
+        srv,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        lambda: Client(srv.address, other).join(),
+        "layer0.weight",
+    )
 
 
 def test_malformed_spec_is_invalid_argument(ready):
     srv, c = ready
     bad = SPEC.to_proto()
     bad.fragments[0].numel += 1
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: c.stub.Join(pb.JoinRequest(spec=bad), timeout=10), "numel")
+    _expect(
+        srv,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: c.stub.Join(pb.JoinRequest(spec=bad), timeout=10),
+        "numel",
+    )
 
 
 def test_second_initialiser_gets_already_exists(ready):
     srv, _ = ready
     late = Client(srv.address, SPEC, "late")
     assert not late.join().needs_init
-    _expect(srv, grpc.StatusCode.ALREADY_EXISTS, lambda: late.init([torch.ones(f.numel) for f in SPEC.fragments]), "already initialised")
+    _expect(
+        srv,
+        grpc.StatusCode.ALREADY_EXISTS,
+        lambda: late.init([torch.ones(f.numel) for f in SPEC.fragments]),
+        "already initialised",
+    )
 
 
 def test_unknown_fragment_is_not_found(ready):
     srv, c = ready
     h, buf = c.header(0, _delta(), pb.CODEC_FP32, 0)
     h.fragment_id = 7
-    _expect(srv, grpc.StatusCode.NOT_FOUND, lambda: c.stub.PushFragment(push_messages(h, buf), timeout=10), "fragment 7")
+    _expect(
+        srv,
+        grpc.StatusCode.NOT_FOUND,
+        lambda: c.stub.PushFragment(push_messages(h, buf), timeout=10),
+        "fragment 7",
+    )
 
 
 def test_unknown_codec_is_invalid_argument(ready):
     srv, c = ready
     h, buf = c.header(0, _delta(), pb.CODEC_INT8, 0)
     h.payload.codec = 42
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: c.stub.PushFragment(push_messages(h, buf), timeout=10), "codec")
+    _expect(
+        srv,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: c.stub.PushFragment(push_messages(h, buf), timeout=10),
+        "codec",
+    )
 
 
 def test_pull_in_a_quantized_codec_is_invalid_argument(ready):
     srv, c = ready
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: c.pull(0, codec_id=pb.CODEC_INT4), "CODEC_FP32")
+    _expect(
+        srv,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: c.pull(0, codec_id=pb.CODEC_INT4),
+        "CODEC_FP32",
+    )
 
 
 def test_wrong_element_count_is_invalid_argument(ready):
     srv, c = ready
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: c.push(0, torch.zeros(SPEC.fragments[0].numel - 1)), "elements")
+    _expect(
+        srv,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: c.push(0, torch.zeros(SPEC.fragments[0].numel - 1)),
+        "elements",
+    )
 
 
 def test_out_of_order_chunks_are_invalid_argument(ready):
@@ -137,21 +203,27 @@ def test_out_of_order_chunks_are_invalid_argument(ready):
     h, buf = c.header(0, _delta(), pb.CODEC_FP32, 0)
     chunks = list(framing.iter_chunks(buf, 256))
     chunks[0], chunks[1] = chunks[1], chunks[0]
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: _raw_push(c, h, iter(chunks)), "in order")
+    _expect(
+        srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: _raw_push(c, h, iter(chunks)), "in order"
+    )
 
 
 def test_missing_chunks_are_invalid_argument(ready):
     srv, c = ready
     h, buf = c.header(0, _delta(), pb.CODEC_FP32, 0)
     chunks = list(framing.iter_chunks(buf, 256))[:-1]
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: _raw_push(c, h, iter(chunks)), "stream ended")
+    _expect(
+        srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: _raw_push(c, h, iter(chunks)), "stream ended"
+    )
 
 
 def test_oversized_stream_is_resource_exhausted(ready):
     srv, c = ready
     h, buf = c.header(0, _delta(), pb.CODEC_FP32, 0)
     chunks = list(framing.iter_chunks(buf, 256)) + [pb.Chunk(offset=buf.numel(), data=b"x" * 64)]
-    _expect(srv, grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: _raw_push(c, h, iter(chunks)), "runs past")
+    _expect(
+        srv, grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: _raw_push(c, h, iter(chunks)), "runs past"
+    )
 
 
 def test_nan_after_decoding_is_invalid_argument(ready):
@@ -160,20 +232,34 @@ def test_nan_after_decoding_is_invalid_argument(ready):
     h, _ = c.header(0, d, pb.CODEC_FP32, 0)
     d[5] = float("nan")
     raw = d.view(torch.uint8).clone()
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: _raw_push(c, h, framing.iter_chunks(raw, 256)), "NaN")
+    _expect(
+        srv,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: _raw_push(c, h, framing.iter_chunks(raw, 256)),
+        "NaN",
+    )
 
 
 def test_inf_scale_is_invalid_argument(ready):
     srv, c = ready
     h, buf = c.header(0, _delta(), pb.CODEC_INT8, 0)
     numel = SPEC.fragments[0].numel
-    buf[numel : numel + 4] = torch.tensor([float("inf")]).view(torch.uint8)  # first block's fp32 scale
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: c.stub.PushFragment(push_messages(h, buf), timeout=10), "scale")
+    buf[numel : numel + 4] = torch.tensor([float("inf")]).view(
+        torch.uint8
+    )  # first block's fp32 scale
+    _expect(
+        srv,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: c.stub.PushFragment(push_messages(h, buf), timeout=10),
+        "scale",
+    )
 
 
 def test_version_from_the_future_is_failed_precondition(ready):
     srv, c = ready
-    _expect(srv, grpc.StatusCode.FAILED_PRECONDITION, lambda: c.push(0, _delta(), base=5), "re-pull")
+    _expect(
+        srv, grpc.StatusCode.FAILED_PRECONDITION, lambda: c.push(0, _delta(), base=5), "re-pull"
+    )
 
 
 def test_push_before_init_is_failed_precondition(make_server):
@@ -182,7 +268,10 @@ def test_push_before_init_is_failed_precondition(make_server):
     c.join()
     with pytest.raises(grpc.RpcError) as err:
         c.push(0, _delta())
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "InitModel" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and "InitModel" in err.value.details()
+    )
 
 
 def test_duplicate_push_changes_nothing_and_says_so(ready):
@@ -197,7 +286,12 @@ def test_duplicate_push_changes_nothing_and_says_so(ready):
 
 def test_zero_steps_is_invalid_argument(ready):
     srv, c = ready
-    _expect(srv, grpc.StatusCode.INVALID_ARGUMENT, lambda: c.push(0, _delta(), steps=0), "at least one step")
+    _expect(
+        srv,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: c.push(0, _delta(), steps=0),
+        "at least one step",
+    )
 
 
 def test_too_many_learners_is_resource_exhausted(make_server):
@@ -205,7 +299,10 @@ def test_too_many_learners_is_resource_exhausted(make_server):
     Client(srv.address, SPEC).join()
     with pytest.raises(grpc.RpcError) as err:
         Client(srv.address, SPEC).join()
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_learners" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "max_learners" in err.value.details()
+    )
 
 
 def test_missing_bearer_token_is_unauthenticated_but_health_stays_open(make_server):
@@ -221,7 +318,10 @@ def test_missing_bearer_token_is_unauthenticated_but_health_stays_open(make_serv
     ok = Client(srv.address, SPEC, metadata=[("authorization", "Bearer s3cret")])
     assert ok.join().needs_init
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.address))
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
 
 def test_pushes_of_different_fragments_may_arrive_out_of_seq_order(ready):

@@ -33,19 +33,33 @@ SMOKES = [
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("name", "extra", "keys"), SMOKES, ids=[s[0] for s in SMOKES])
-def test_benchmark_smoke_mode_exits_0_and_writes_its_headline_figures(tmp_path: Path, name: str, extra: list[str], keys: list[str]) -> None:
+def test_benchmark_smoke_mode_exits_0_and_writes_its_headline_figures(
+    tmp_path: Path, name: str, extra: list[str], keys: list[str]
+) -> None:
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, "-m", f"bench.{name}", "--smoke", "--json", str(out), *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=230)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", "--smoke", "--json", str(out), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     for key in keys:
-        assert isinstance(result.get(key), float) and math.isfinite(result[key]), (key, result.get(key))
+        assert isinstance(result.get(key), float) and math.isfinite(result[key]), (
+            key,
+            result.get(key),
+        )
     assert "machine" in result
 
 
 def test_reach_time_interpolates_the_crossing_and_says_never_when_it_is_not_reached() -> None:
-    series = [{"t": 0.0, "eval_loss": 3.0}, {"t": 10.0, "eval_loss": 2.0}, {"t": 20.0, "eval_loss": 1.0}]
+    series = [
+        {"t": 0.0, "eval_loss": 3.0},
+        {"t": 10.0, "eval_loss": 2.0},
+        {"t": 20.0, "eval_loss": 1.0},
+    ]
     assert reach_time(series, 1.5) == pytest.approx(15.0)
     assert reach_time(series, 3.5) == 0.0
     assert reach_time(series, 0.5) is None

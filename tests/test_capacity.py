@@ -24,7 +24,10 @@ def test_default_capacity_settings_keep_workers_for_unary_rpcs():
 @pytest.mark.parametrize(
     "settings, words",
     [
-        ({"max_workers": "32", "max_concurrent_streams": "64"}, ["max_workers (32)", "max_concurrent_streams (64)"]),
+        (
+            {"max_workers": "32", "max_concurrent_streams": "64"},
+            ["max_workers (32)", "max_concurrent_streams (64)"],
+        ),
         ({"max_workers": "10", "max_concurrent_streams": "4"}, ["max_workers (10)"]),
         ({"max_message_bytes": str(MIN_MESSAGE_BYTES - 1)}, ["max_message_bytes"]),
     ],
@@ -38,7 +41,13 @@ def test_contradicting_capacity_settings_are_refused_naming_them(settings, words
 
 def test_streams_at_their_limit_leave_heartbeats_and_health_answering(make_server):
     streams = 4
-    srv = make_server(max_concurrent_streams=streams, max_workers=streams + RESERVED_WORKERS, quorum=1, grace="none", max_pull_wait_s=60)
+    srv = make_server(
+        max_concurrent_streams=streams,
+        max_workers=streams + RESERVED_WORKERS,
+        quorum=1,
+        grace="none",
+        max_pull_wait_s=60,
+    )
     c = Client(srv.address, SPEC, "waiter")
     c.join()
     c.init([torch.zeros(SPEC.fragments[0].numel)])
@@ -61,7 +70,9 @@ def test_streams_at_their_limit_leave_heartbeats_and_health_answering(make_serve
     assert wait_until(slots_full, TIMEOUT)  # every stream slot is held by a waiting pull
     assert c.heartbeat(steps=1).server_epoch
     with grpc.insecure_channel(srv.address) as ch:
-        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+        health = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(), timeout=TIMEOUT
+        )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     # Shutting down answers them with the version there is, long before their 60 s.
     srv.synchronizer.close()

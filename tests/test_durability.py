@@ -11,8 +11,9 @@ import torch
 
 from protos import diloco_pb2 as pb
 from protos import framing
+from protos.spec import TensorInfo, plan_fragments
 from synchronizer import checkpoint
-from tests.helpers import Client, small_spec
+from tests.helpers import TIMEOUT, Client, small_spec, wait_until
 
 SPEC = small_spec(fragments=1)
 
@@ -48,8 +49,14 @@ def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server, caplo
     assert not [r for r in records if r.levelno >= logging.ERROR]
     assert [r.levelno for r in records if "went away" in r.getMessage()] == [logging.WARNING]
     frag = srv.synchronizer.fragments[0]
-    assert frag.admission.round is None and frag.version == 0 and torch.equal(frag.model.params, torch.zeros(frag.numel))
-    retry = c.push(0, torch.full((SPEC.fragments[0].numel,), 0.25), seq=1)  # same seq: not a duplicate
+    assert (
+        frag.admission.round is None
+        and frag.version == 0
+        and torch.equal(frag.model.params, torch.zeros(frag.numel))
+    )
+    retry = c.push(
+        0, torch.full((SPEC.fragments[0].numel,), 0.25), seq=1
+    )  # same seq: not a duplicate
     assert retry.outcome == pb.PUSH_ACCEPTED
 
 
@@ -70,14 +77,26 @@ def test_only_the_last_checkpoints_are_kept_and_no_temporaries_remain(tmp_path):
     assert names == ["ckpt-0000000004.safetensors", "ckpt-0000000005.safetensors"]
 
 
-def test_shutdown_merges_acknowledged_contributions_before_the_final_checkpoint(make_server, tmp_path):
+def test_shutdown_merges_acknowledged_contributions_before_the_final_checkpoint(
+    make_server, tmp_path
+):
     state = tmp_path / "s"
-    srv = make_server(quorum=2, grace="fixed", grace_max_s=60.0, state_dir=state, outer="sgd", outer_lr=1.0, anchor="base")
+    srv = make_server(
+        quorum=2,
+        grace="fixed",
+        grace_max_s=60.0,
+        state_dir=state,
+        outer="sgd",
+        outer_lr=1.0,
+        anchor="base",
+    )
     a, b = Client(srv.address, SPEC, "a"), Client(srv.address, SPEC, "b")
     a.join()
     b.join()
     a.init([torch.zeros(SPEC.fragments[0].numel)])
-    assert a.push(0, torch.ones(SPEC.fragments[0].numel)).outcome == pb.PUSH_ACCEPTED  # round waits for K=2
+    assert (
+        a.push(0, torch.ones(SPEC.fragments[0].numel)).outcome == pb.PUSH_ACCEPTED
+    )  # round waits for K=2
     srv.server.stop(0).wait()
     srv.synchronizer.close()
     again = make_server(state_dir=state, outer="sgd")
@@ -98,7 +117,9 @@ def test_unreachable_state_dir_is_a_clear_error(tmp_path):
         raise AssertionError("expected OSError")
 
 
-def test_restart_with_another_outer_optimizer_keeps_parameters_and_starts_fresh_state(make_server, tmp_path):
+def test_restart_with_another_outer_optimizer_keeps_parameters_and_starts_fresh_state(
+    make_server, tmp_path
+):
     state = tmp_path / "s"
     srv = make_server(quorum=1, grace="none", state_dir=state, outer="nesterov")
     c = Client(srv.address, SPEC)
@@ -112,3 +133,19 @@ def test_restart_with_another_outer_optimizer_keeps_parameters_and_starts_fresh_
     c2 = Client(again.address, SPEC)
     c2.join()
     assert torch.equal(c2.pull(0)[1], before)
+
+
+def test_a_pull_cancelled_mid_stream_is_counted_and_not_logged_as_a_failure(make_server, caplog):
+    numel = 1 << 20  # 4 MiB as FP32: more than one chunk
+    spec = plan_fragments([TensorInfo("w", (numel,))], 1)
+    srv = make_server()
+    c = Client(srv.address, spec, "l0")
+    c.join()
+    c.init([torch.zeros(numel)])
+    caplog.set_level(logging.WARNING, logger="synchronizer")
+    replies = c.stub.PullFragment(pb.PullRequest(learner_id=c.learner_id, fragment_id=0), timeout=TIMEOUT, metadata=c.md)
+    assert next(replies).WhichOneof("kind") == "header"
+    replies.cancel()
+    cancelled = srv.synchronizer.metrics.rpcs.labels("PullFragment", "CANCELLED")
+    assert wait_until(lambda: cancelled._value.get() == 1, TIMEOUT)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

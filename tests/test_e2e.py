@@ -23,13 +23,40 @@ from demo.procs import Procs, read_json
 from demo.procs import start_synchronizer as procs_start_synchronizer
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
+from synchronizer import checkpoint
+
+pytestmark = pytest.mark.slow  # real processes: tens of seconds each
 
 # A model and data small enough that a step takes milliseconds on one CPU thread.
 TINY = [
-    "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--context", "32", "--batch-size", "8",
-    "--max-bytes", str(1 << 18), "--eval-windows", "64", "--threads", "1", "--lr", "1e-2",
-    "--warmup-steps", "10", "--sync-every", "10", "--fragments", "2", "--log-every", "10",
-    "--retry-max-s", "1",
+    "--n-layer",
+    "1",
+    "--d-model",
+    "32",
+    "--n-head",
+    "2",
+    "--context",
+    "32",
+    "--batch-size",
+    "8",
+    "--max-bytes",
+    str(1 << 18),
+    "--eval-windows",
+    "64",
+    "--threads",
+    "1",
+    "--lr",
+    "1e-2",
+    "--warmup-steps",
+    "10",
+    "--sync-every",
+    "10",
+    "--fragments",
+    "2",
+    "--log-every",
+    "10",
+    "--retry-max-s",
+    "1",
 ]
 
 
@@ -40,33 +67,61 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     ps.stop_all(grace_s=0)
 
 
-def wait_until(cond: Callable[[], object], timeout_s: float, what: str, procs: Procs | None = None) -> object:
+def wait_until(
+    cond: Callable[[], object], timeout_s: float, what: str, procs: Procs | None = None
+) -> object:
     deadline = time.monotonic() + timeout_s
     while True:
         value = cond()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n" + (procs.tails() if procs else ""))
+            raise AssertionError(
+                f"timed out after {timeout_s} s waiting for {what}\n"
+                + (procs.tails() if procs else "")
+            )
         time.sleep(0.1)
 
 
-def start_synchronizer(procs: Procs, *flags: str, port: int = 0, name: str = "synchronizer") -> dict:
+def start_synchronizer(
+    procs: Procs, *flags: str, port: int = 0, name: str = "synchronizer"
+) -> dict:
     try:
-        proc, info = procs_start_synchronizer(procs, ["--shutdown-grace-s", "1", *flags], port=port, name=name)
+        proc, info = procs_start_synchronizer(
+            procs, ["--shutdown-grace-s", "1", *flags], port=port, name=name
+        )
     except RuntimeError as e:
         raise AssertionError(f"{e}\n{procs.tails()}") from None
     return {**info, "proc": proc}
 
 
-def start_learner(procs: Procs, address: str, index: int, learners: int, steps: int, *flags: str,
-                  run: int = 0) -> tuple[subprocess.Popen, Path]:
+def start_learner(
+    procs: Procs, address: str, index: int, learners: int, steps: int, *flags: str, run: int = 0
+) -> tuple[subprocess.Popen, Path]:
     out = procs.root / f"l{index}.run{run}.json"
-    proc = procs.start(f"l{index}", [
-        sys.executable, "-m", "demo", "train", "--synchronizer", address, "--name", f"l{index}",
-        "--learner-index", str(index), "--learners", str(learners), "--steps", str(steps),
-        "--out", str(out), *TINY, *flags,
-    ])
+    proc = procs.start(
+        f"l{index}",
+        [
+            sys.executable,
+            "-m",
+            "demo",
+            "train",
+            "--synchronizer",
+            address,
+            "--name",
+            f"l{index}",
+            "--learner-index",
+            str(index),
+            "--learners",
+            str(learners),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+            *TINY,
+            *flags,
+        ],
+    )
     return proc, out
 
 
@@ -90,7 +145,9 @@ def finish_ok(procs: Procs, proc: subprocess.Popen, out: Path, timeout_s: float 
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"{out.name} did not finish in {timeout_s} s\n{procs.tails()}") from None
+        raise AssertionError(
+            f"{out.name} did not finish in {timeout_s} s\n{procs.tails()}"
+        ) from None
     result = read_json(out)
     assert rc == 0 and result.get("finished"), f"{out.name} exited with {rc}\n{procs.tails()}"
     return result
@@ -101,8 +158,12 @@ def test_three_learners_lower_the_eval_loss_and_end_holding_the_served_parameter
     # Every live learner in every round (quorum 0) and at most one step of overlap (strict): the
     # learners stay in step, so once all have finished, no round closes after any final pull.
     sync = start_synchronizer(procs, "--quorum", "0", "--lease-s", "10")
-    runs = [start_learner(procs, sync["address"], i, 3, 100, "--wait-for-learners", "3", "--strict-overlap")
-            for i in range(3)]
+    runs = [
+        start_learner(
+            procs, sync["address"], i, 3, 100, "--wait-for-learners", "3", "--strict-overlap"
+        )
+        for i in range(3)
+    ]
     results = [finish_ok(procs, p, out) for p, out in runs]
 
     for r in results:
@@ -111,7 +172,9 @@ def test_three_learners_lower_the_eval_loss_and_end_holding_the_served_parameter
         assert r["bytes_sent"] > 0 and r["bytes_received"] > 0
     served = final_pull(procs, sync["address"])
     assert {r["param_hash"] for r in results} == {served["param_hash"]}
-    assert [tuple(r["learner"]["fragment_versions"]) for r in results] == [tuple(versions(sync["address"]))] * 3
+    assert [tuple(r["learner"]["fragment_versions"]) for r in results] == [
+        tuple(versions(sync["address"]))
+    ] * 3
     assert served["eval_loss_end"] == pytest.approx(results[0]["eval_loss_end"])
 
 
@@ -125,7 +188,9 @@ def test_a_killed_learner_does_not_stall_the_others_and_rejoins(procs: Procs):
     survivors = [start_learner(procs, address, i, 3, 1500, "--slow", "3") for i in (0, 1)]
     victim, victim_out = start_learner(procs, address, 2, 3, 300)
 
-    wait_until(lambda: read_json(victim_out).get("step", 0) >= 60, 60, "the victim to reach step 60", procs)
+    wait_until(
+        lambda: read_json(victim_out).get("step", 0) >= 60, 60, "the victim to reach step 60", procs
+    )
     victim_id = read_json(victim_out)["learner"]["learner_id"]
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
@@ -136,19 +201,31 @@ def test_a_killed_learner_does_not_stall_the_others_and_rejoins(procs: Procs):
 
     wait_until(lambda: victim_state() == "dead", 15, "the killed learner's lease to lapse", procs)
     dead_versions = versions(address)
-    wait_until(lambda: sum(versions(address)) >= sum(dead_versions) + 4, 20,
-               "rounds to keep closing while a learner is dead", procs)
+    wait_until(
+        lambda: sum(versions(address)) >= sum(dead_versions) + 4,
+        20,
+        "rounds to keep closing while a learner is dead",
+        procs,
+    )
     assert victim_state() == "dead"
     assert all(p.poll() is None for p, _ in survivors), "the survivors must still be training"
 
-    restarted, restarted_out = start_learner(procs, address, 2, 3, 300, "--start-step", str(killed_at),
-                                             "--learner-id", victim_id, run=1)
-    wait_until(lambda: victim_state() == "alive", 30, "the restarted learner to re-join under its id", procs)
+    restarted, restarted_out = start_learner(
+        procs, address, 2, 3, 300, "--start-step", str(killed_at), "--learner-id", victim_id, run=1
+    )
+    wait_until(
+        lambda: victim_state() == "alive",
+        30,
+        "the restarted learner to re-join under its id",
+        procs,
+    )
     result = finish_ok(procs, restarted, restarted_out)
     assert result["learner"]["learner_id"] == victim_id and victim_state() == "left"
     assert result["start_step"] == killed_at and result["step"] == 300
     assert result["learner"]["pushes"].get("accepted", 0) > 0
-    assert result["eval_loss_start"] < read_json(victim_out)["eval_loss_start"]  # it adopted the trained global model
+    assert (
+        result["eval_loss_start"] < read_json(victim_out)["eval_loss_start"]
+    )  # it adopted the trained global model
     for p, out in survivors:
         r = finish_ok(procs, p, out)
         assert r["eval_loss_end"] < r["eval_loss_start"], f"{r['series']}\n{procs.tails()}"
@@ -156,27 +233,58 @@ def test_a_killed_learner_does_not_stall_the_others_and_rejoins(procs: Procs):
 
 @pytest.mark.timeout(150)
 def test_learners_ride_out_a_synchronizer_crash_and_restart(procs: Procs):
-    sync = start_synchronizer(procs, "--quorum", "2", "--lease-s", "5", "--checkpoint-interval-s", "0.5")
+    sync = start_synchronizer(
+        procs, "--quorum", "2", "--lease-s", "5", "--checkpoint-interval-s", "0.5"
+    )
     address, port = sync["address"], sync["port"]
     runs = [start_learner(procs, address, i, 2, 2000, "--slow", "3") for i in range(2)]
 
-    wait_until(lambda: min(versions(address), default=0) >= 3 and list((procs.root / "state").glob("*")), 60,
-               "a few rounds and a checkpoint", procs)
-    time.sleep(0.6)  # let a checkpoint with these rounds land
+    wait_until(
+        lambda: min(versions(address), default=0) >= 3 and list((procs.root / "state").glob("*")),
+        60,
+        "a few rounds and a checkpoint",
+        procs,
+    )
+
+    def checkpointed_a_round() -> bool:
+        found = checkpoint.load_latest(procs.root / "state")
+        return found is not None and min(f["version"] for f in found[1]["fragments"]) >= 1
+
+    wait_until(checkpointed_a_round, 30, "a checkpoint holding closed rounds", procs)
     os.killpg(sync["proc"].pid, signal.SIGKILL)
     sync["proc"].wait()
     steps_at_kill = [read_json(out).get("step", 0) for _, out in runs]
-    time.sleep(2)
-    steps_while_down = [read_json(out).get("step", 0) for _, out in runs]
+    wait_until(
+        lambda: all(
+            read_json(out).get("step", 0) > a
+            for a, (_, out) in zip(steps_at_kill, runs, strict=True)
+        ),
+        30,
+        "learners to keep training while the Synchronizer is down",
+        procs,
+    )
     assert all(p.poll() is None for p, _ in runs), "learners must survive the Synchronizer's death"
-    assert all(b > a for a, b in zip(steps_at_kill, steps_while_down, strict=True)), "learners kept training"
 
-    restarted = start_synchronizer(procs, "--quorum", "2", "--lease-s", "5", "--checkpoint-interval-s", "0.5",
-                                   port=port, name="synchronizer-restarted")
+    restarted = start_synchronizer(
+        procs,
+        "--quorum",
+        "2",
+        "--lease-s",
+        "5",
+        "--checkpoint-interval-s",
+        "0.5",
+        port=port,
+        name="synchronizer-restarted",
+    )
     assert restarted["address"] == address and restarted["epoch"] != sync["epoch"]
     restored = versions(address)
     assert min(restored) >= 1, "the restarted Synchronizer resumed from its checkpoint"
-    wait_until(lambda: sum(versions(address)) >= sum(restored) + 4, 40, "rounds to close after the restart", procs)
+    wait_until(
+        lambda: sum(versions(address)) >= sum(restored) + 4,
+        40,
+        "rounds to close after the restart",
+        procs,
+    )
     for p, out in runs:
         r = finish_ok(procs, p, out)
         assert r["eval_loss_end"] < r["eval_loss_start"] - 0.5, r
@@ -188,7 +296,12 @@ def processes_mentioning(text: str) -> list[str]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
@@ -201,18 +314,44 @@ def processes_mentioning(text: str) -> list[str]:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to look for leftover processes")
 def test_local_main_job_writes_its_summary_and_leaves_no_process_behind(tmp_path: Path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "demo", "local", "--learners", "3", "--steps", "200", "--out", str(out),
-           "--lease-s", "2", "--restart-after-s", "3", "--sync-every", "10", "--fragments", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "demo",
+        "local",
+        "--learners",
+        "3",
+        "--steps",
+        "200",
+        "--out",
+        str(out),
+        "--lease-s",
+        "2",
+        "--restart-after-s",
+        "3",
+        "--sync-every",
+        "10",
+        "--fragments",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("eval_loss_start", "eval_loss_end", "goodput", "bytes_sent_per_learner", "dp_bytes_per_learner"):
+    for key in (
+        "eval_loss_start",
+        "eval_loss_end",
+        "goodput",
+        "bytes_sent_per_learner",
+        "dp_bytes_per_learner",
+    ):
         assert key in summary, key
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
     assert 0 < summary["goodput"] <= 1
     assert set(summary["bytes_sent_per_learner"]) == {"l0", "l1", "l2"}
-    assert all(0 < b < summary["dp_bytes_per_learner"] for b in summary["bytes_sent_per_learner"].values())
+    assert all(
+        0 < b < summary["dp_bytes_per_learner"] for b in summary["bytes_sent_per_learner"].values()
+    )
     assert summary["faults"]["killed"] and summary["faults"]["slow"]
     assert (out / "summary.png").stat().st_size > 10_000
     assert processes_mentioning(str(out)) == []
@@ -223,10 +362,28 @@ def test_local_main_job_writes_its_summary_and_leaves_no_process_behind(tmp_path
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_local_main_job_interrupted_leaves_no_process_behind(tmp_path: Path, sig: int):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "demo", "local", "--learners", "2", "--steps", "5000", "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "demo",
+            "local",
+            "--learners",
+            "2",
+            "--steps",
+            "5000",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        wait_until(lambda: read_json(out / "learner-0.json").get("step", 0) >= 10, 60, "training to start")
+        wait_until(
+            lambda: read_json(out / "learner-0.json").get("step", 0) >= 10, 60, "training to start"
+        )
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:

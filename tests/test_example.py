@@ -121,8 +121,19 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 def test_no_sync_training_writes_a_result_and_learns(tmp_path):
     out = tmp_path / "result.json"
-    o = TrainOptions(steps=30, sync=None, n_layer=1, d_model=32, block=32, batch_size=8,
-                     max_bytes=1 << 18, eval_windows=16, log_every=10, out=str(out), threads=1)
+    o = TrainOptions(
+        steps=30,
+        sync=None,
+        n_layer=1,
+        d_model=32,
+        block=32,
+        batch_size=8,
+        max_bytes=1 << 18,
+        eval_windows=16,
+        log_every=10,
+        out=str(out),
+        threads=1,
+    )
     result = train(o)
     assert result["finished"] and result["eval_loss_end"] < result["eval_loss_start"]
     assert out.exists() and len(result["series"]) == 3
@@ -162,8 +173,17 @@ def factory(learner_index: int, learners: int):
 
 
 def test_a_user_model_plugs_in_by_import_path():
-    result = train(TrainOptions(steps=40, sync=None, model="tests.test_example:factory", lr=0.1,
-                                warmup_steps=1, log_every=20, threads=1))
+    result = train(
+        TrainOptions(
+            steps=40,
+            sync=None,
+            model="tests.test_example:factory",
+            lr=0.1,
+            warmup_steps=1,
+            log_every=20,
+            threads=1,
+        )
+    )
     assert result["eval_loss_end"] < result["eval_loss_start"] - 1.0
     assert result["tokens"] == 40 * 8 * 8
 
@@ -174,8 +194,14 @@ def test_a_user_model_plugs_in_by_import_path():
         (["train", "--synchronizer", "localhost"], "--synchronizer must be HOST:PORT"),
         (["train", "--synchronizer", "host:99999"], "--synchronizer must be HOST:PORT"),
         (["train", "--data", "/no/such/dir"], "--data /no/such/dir: no such directory"),
-        (["train", "--no-sync", "--model", "nomodule"], "--model must look like pkg.module:factory"),
-        (["train", "--no-sync", "--model", "no_such_module_x:f"], "cannot import 'no_such_module_x'"),
+        (
+            ["train", "--no-sync", "--model", "nomodule"],
+            "--model must look like pkg.module:factory",
+        ),
+        (
+            ["train", "--no-sync", "--model", "no_such_module_x:f"],
+            "cannot import 'no_such_module_x'",
+        ),
         (["train", "--no-sync", "--d-model", "30", "--n-head", "4"], "must be divisible"),
         (["train", "--codec", "int3"], "unknown codec 'int3'"),
         (["train", "--steps", "-5"], "--steps: must be >= 0"),

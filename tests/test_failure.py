@@ -20,12 +20,23 @@ SPEC = small_spec(fragments=2)
 def _health(address: str) -> int:
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        return stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=TIMEOUT).status
+        return stub.Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=TIMEOUT
+        ).status
 
 
 @pytest.mark.parametrize("update_history", [16, 0], ids=["update-chain", "exact-fp32"])
-def test_failed_outer_step_fails_its_fragment_loudly_and_shutdown_finishes(make_server, tmp_path, update_history):
-    srv = make_server(quorum=1, grace="none", anchor="base", update_history=update_history, checkpoint_interval_s=0, state_dir=tmp_path / "state")
+def test_failed_outer_step_fails_its_fragment_loudly_and_shutdown_finishes(
+    make_server, tmp_path, update_history
+):
+    srv = make_server(
+        quorum=1,
+        grace="none",
+        anchor="base",
+        update_history=update_history,
+        checkpoint_interval_s=0,
+        state_dir=tmp_path / "state",
+    )
     a, b = Client(srv.address, SPEC, "a"), Client(srv.address, SPEC, "b")
     a.join()
     b.join()
@@ -55,7 +66,9 @@ def test_failed_outer_step_fails_its_fragment_loudly_and_shutdown_finishes(make_
 
     # Acknowledged (received and validated), then its outer step raises.
     assert a.push(0, torch.full((SPEC.fragments[0].numel,), 0.1)).outcome == pb.PUSH_ACCEPTED
-    assert wait_until(lambda: _health(srv.address) == health_pb2.HealthCheckResponse.NOT_SERVING, TIMEOUT)
+    assert wait_until(
+        lambda: _health(srv.address) == health_pb2.HealthCheckResponse.NOT_SERVING, TIMEOUT
+    )
     assert "injected fault" in (srv.synchronizer.unhealthy or "")
     assert "fragment 0" in a.status().unhealthy and "injected fault" in a.status().unhealthy
 

@@ -16,13 +16,18 @@ SPEC = small_spec(sizes=(300, 100), fragments=2)
 
 def _buckets(srv) -> dict[str, float]:
     reg = srv.synchronizer.metrics.registry
-    out = {b: reg.get_sample_value("diloco_tokens_total", {"bucket": b}) for b in ("merged", "discarded", "lost")}
+    out = {
+        b: reg.get_sample_value("diloco_tokens_total", {"bucket": b})
+        for b in ("merged", "discarded", "lost")
+    }
     out["in_flight"] = reg.get_sample_value("diloco_tokens_in_flight")
     return out
 
 
 def test_tokens_move_from_in_flight_to_merged_discarded_and_lost(make_server):
-    srv = make_server(quorum=1, grace="none", lease_s=2.0, max_staleness=0)  # no lapse before the last push, even on a busy machine
+    srv = make_server(
+        quorum=1, grace="none", lease_s=2.0, max_staleness=0
+    )  # no lapse before the last push, even on a busy machine
     share = [f.numel / SPEC.numel for f in SPEC.fragments]
     a, b = Client(srv.address, SPEC, "a"), Client(srv.address, SPEC, "b")
     a.join()
@@ -33,7 +38,9 @@ def test_tokens_move_from_in_flight_to_merged_discarded_and_lost(make_server):
     a.push(0, torch.ones(SPEC.fragments[0].numel), tokens=1000, steps=10)  # merged at once (K=1)
     a.pull(0, min_version=1, wait_s=10)
     b.heartbeat(steps=10, tokens=1000, compute_s=2.0)
-    dropped = b.push(0, torch.ones(SPEC.fragments[0].numel), base=0, tokens=1000, steps=10)  # stale: dropped
+    dropped = b.push(
+        0, torch.ones(SPEC.fragments[0].numel), base=0, tokens=1000, steps=10
+    )  # stale: dropped
     assert dropped.staleness == 1
     got = _buckets(srv)
     assert got["merged"] == pytest.approx(1000 * share[0])
@@ -45,7 +52,9 @@ def test_tokens_move_from_in_flight_to_merged_discarded_and_lost(make_server):
     assert got["lost"] == pytest.approx(3000 - 2000 * share[0])
     assert got["in_flight"] == pytest.approx(0)
     assert sum(got.values()) == pytest.approx(3000)
-    capacity = srv.synchronizer.metrics.registry.get_sample_value("diloco_learner_capacity_seconds_total")
+    capacity = srv.synchronizer.metrics.registry.get_sample_value(
+        "diloco_learner_capacity_seconds_total"
+    )
     assert capacity > 0
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from learner import Learner
 from learner.client import SyncClient
 from learner.fragments import FragmentPlan
-from protos import codec
+from protos import codec, layout
 from protos import diloco_pb2 as pb
 from synchronizer.config import SynchronizerConfig
 from synchronizer.server import RunningServer, serving
@@ -27,8 +27,13 @@ from synchronizer.server import RunningServer, serving
 
 def server_config(state_dir: Path, **overrides: Any) -> SynchronizerConfig:
     settings: dict[str, Any] = dict(
-        port=0, metrics_port=-1, state_dir=state_dir, quorum=1, grace="none",
-        shutdown_grace_s=0.5, checkpoint_interval_s=0,
+        port=0,
+        metrics_port=-1,
+        state_dir=state_dir,
+        quorum=1,
+        grace="none",
+        shutdown_grace_s=0.5,
+        checkpoint_interval_s=0,
     )
     settings.update(overrides)
     return SynchronizerConfig(**settings)
@@ -45,7 +50,14 @@ def mlp(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
-def train(learner: Learner, model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int, delay_s: float = 0.002) -> None:
+def train(
+    learner: Learner,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    seed: int,
+    delay_s: float = 0.002,
+) -> None:
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         x = torch.randn(16, 8, generator=g)
@@ -90,9 +102,13 @@ def test_two_learners_sync_and_end_holding_exactly_the_served_parameters(tmp_pat
 
         def run(i: int) -> None:
             try:
-                model = mlp(seed=i)  # different initialisations: both must start from the global one
+                model = mlp(
+                    seed=i
+                )  # different initialisations: both must start from the global one
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-                lrn = Learner(model, opt, synchronizer=srv.address, sync_every=10, fragments=2, name=f"l{i}")
+                lrn = Learner(
+                    model, opt, synchronizer=srv.address, sync_every=10, fragments=2, name=f"l{i}"
+                )
                 train(lrn, model, opt, 60, seed=100 + i)
                 trained.wait()
                 assert lrn.flush(timeout_s=30)
@@ -138,8 +154,15 @@ def test_learner_keeps_training_without_raising_when_the_server_goes_away(tmp_pa
         model = mlp(0)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         lrn = Learner(
-            model, opt, synchronizer=srv.address, sync_every=5, fragments=2,
-            retry_initial_s=0.05, retry_max_s=0.2, rpc_timeout_s=2.0, pull_wait_s=0.5,
+            model,
+            opt,
+            synchronizer=srv.address,
+            sync_every=5,
+            fragments=2,
+            retry_initial_s=0.05,
+            retry_max_s=0.2,
+            rpc_timeout_s=2.0,
+            pull_wait_s=0.5,
         )
         train(lrn, model, opt, 20, seed=1)
         assert wait_until(lambda: lrn.stats.pushes.get("accepted", 0) > 0)
@@ -168,19 +191,29 @@ def test_learner_rejoins_and_resyncs_after_the_server_restarts_with_a_new_epoch(
     model = mlp(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     lrn = Learner(
-        model, opt, synchronizer=srv.address, sync_every=5, fragments=2, merge="rebase",
-        retry_initial_s=0.05, retry_max_s=0.3, rpc_timeout_s=2.0, pull_wait_s=0.5,
+        model,
+        opt,
+        synchronizer=srv.address,
+        sync_every=5,
+        fragments=2,
+        merge="rebase",
+        retry_initial_s=0.05,
+        retry_max_s=0.3,
+        rpc_timeout_s=2.0,
+        pull_wait_s=0.5,
     )
     try:
         train(lrn, model, opt, 20, seed=1)
         assert lrn.flush(timeout_s=20)
-        first_epoch, first_generation = lrn.engine.session.epoch, lrn.engine.session.generation
+        engine = lrn.engine
+        assert engine is not None
+        first_epoch, first_generation = engine.session.epoch, engine.session.generation
         cm.__exit__(None, None, None)  # final checkpoint; the restart restores it
         cm = serving(cfg.model_copy(update={"port": port}))
         srv = cm.__enter__()
         train(lrn, model, opt, 10, seed=2)
-        assert wait_until(lambda: lrn.engine.session.generation > first_generation, 20)
-        assert lrn.engine.session.epoch != first_epoch
+        assert wait_until(lambda: engine.session.generation > first_generation, 20)
+        assert engine.session.epoch != first_epoch
         merges = lrn.stats.merges
         train(lrn, model, opt, 20, seed=3)
         assert lrn.flush(timeout_s=20)
@@ -198,8 +231,15 @@ def test_strict_overlap_with_tau_zero_merges_each_push_before_step_returns(tmp_p
         model = mlp(0)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         lrn = Learner(
-            model, opt, synchronizer=srv.address, sync_every=4, fragments=2, codec="int8",
-            merge="overwrite", strict_overlap=True, overlap_steps=0,
+            model,
+            opt,
+            synchronizer=srv.address,
+            sync_every=4,
+            fragments=2,
+            codec="int8",
+            merge="overwrite",
+            strict_overlap=True,
+            overlap_steps=0,
         )
         try:
             for step in range(1, 13):
@@ -224,16 +264,29 @@ def test_stale_push_is_dropped_and_the_fragment_re_pulled(tmp_path):
     with running(server_config(tmp_path, max_staleness=0)) as srv:
         model = mlp(0)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        lrn = Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=1, merge="rebase",
-                      strict_overlap=True, overlap_steps=0)
+        lrn = Learner(
+            model,
+            opt,
+            synchronizer=srv.address,
+            sync_every=2,
+            fragments=1,
+            merge="rebase",
+            strict_overlap=True,
+            overlap_steps=0,
+        )
         other = SyncClient(srv.address)
         try:
             train(lrn, model, opt, 2, seed=0, delay_s=0)
             assert lrn.stats.fragment_versions == (1,)
-            other.join("other", FragmentPlan(model, 1).spec)  # another learner moves the fragment on
+            other.join(
+                "other", FragmentPlan(model, 1).spec
+            )  # another learner moves the fragment on
             n = FragmentPlan(model, 1).numel(0)
             zero = codec.encode(torch.zeros(n), pb.CODEC_FP32)
-            assert other.push(0, 1, 1, 1, 1, 0.0, zero, codec.make_header(pb.CODEC_FP32, n)).outcome == pb.PUSH_ACCEPTED
+            assert (
+                other.push(0, 1, 1, 1, 1, 0.0, zero, layout.make_header(pb.CODEC_FP32, n)).outcome
+                == pb.PUSH_ACCEPTED
+            )
             assert wait_until(lambda: other.status().versions[0].version == 2)
             train(lrn, model, opt, 2, seed=1, delay_s=0)  # pushes against version 1: too stale
             stats = lrn.stats
@@ -256,7 +309,16 @@ def test_delta_pull_rebuilds_the_served_parameters_exactly_at_a_fraction_of_the_
             client.init_model([plan.gather(0)])
             v0, _, p0 = client.pull(0, numel=n)
             delta = torch.randn(n) * 0.01
-            reply = client.push(0, 1, v0, 10, 1, 0.0, codec.encode(delta, pb.CODEC_FP32), codec.make_header(pb.CODEC_FP32, n))
+            reply = client.push(
+                0,
+                1,
+                v0,
+                10,
+                1,
+                0.0,
+                codec.encode(delta, pb.CODEC_FP32),
+                layout.make_header(pb.CODEC_FP32, n),
+            )
             assert reply.outcome == pb.PUSH_ACCEPTED
             before = client.bytes_received
             v1, _, from_delta = client.pull(0, reply.round_version, 5.0, numel=n, have=(v0, p0))
@@ -292,21 +354,42 @@ def test_restarted_learner_comes_back_under_its_id_and_serves_metrics(tmp_path):
     with running(server_config(tmp_path)) as srv:
         model = mlp(0)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        first = Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=2, strict_overlap=True, overlap_steps=0)
+        first = Learner(
+            model,
+            opt,
+            synchronizer=srv.address,
+            sync_every=2,
+            fragments=2,
+            strict_overlap=True,
+            overlap_steps=0,
+        )
         train(first, model, opt, 4, seed=0)
         old_id = first.learner_id
         first.close()  # as if killed: no Leave
         model = mlp(1)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        again = Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=2, learner_id=old_id,
-                        strict_overlap=True, overlap_steps=0, metrics_port=0)
+        again = Learner(
+            model,
+            opt,
+            synchronizer=srv.address,
+            sync_every=2,
+            fragments=2,
+            learner_id=old_id,
+            strict_overlap=True,
+            overlap_steps=0,
+            metrics_port=0,
+        )
         try:
             assert again.learner_id == old_id
             train(again, model, opt, 4, seed=1)
             pushes = again.stats.pushes
             assert pushes == {"accepted": 4}  # seqs continued after the first run's: no duplicates
             assert again.metrics_port
-            text = urllib.request.urlopen(f"http://127.0.0.1:{again.metrics_port}/metrics", timeout=5).read().decode()
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{again.metrics_port}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
             assert "diloco_learner_steps_total 4.0" in text
         finally:
             again.close()
@@ -316,7 +399,9 @@ def test_constructor_raises_clearly_on_a_different_model_bad_token_or_no_server(
     with running(server_config(tmp_path, auth_token="s3cret")) as srv:
         model = mlp(0)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        with Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=2, auth_token="s3cret") as lrn:
+        with Learner(
+            model, opt, synchronizer=srv.address, sync_every=2, fragments=2, auth_token="s3cret"
+        ) as lrn:
             train(lrn, model, opt, 4, seed=0)
         assert lrn.stats.pushes.get("accepted", 0) >= 1
         with pytest.raises(PermissionError):
@@ -328,7 +413,13 @@ def test_constructor_raises_clearly_on_a_different_model_bad_token_or_no_server(
         s.bind(("127.0.0.1", 0))
         free_port = s.getsockname()[1]
     with pytest.raises(TimeoutError):
-        Learner(mlp(0), None, synchronizer=f"127.0.0.1:{free_port}", join_timeout_s=0.5, retry_initial_s=0.05)
+        Learner(
+            mlp(0),
+            None,
+            synchronizer=f"127.0.0.1:{free_port}",
+            join_timeout_s=0.5,
+            retry_initial_s=0.05,
+        )
 
 
 def _certificates(d: Path) -> None:
@@ -336,28 +427,73 @@ def _certificates(d: Path) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
+    run(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for who in ("server", "client"):
         run("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}")
-        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{who}.pem", "-days", "1", "-extfile", "san.ext")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{who}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{who}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+        )
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+@pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs the openssl command to make certificates"
+)
 def test_learner_trains_over_mutual_tls_and_is_refused_without_a_client_certificate(tmp_path):
     _certificates(tmp_path)
-    cfg = server_config(tmp_path / "state", tls_cert=tmp_path / "server.pem", tls_key=tmp_path / "server.key", tls_client_ca=tmp_path / "ca.pem")
+    cfg = server_config(
+        tmp_path / "state",
+        tls_cert=tmp_path / "server.pem",
+        tls_key=tmp_path / "server.key",
+        tls_client_ca=tmp_path / "ca.pem",
+    )
     with running(cfg) as srv:
         model = mlp(0)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        tls = dict(tls_ca=tmp_path / "ca.pem", tls_cert=tmp_path / "client.pem", tls_key=tmp_path / "client.key")
+        tls = dict(
+            tls_ca=tmp_path / "ca.pem",
+            tls_cert=tmp_path / "client.pem",
+            tls_key=tmp_path / "client.key",
+        )
         with Learner(model, opt, synchronizer=srv.address, sync_every=2, fragments=2, **tls) as lrn:
             train(lrn, model, opt, 4, seed=0)
         assert lrn.stats.pushes.get("accepted", 0) >= 1 and lrn.stats.errors == 0
         with pytest.raises(TimeoutError):
-            Learner(mlp(0), None, synchronizer=srv.address, fragments=2, tls_ca=tmp_path / "ca.pem",
-                    join_timeout_s=0.5, retry_initial_s=0.05)
+            Learner(
+                mlp(0),
+                None,
+                synchronizer=srv.address,
+                fragments=2,
+                tls_ca=tmp_path / "ca.pem",
+                join_timeout_s=0.5,
+                retry_initial_s=0.05,
+            )
 
 
 def _island_rank(rank: int, world: int, init_file: str, address: str, out_dir: str) -> None:
@@ -368,7 +504,9 @@ def _island_rank(rank: int, world: int, init_file: str, address: str, out_dir: s
     try:
         model = mlp(seed=rank)  # ranks start different: the Learner makes them identical
         # inner_optimizer=None: the loop applies its own SGD update before step()
-        lrn = Learner(model, None, synchronizer=address, sync_every=4, fragments=2, name=f"rank{rank}")
+        lrn = Learner(
+            model, None, synchronizer=address, sync_every=4, fragments=2, name=f"rank{rank}"
+        )
         g = torch.Generator().manual_seed(rank)
         for _ in range(12):
             x = torch.randn(16, 8, generator=g)
@@ -382,7 +520,10 @@ def _island_rank(rank: int, world: int, init_file: str, address: str, out_dir: s
             lrn.step(tokens=16)
         lrn.finish()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        torch.save({"flat": flat, "merges": lrn.stats.merges, "leader": lrn.client is not None}, f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {"flat": flat, "merges": lrn.stats.merges, "leader": lrn.client is not None},
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -392,7 +533,12 @@ def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
     import torch.multiprocessing as mp
 
     with running(server_config(tmp_path / "state")) as srv:
-        mp.spawn(_island_rank, args=(2, str(tmp_path / "init"), srv.address, str(tmp_path)), nprocs=2, join=True)
+        mp.spawn(
+            _island_rank,
+            args=(2, str(tmp_path / "init"), srv.address, str(tmp_path)),
+            nprocs=2,
+            join=True,
+        )
         ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
         global_flat = torch.cat(served(srv.address, mlp(0), 2))
         status = SyncClient(srv.address)
@@ -410,7 +556,9 @@ def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
     in_fragment_order = torch.cat([by_name[t.name] for f in plan.fragments for t in f.tensors])
     assert torch.equal(ranks[0]["flat"], ranks[1]["flat"])
     assert torch.equal(in_fragment_order, global_flat)
-    assert [lr.name for lr in learners if lr.name.startswith("rank")] == ["rank0"]  # only rank 0 joined
+    assert [lr.name for lr in learners if lr.name.startswith("rank")] == [
+        "rank0"
+    ]  # only rank 0 joined
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -419,10 +567,20 @@ def test_heartbeats_tell_the_synchronizer_when_a_fragment_is_needed_back(tmp_pat
     with running(server_config(tmp_path, grace="adaptive")) as srv:
         model = mlp(seed=0)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        lrn = Learner(model, opt, synchronizer=srv.address, sync_every=40, fragments=2, heartbeat_interval_s=0.05,
-                      strict_overlap=strict, overlap_steps=3)
+        lrn = Learner(
+            model,
+            opt,
+            synchronizer=srv.address,
+            sync_every=40,
+            fragments=2,
+            heartbeat_interval_s=0.05,
+            strict_overlap=strict,
+            overlap_steps=3,
+        )
         try:
-            assert wait_until(lambda: srv.synchronizer.grace.overlap_steps != 0)  # the first heartbeat
+            assert wait_until(
+                lambda: srv.synchronizer.grace.overlap_steps != 0
+            )  # the first heartbeat
             assert srv.synchronizer.grace.overlap_steps == (3 if strict else 40)
         finally:
             lrn.finish()
@@ -432,10 +590,22 @@ def test_waiting_for_learners_counts_one_that_already_finished(tmp_path):
     from demo.train import wait_for_learners
 
     with running(server_config(tmp_path)) as srv:
-        early = Learner(mlp(0), torch.optim.SGD(mlp(0).parameters(), lr=0.01), synchronizer=srv.address, sync_every=5, name="early")
+        early = Learner(
+            mlp(0),
+            torch.optim.SGD(mlp(0).parameters(), lr=0.01),
+            synchronizer=srv.address,
+            sync_every=5,
+            name="early",
+        )
         early.finish()  # a short run that ended before the other looked
         model = mlp(1)
-        late = Learner(model, torch.optim.SGD(model.parameters(), lr=0.01), synchronizer=srv.address, sync_every=5, name="late")
+        late = Learner(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            synchronizer=srv.address,
+            sync_every=5,
+            name="late",
+        )
         try:
             wait_for_learners(late, 2, timeout_s=30)
             with pytest.raises(TimeoutError, match="only 2 of 3"):

@@ -17,7 +17,7 @@ from learner.fragments import (
     scatter,
     schedule_offsets,
 )
-from protos import codec
+from protos import codec, layout
 from protos import diloco_pb2 as pb
 from protos.configload import ConfigError, load
 
@@ -52,7 +52,9 @@ def test_fragment_plan_is_identical_for_two_instances_of_the_model():
     torch.manual_seed(1)
     b = FragmentPlan(TinyGPT(), 4)
     assert a.spec.spec_hash == b.spec.spec_hash
-    assert [[t.name for t in f.tensors] for f in a.fragments] == [[t.name for t in f.tensors] for f in b.fragments]
+    assert [[t.name for t in f.tensors] for f in a.fragments] == [
+        [t.name for t in f.tensors] for f in b.fragments
+    ]
 
 
 def test_balanced_plan_keeps_fragment_sizes_even_on_a_gpt_like_model():
@@ -86,11 +88,13 @@ def test_staggered_schedule_keeps_at_most_one_fragment_due_per_step_when_p_divid
     assert max(len(due_fragments(s, 100, offsets)) for s in range(1, 401)) == 1
 
 
-def _quantized_sum(deltas: list[torch.Tensor], ef_enabled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantized_sum(
+    deltas: list[torch.Tensor], ef_enabled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of what int4 pushes carried, the last pushed input) over rounds, with or without EF."""
     n = deltas[0].numel()
     ef = ErrorFeedback([n], "cpu", enabled=ef_enabled)
-    header = codec.make_header(pb.CODEC_INT4, n)
+    header = layout.make_header(pb.CODEC_INT4, n)
     sent = torch.zeros(n)
     x = deltas[0]
     for d in deltas:
@@ -125,11 +129,17 @@ def test_merge_modes_on_hand_made_tensors():
     fresh = torch.tensor([3.0, 2.0, 0.0])
     at_push = torch.tensor([0.5, 2.0, 4.0])
     assert torch.equal(merge_fragment("overwrite", local, fresh, at_push, 0.5), fresh)
-    assert torch.allclose(merge_fragment("mix", local, fresh, at_push, 0.5), torch.tensor([2.0, 2.0, 1.5]))
-    assert torch.allclose(merge_fragment("mix", local, fresh, at_push, 0.25), 0.25 * fresh + 0.75 * local)
+    assert torch.allclose(
+        merge_fragment("mix", local, fresh, at_push, 0.5), torch.tensor([2.0, 2.0, 1.5])
+    )
+    assert torch.allclose(
+        merge_fragment("mix", local, fresh, at_push, 0.25), 0.25 * fresh + 0.75 * local
+    )
     assert torch.equal(merge_fragment("mix", local, fresh, at_push, 1.0), fresh)
     # rebase: fresh global plus the local progress made since the push
-    assert torch.allclose(merge_fragment("rebase", local, fresh, at_push, 0.5), torch.tensor([3.5, 2.0, -1.0]))
+    assert torch.allclose(
+        merge_fragment("rebase", local, fresh, at_push, 0.5), torch.tensor([3.5, 2.0, -1.0])
+    )
     # inputs are untouched
     assert torch.equal(local, torch.tensor([1.0, 2.0, 3.0]))
     with pytest.raises(ValueError):
@@ -164,8 +174,16 @@ def test_gather_scatter_round_trip_restores_every_parameter():
 def test_config_loads_from_file_environment_and_flags(tmp_path):
     f = tmp_path / "learner.toml"
     f.write_text('synchronizer = "sync:1"\nsync_every = 25\nmerge = "rebase"\n')
-    cfg = load(LearnerConfig, f, {"fragments": 8}, {"DILOCO_SYNC_EVERY": "50", "DILOCO_CODEC": "int8"})
-    assert (cfg.synchronizer, cfg.sync_every, cfg.fragments, cfg.codec, cfg.merge) == ("sync:1", 50, 8, "int8", "rebase")
+    cfg = load(
+        LearnerConfig, f, {"fragments": 8}, {"DILOCO_SYNC_EVERY": "50", "DILOCO_CODEC": "int8"}
+    )
+    assert (cfg.synchronizer, cfg.sync_every, cfg.fragments, cfg.codec, cfg.merge) == (
+        "sync:1",
+        50,
+        8,
+        "int8",
+        "rebase",
+    )
     assert all(field.description for field in LearnerConfig.model_fields.values())
 
 

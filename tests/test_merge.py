@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from protos import codec
+from protos import codec, layout
 from protos import diloco_pb2 as pb
 from synchronizer.merge import Accumulator, staleness_factor, token_weight
 
@@ -162,18 +162,28 @@ def test_add_payload_equals_add_of_the_decoded_payload(radial: bool, codec_id: i
     by_payload = Accumulator(n, segments, radial=radial)
     by_tensor = Accumulator(n, segments, radial=radial)
     for i, d in enumerate(deltas):
-        buf, header = codec.encode(d, codec_id), codec.make_header(codec_id, n)
+        buf, header = codec.encode(d, codec_id), layout.make_header(codec_id, n)
         by_payload.add_payload(buf, header, 0.5 + i, torch.empty(n))
         by_tensor.add(codec.decode(buf, header, torch.empty(n)), 0.5 + i)
-    assert by_payload.total_weight == by_tensor.total_weight and by_payload.count == by_tensor.count == 3
-    torch.testing.assert_close(by_payload.merged(torch.empty(n)), by_tensor.merged(torch.empty(n)), rtol=1e-5, atol=1e-6)
+    assert (
+        by_payload.total_weight == by_tensor.total_weight
+        and by_payload.count == by_tensor.count == 3
+    )
+    torch.testing.assert_close(
+        by_payload.merged(torch.empty(n)), by_tensor.merged(torch.empty(n)), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_reset_accumulator_is_overwritten_by_its_next_round() -> None:
     acc = Accumulator(3)
     acc.add(_t(1, 2, 3), 1.0)
     acc.reset()
-    acc.add_payload(codec.encode(_t(4, 5, 6), pb.CODEC_FP32), codec.make_header(pb.CODEC_FP32, 3), 2.0, torch.empty(3))
+    acc.add_payload(
+        codec.encode(_t(4, 5, 6), pb.CODEC_FP32),
+        layout.make_header(pb.CODEC_FP32, 3),
+        2.0,
+        torch.empty(3),
+    )
     assert torch.equal(acc.merged(torch.empty(3)), _t(4, 5, 6))
     acc.reset()
     acc.add_tensor_weighted(_t(2, 2, 2), 2.0)

@@ -13,7 +13,9 @@ def test_generated_stubs_are_up_to_date_with_the_proto():
 
 
 def _tensors() -> list[TensorInfo]:
-    return [TensorInfo(f"h.{i}.w", (64, 16 * (i % 5 + 1))) for i in range(12)] + [TensorInfo("wte", (256, 64))]
+    return [TensorInfo(f"h.{i}.w", (64, 16 * (i % 5 + 1))) for i in range(12)] + [
+        TensorInfo("wte", (256, 64))
+    ]
 
 
 def test_balanced_plan_is_deterministic_and_even():

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from protos import codec
+from protos import codec, layout
 from protos import diloco_pb2 as pb
 from tests.helpers import Client, small_spec
 
@@ -34,7 +34,16 @@ def _vec(seed: int, scale: float = 0.1) -> torch.Tensor:
 
 
 def test_quorum_all_without_grace_is_synchronous_diloco_bit_for_bit(make_server):
-    srv, clients, init = _setup(make_server, 3, quorum=0, grace="none", token_weight="uniform", anchor="base", update_history=0, outer="nesterov")
+    srv, clients, init = _setup(
+        make_server,
+        3,
+        quorum=0,
+        grace="none",
+        token_weight="uniform",
+        anchor="base",
+        update_history=0,
+        outer="nesterov",
+    )
     p = torch.nn.Parameter(init.clone())
     opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
     for r in range(4):
@@ -55,7 +64,9 @@ def test_quorum_all_without_grace_is_synchronous_diloco_bit_for_bit(make_server)
 
 
 def test_quorum_one_applies_without_waiting_for_others(make_server):
-    srv, clients, init = _setup(make_server, 3, quorum=1, grace="none", outer="sgd", outer_lr=1.0, anchor="base")
+    srv, clients, init = _setup(
+        make_server, 3, quorum=1, grace="none", outer="sgd", outer_lr=1.0, anchor="base"
+    )
     d = _vec(1)
     assert clients[1].push(0, d).round_version == 1
     version, served = clients[1].pull(0, min_version=1, wait_s=10)
@@ -65,7 +76,17 @@ def test_quorum_one_applies_without_waiting_for_others(make_server):
 
 def test_grace_window_takes_a_learner_in_time_and_not_one_that_is_late(make_server):
     # The window must outlast two back-to-back pushes on a busy machine; the pull waits it out.
-    srv, clients, init = _setup(make_server, 3, quorum=1, grace="fixed", grace_max_s=2.0, outer="sgd", outer_lr=1.0, anchor="base", token_weight="uniform")
+    srv, clients, init = _setup(
+        make_server,
+        3,
+        quorum=1,
+        grace="fixed",
+        grace_max_s=2.0,
+        outer="sgd",
+        outer_lr=1.0,
+        anchor="base",
+        token_weight="uniform",
+    )
     a, b, late = _vec(1), _vec(2), _vec(3)
     assert clients[0].push(0, a).round_version == 1
     assert clients[1].push(0, b).round_version == 1  # inside the grace window: same round
@@ -84,7 +105,9 @@ def test_round_closes_at_once_when_every_live_learner_contributed(make_server):
 
 
 def test_dead_learner_never_holds_a_synchronous_round(make_server):
-    srv, clients, _ = _setup(make_server, 2, quorum=0, grace="none", lease_s=2.0)  # heartbeats every 0.1 s keep one alive
+    srv, clients, _ = _setup(
+        make_server, 2, quorum=0, grace="none", lease_s=2.0
+    )  # heartbeats every 0.1 s keep one alive
     alive, silent = clients
     stop = threading.Event()
 
@@ -113,15 +136,26 @@ def test_push_beyond_max_staleness_is_dropped_and_counted(make_server):
         fast.pull(0, min_version=r + 1, wait_s=10)
     _, before = fast.pull(0)
     reply = slow.push(0, _vec(9), base=0)
-    assert reply.outcome == pb.PUSH_DROPPED_STALE and reply.staleness == 2 and "re-pull" in reply.message
+    assert (
+        reply.outcome == pb.PUSH_DROPPED_STALE
+        and reply.staleness == 2
+        and "re-pull" in reply.message
+    )
     assert torch.equal(fast.pull(0)[1], before)
-    discarded = srv.synchronizer.metrics.registry.get_sample_value("diloco_tokens_total", {"bucket": "discarded"})
+    discarded = srv.synchronizer.metrics.registry.get_sample_value(
+        "diloco_tokens_total", {"bucket": "discarded"}
+    )
     assert discarded == pytest.approx(100.0)
 
 
-@pytest.mark.parametrize(("kind", "expected"), [("poly", (1 + 2) ** -0.5), ("exp", 2.718281828 ** (-0.5 * 2)), ("hinge", 1.0), ("none", 1.0)])
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [("poly", (1 + 2) ** -0.5), ("exp", 2.718281828 ** (-0.5 * 2)), ("hinge", 1.0), ("none", 1.0)],
+)
 def test_stale_push_is_weighted_by_the_staleness_factor(make_server, kind, expected):
-    srv, clients, _ = _setup(make_server, 2, quorum=1, grace="none", staleness_weight=kind, token_weight="uniform")
+    srv, clients, _ = _setup(
+        make_server, 2, quorum=1, grace="none", staleness_weight=kind, token_weight="uniform"
+    )
     fast, slow = clients
     for r in range(2):
         fast.push(0, _vec(r), base=r)
@@ -132,7 +166,16 @@ def test_stale_push_is_weighted_by_the_staleness_factor(make_server, kind, expec
 
 
 def test_token_weights_give_the_weighted_mean(make_server):
-    srv, clients, init = _setup(make_server, 2, quorum=0, grace="none", token_weight="tokens2_per_step", outer="sgd", outer_lr=1.0, anchor="base")
+    srv, clients, init = _setup(
+        make_server,
+        2,
+        quorum=0,
+        grace="none",
+        token_weight="tokens2_per_step",
+        outer="sgd",
+        outer_lr=1.0,
+        anchor="base",
+    )
     a, b = _vec(1), _vec(2)
     ra = clients[0].push(0, a, tokens=300, steps=10)  # weight 9000
     rb = clients[1].push(0, b, tokens=100, steps=10)  # weight 1000
@@ -142,7 +185,16 @@ def test_token_weights_give_the_weighted_mean(make_server):
 
 
 def test_current_anchor_adds_the_updates_a_stale_learner_missed(make_server):
-    srv, clients, init = _setup(make_server, 2, quorum=1, grace="none", anchor="current", update_codec="fp32", outer="sgd", outer_lr=1.0)
+    srv, clients, init = _setup(
+        make_server,
+        2,
+        quorum=1,
+        grace="none",
+        anchor="current",
+        update_codec="fp32",
+        outer="sgd",
+        outer_lr=1.0,
+    )
     fast, slow = clients
     u = _vec(1)
     fast.push(0, u, base=0)
@@ -156,7 +208,17 @@ def test_current_anchor_adds_the_updates_a_stale_learner_missed(make_server):
 
 
 def test_radial_directional_merge_averages_norms_and_directions(make_server):
-    srv, clients, init = _setup(make_server, 2, quorum=0, grace="none", merge="radial", anchor="base", outer="sgd", outer_lr=1.0, token_weight="uniform")
+    srv, clients, init = _setup(
+        make_server,
+        2,
+        quorum=0,
+        grace="none",
+        merge="radial",
+        anchor="base",
+        outer="sgd",
+        outer_lr=1.0,
+        token_weight="uniform",
+    )
     a = torch.zeros(N)
     b = torch.zeros(N)
     a[:300] = 0.0
@@ -167,7 +229,9 @@ def test_radial_directional_merge_averages_norms_and_directions(make_server):
     _, served = clients[0].pull(0, min_version=1, wait_s=10)
     step = init - served
     # mean norm 2 along the bisector of e0 and e1
-    assert step[0].item() == pytest.approx(2 / 2**0.5, rel=1e-5) and step[1].item() == pytest.approx(2 / 2**0.5, rel=1e-5)
+    assert step[0].item() == pytest.approx(2 / 2**0.5, rel=1e-5) and step[
+        1
+    ].item() == pytest.approx(2 / 2**0.5, rel=1e-5)
     assert step[2:].abs().max().item() < 1e-6
 
 
@@ -180,7 +244,9 @@ def test_dynamic_local_updates_give_slow_learners_fewer_steps(make_server):
 
 
 def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(make_server):
-    srv, clients, init = _setup(make_server, 1, quorum=1, grace="none", outer="sgd", outer_lr=1.0, token_weight="uniform")
+    srv, clients, init = _setup(
+        make_server, 1, quorum=1, grace="none", outer="sgd", outer_lr=1.0, token_weight="uniform"
+    )
     frag = srv.synchronizer.fragments[0]
     release, entered = threading.Event(), threading.Event()
     step = frag.model.outer.step
@@ -196,7 +262,11 @@ def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(ma
     assert entered.wait(10)  # round 1's outer step is running
     assert c.push(0, _vec(2), base=0).round_version == 2
     assert c.push(0, _vec(3), base=0).round_version == 2  # joins the same open round
-    assert frag.version == 0 and frag.admission.round is not None and len(frag.admission.round.contributions) == 2
+    assert (
+        frag.version == 0
+        and frag.admission.round is not None
+        and len(frag.admission.round.contributions) == 2
+    )
     release.set()
     version, served = c.pull(0, min_version=2, wait_s=10)
     assert version == 2
@@ -204,20 +274,33 @@ def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(ma
 
 
 @pytest.mark.parametrize("codec_id", [pb.CODEC_FP32, pb.CODEC_INT8], ids=["fp32", "int8"])
-def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_alike(make_server, codec_id):
+def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_alike(
+    make_server, codec_id
+):
     # Accepted pushes are held encoded until the outer step, within a budget of two FP32 copies
     # of the fragment; past it they are decoded on arrival (FP32: from the third push on).
     # Either way the round merges the same weighted mean, every held byte is given back, and a
     # duplicate or stale push holds nothing.
     learners = 6
-    srv, clients, init = _setup(make_server, learners, quorum=0, grace="none", outer="sgd", outer_lr=1.0, token_weight="tokens", max_staleness=0)
+    srv, clients, init = _setup(
+        make_server,
+        learners,
+        quorum=0,
+        grace="none",
+        outer="sgd",
+        outer_lr=1.0,
+        token_weight="tokens",
+        max_staleness=0,
+    )
     frag = srv.synchronizer.fragments[0]
     deltas = [_vec(100 + i) for i in range(learners)]
     decoded = []
     for i, (c, d) in enumerate(zip(clients, deltas, strict=True)):
         reply = c.push(0, d, codec_id=codec_id, tokens=100 * (i + 1))
         assert reply.outcome == pb.PUSH_ACCEPTED
-        decoded.append(codec.decode(codec.encode(d, codec_id), codec.make_header(codec_id, N), torch.empty(N)))
+        decoded.append(
+            codec.decode(codec.encode(d, codec_id), layout.make_header(codec_id, N), torch.empty(N))
+        )
         if i == 0:
             assert frag.held.held_bytes > 0  # held, not decoded
             dup = c.push(0, d, codec_id=codec_id, seq=c.seq)
@@ -252,6 +335,8 @@ def test_adaptive_grace_is_sized_by_the_tau_the_learners_report(make_server, tmp
     fixed.observe(step_time=0.1, overlap_steps=100)
     assert fixed.seconds() == pytest.approx(0.5)  # the operator's tau wins
 
-    srv, clients, _ = _setup(make_server, 1, quorum=1, grace="adaptive", grace_gamma=0.5, grace_max_s=30.0)
+    srv, clients, _ = _setup(
+        make_server, 1, quorum=1, grace="adaptive", grace_gamma=0.5, grace_max_s=30.0
+    )
     clients[0].heartbeat(step_time_s=0.05, overlap_steps=100)
     assert srv.synchronizer.grace.seconds() == pytest.approx(2.5)

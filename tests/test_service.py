@@ -11,7 +11,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos import codec
+from protos import codec, layout
 from protos import diloco_pb2 as pb
 from tests.helpers import Client, small_spec
 
@@ -31,7 +31,10 @@ def test_health_reports_serving_and_status_lists_fragments(make_server):
     channel = grpc.insecure_channel(srv.address)
     stub = health_pb2_grpc.HealthStub(channel)
     for service in ("", "diloco.v1.Synchronizer"):
-        assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     spec = small_spec()
     c, _ = _init_model(srv.address, spec)
     status = c.status()
@@ -41,7 +44,16 @@ def test_health_reports_serving_and_status_lists_fragments(make_server):
 
 def test_pushes_from_several_threads_match_reference_outside_the_service(make_server):
     """Four learners push INT8 and INT4 deltas concurrently; K = 4, no grace: one round per step."""
-    srv = make_server(quorum=0, grace="none", token_weight="uniform", anchor="base", update_history=0, outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    srv = make_server(
+        quorum=0,
+        grace="none",
+        token_weight="uniform",
+        anchor="base",
+        update_history=0,
+        outer="nesterov",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
     spec = small_spec()
     init, flats = _init_model(srv.address, spec)
     init.leave()
@@ -51,7 +63,10 @@ def test_pushes_from_several_threads_match_reference_outside_the_service(make_se
     codecs = [pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_INT8, pb.CODEC_INT4]
     rounds = 3
     g = torch.Generator().manual_seed(1)
-    deltas = [[[torch.randn(f.numel, generator=g) * 0.01 for f in spec.fragments] for _ in learners] for _ in range(rounds)]
+    deltas = [
+        [[torch.randn(f.numel, generator=g) * 0.01 for f in spec.fragments] for _ in learners]
+        for _ in range(rounds)
+    ]
 
     def run(i: int) -> None:
         c = learners[i]
@@ -76,7 +91,13 @@ def test_pushes_from_several_threads_match_reference_outside_the_service(make_se
             decoded = []
             for i in range(len(learners)):
                 d = deltas[r][i][f.fragment_id]
-                decoded.append(codec.decode(codec.encode(d, codecs[i]), codec.make_header(codecs[i], d.numel()), torch.empty(d.numel())))
+                decoded.append(
+                    codec.decode(
+                        codec.encode(d, codecs[i]),
+                        layout.make_header(codecs[i], d.numel()),
+                        torch.empty(d.numel()),
+                    )
+                )
             p.grad = torch.stack(decoded).mean(0)
             opt.step()
         version, served = learners[0].pull(f.fragment_id)
@@ -85,7 +106,9 @@ def test_pushes_from_several_threads_match_reference_outside_the_service(make_se
 
 
 def test_retried_push_with_same_seq_is_applied_once(make_server):
-    srv = make_server(quorum=1, grace="none", anchor="base", outer="sgd", outer_lr=1.0, token_weight="uniform")
+    srv = make_server(
+        quorum=1, grace="none", anchor="base", outer="sgd", outer_lr=1.0, token_weight="uniform"
+    )
     spec = small_spec()
     c, flats = _init_model(srv.address, spec)
     delta = torch.full((spec.fragments[0].numel,), 0.5)
@@ -100,7 +123,9 @@ def test_retried_push_with_same_seq_is_applied_once(make_server):
     torch.testing.assert_close(after_retry, flats[0] - 0.5)
 
 
-def test_restart_from_checkpoint_resumes_versions_parameters_and_optimizer_state(make_server, tmp_path):
+def test_restart_from_checkpoint_resumes_versions_parameters_and_optimizer_state(
+    make_server, tmp_path
+):
     state = tmp_path / "restart"
     cfg = dict(quorum=1, grace="none", state_dir=state, outer="nesterov", anchor="current")
     srv = make_server(**cfg)
@@ -139,18 +164,49 @@ def test_metrics_endpoint_parses_and_holds_the_series(make_server):
     c.pull(0, min_version=1, wait_s=10)
     with pytest.raises(grpc.RpcError):
         c.push(9, torch.zeros(3))
-    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("diloco_learners", "diloco_pushes", "diloco_rejected_requests", "diloco_tokens", "diloco_compute_seconds",
-                 "diloco_push_staleness", "diloco_round_contributors", "diloco_round_wait_seconds", "diloco_round_apply_seconds",
-                 "diloco_received_bytes", "diloco_sent_bytes", "diloco_outer_steps", "diloco_fragment_version", "diloco_rpcs",
-                 "diloco_goodput_ratio", "diloco_learner_capacity_seconds", "diloco_tokens_in_flight"):
+    for name in (
+        "diloco_learners",
+        "diloco_pushes",
+        "diloco_rejected_requests",
+        "diloco_tokens",
+        "diloco_compute_seconds",
+        "diloco_push_staleness",
+        "diloco_round_contributors",
+        "diloco_round_wait_seconds",
+        "diloco_round_apply_seconds",
+        "diloco_received_bytes",
+        "diloco_sent_bytes",
+        "diloco_outer_steps",
+        "diloco_fragment_version",
+        "diloco_rpcs",
+        "diloco_goodput_ratio",
+        "diloco_learner_capacity_seconds",
+        "diloco_tokens_in_flight",
+    ):
         assert name in families, name
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in families.values()
+        for s in f.samples
+    }
     assert samples[("diloco_pushes_total", (("outcome", "accepted"),))] == 1
     assert samples[("diloco_outer_steps_total", ())] == 1
     assert samples[("diloco_received_bytes_total", (("codec", "int8"),))] > 0
-    assert samples[("diloco_rejected_requests_total", (("code", "NOT_FOUND"), ("reason", "unknown_fragment")))] == 1
+    assert (
+        samples[
+            (
+                "diloco_rejected_requests_total",
+                (("code", "NOT_FOUND"), ("reason", "unknown_fragment")),
+            )
+        ]
+        == 1
+    )
     assert samples[("diloco_rpcs_total", (("code", "OK"), ("method", "PushFragment")))] == 1
     assert samples[("diloco_fragment_version", (("fragment", "0"),))] == 1
 

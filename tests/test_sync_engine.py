@@ -70,10 +70,14 @@ class FakeClient:
 
     # Test controls ---------------------------------------------------------------------------
 
-    def fail_next(self, method: str, error: grpc.StatusCode | BaseException, times: int = 1) -> None:
+    def fail_next(
+        self, method: str, error: grpc.StatusCode | BaseException, times: int = 1
+    ) -> None:
         with self.cv:
             for _ in range(times):
-                self.failures[method].append(RpcFailure(error) if isinstance(error, grpc.StatusCode) else error)
+                self.failures[method].append(
+                    RpcFailure(error) if isinstance(error, grpc.StatusCode) else error
+                )
 
     def hold_pushes(self) -> None:
         with self.cv:
@@ -95,7 +99,9 @@ class FakeClient:
 
     def wait_for_call(self, method: str, count: int = 1) -> None:
         with self.cv:
-            assert self.cv.wait_for(lambda: sum(c[0] == method for c in self.calls) >= count, DEADLINE_S)
+            assert self.cv.wait_for(
+                lambda: sum(c[0] == method for c in self.calls) >= count, DEADLINE_S
+            )
 
     def _enter(self, method: str, *args: Any) -> None:
         with self.cv:
@@ -114,17 +120,29 @@ class FakeClient:
                 learner_id = f"learner-{self.ids}"
             self.learner_id = learner_id
             next_seq = max((seq for _, seq, _ in self.applied), default=0) + 1
-            return pb.JoinReply(learner_id=learner_id, lease_s=30.0, server_epoch=self.epoch,
-                                needs_init=self.needs_init, next_seq=next_seq)
+            return pb.JoinReply(
+                learner_id=learner_id,
+                lease_s=30.0,
+                server_epoch=self.epoch,
+                needs_init=self.needs_init,
+                next_seq=next_seq,
+            )
 
     def init_model(self, fragments: Sequence[torch.Tensor]) -> pb.InitModelReply:
         self._enter("init_model")
         with self.cv:
             self.params = [f.detach().float().clone() for f in fragments]
             self.needs_init = False
-            return pb.InitModelReply(versions=[pb.FragmentVersion(fragment_id=p, version=v) for p, v in enumerate(self.versions)])
+            return pb.InitModelReply(
+                versions=[
+                    pb.FragmentVersion(fragment_id=p, version=v)
+                    for p, v in enumerate(self.versions)
+                ]
+            )
 
-    def heartbeat(self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0) -> pb.HeartbeatReply:
+    def heartbeat(
+        self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0
+    ) -> pb.HeartbeatReply:
         self._enter("heartbeat")
         with self.cv:
             return pb.HeartbeatReply(server_epoch=self.epoch, lease_s=30.0)
@@ -146,7 +164,9 @@ class FakeClient:
             if self.closed:
                 raise RpcFailure(grpc.StatusCode.CANCELLED, "channel closed")
             if any(s == seq for _, s, _ in self.applied):
-                return pb.PushReply(outcome=pb.PUSH_DUPLICATE, round_version=self.versions[fragment_id])
+                return pb.PushReply(
+                    outcome=pb.PUSH_DUPLICATE, round_version=self.versions[fragment_id]
+                )
             outcome = self.outcomes.popleft() if self.outcomes else pb.PUSH_ACCEPTED
             if outcome != pb.PUSH_ACCEPTED:
                 return pb.PushReply(outcome=outcome, current_version=self.versions[fragment_id])  # type: ignore[arg-type]
@@ -170,7 +190,9 @@ class FakeClient:
     ) -> tuple[int, str, torch.Tensor]:
         self._enter("pull", fragment_id, min_version, None if have is None else have[0])
         with self.cv:
-            self.cv.wait_for(lambda: self.versions[fragment_id] >= min_version or self.closed, wait_s)
+            self.cv.wait_for(
+                lambda: self.versions[fragment_id] >= min_version or self.closed, wait_s
+            )
             if self.closed:
                 self.calls.append(("pull_cancelled", fragment_id))
                 raise RpcFailure(grpc.StatusCode.CANCELLED, "channel closed")
@@ -193,8 +215,15 @@ def as_transport(fake: FakeClient) -> Transport:
 
 def new_engine(fake: FakeClient, **settings: Any) -> SyncEngine:
     cfg = LearnerConfig(**{**FAST, **settings})
-    return SyncEngine(as_transport(fake), cfg, SPEC, "test", Clock(),
-                      global_params=lambda: [torch.zeros(n) for n in SIZES], pin=False)
+    return SyncEngine(
+        as_transport(fake),
+        cfg,
+        SPEC,
+        "test",
+        Clock(),
+        global_params=lambda: [torch.zeros(n) for n in SIZES],
+        pin=False,
+    )
 
 
 @pytest.fixture
@@ -221,8 +250,18 @@ def started() -> Iterator[Callable[..., SyncEngine]]:
 
 
 def job(fragment: int, tokens: int = 10, base_version: int = 0) -> PushJob:
-    return PushJob(fragment, base_version, tokens, steps=1, compute_s=0.1, payload=torch.zeros(8, dtype=torch.uint8),
-                   header=pb.PayloadHeader(), residual=None, theta_at_push=None, step=1)
+    return PushJob(
+        fragment,
+        base_version,
+        tokens,
+        steps=1,
+        compute_s=0.1,
+        payload=torch.zeros(8, dtype=torch.uint8),
+        header=pb.PayloadHeader(),
+        residual=None,
+        theta_at_push=None,
+        step=1,
+    )
 
 
 def arrival(engine: SyncEngine) -> Arrival:
@@ -251,7 +290,11 @@ def test_a_push_is_sent_and_the_round_that_includes_it_is_merged(fake, started):
     assert (a.fragment, a.version, a.job) == (0, 1, j)
     assert torch.equal(a.params, fake.params[0])
     assert fake.calls_of("push") == [(0, j.seq, 0, 10)]
-    assert fake.calls_of("pull")[-1] == (0, 1, 0)  # the round's version, as a delta from the one held
+    assert fake.calls_of("pull")[-1] == (
+        0,
+        1,
+        0,
+    )  # the round's version, as a delta from the one held
     assert engine.counts() == ({"accepted": 1}, len(SIZES) + 1, 0)
     assert engine.in_flight() == 0 and engine.sync_state() == "idle"
 
@@ -267,7 +310,9 @@ def test_a_fragment_stays_busy_until_its_arrival_is_merged(fake, started):
     assert not engine.busy(1) and engine.submit(job(1))
 
 
-def test_a_push_still_unsent_when_the_next_comes_due_is_superseded_under_the_same_seq(fake, started):
+def test_a_push_still_unsent_when_the_next_comes_due_is_superseded_under_the_same_seq(
+    fake, started
+):
     engine = started(fake)
     fake.hold_pushes()
     assert engine.submit(job(0))
@@ -336,7 +381,7 @@ def test_a_push_rejected_as_invalid_is_dropped_and_the_fragment_freed(fake, star
 
 
 def test_a_pull_that_arrives_with_a_bad_payload_is_retried(fake, started):
-    from protos.codec import CodecError
+    from protos.layout import CodecError
 
     engine = started(fake)
     fake.fail_next("pull", CodecError("checksum mismatch"))
@@ -358,7 +403,9 @@ def test_a_crash_in_a_background_loop_is_counted_and_the_loop_restarted(fake, st
 # The session: epochs, leases, joins ----------------------------------------------------------
 
 
-def test_a_new_server_epoch_seen_by_a_pull_leads_to_a_rejoin_and_a_repull_of_every_fragment(fake, started):
+def test_a_new_server_epoch_seen_by_a_pull_leads_to_a_rejoin_and_a_repull_of_every_fragment(
+    fake, started
+):
     engine = started(fake)
     fake.restart("epoch-2")
     assert engine.submit(job(0))  # answered, then its pull sees the new epoch
@@ -369,7 +416,9 @@ def test_a_new_server_epoch_seen_by_a_pull_leads_to_a_rejoin_and_a_repull_of_eve
     assert engine.in_flight() == 0
 
 
-def test_a_heartbeat_that_sees_a_new_server_epoch_leads_to_a_rejoin_and_a_repull_of_every_fragment(fake, started):
+def test_a_heartbeat_that_sees_a_new_server_epoch_leads_to_a_rejoin_and_a_repull_of_every_fragment(
+    fake, started
+):
     engine = started(fake, heartbeat_interval_s=0.01)
     fake.restart("epoch-2")
     got = arrivals(engine, len(SIZES))
@@ -378,7 +427,9 @@ def test_a_heartbeat_that_sees_a_new_server_epoch_leads_to_a_rejoin_and_a_repull
     assert len(fake.calls_of("join")) == 2
 
 
-def test_a_push_refused_after_the_lease_lapsed_rejoins_under_the_same_id_and_is_retried(fake, started):
+def test_a_push_refused_after_the_lease_lapsed_rejoins_under_the_same_id_and_is_retried(
+    fake, started
+):
     engine = started(fake)
     fake.fail_next("push", grpc.StatusCode.FAILED_PRECONDITION)
     j = job(1)
@@ -422,13 +473,19 @@ def test_a_failed_rejoin_is_recorded_and_retried_not_raised(fake, started):
 
 def test_connect_pulls_every_fragment_of_an_existing_model(fake):
     engine = new_engine(fake)
-    versions, fetched = engine.connect(DEADLINE_S, lambda: pytest.fail("the model exists; nothing to upload"))
+    versions, fetched = engine.connect(
+        DEADLINE_S, lambda: pytest.fail("the model exists; nothing to upload")
+    )
     assert versions == [0] * len(SIZES)
-    assert fetched is not None and all(torch.equal(a, b) for a, b in zip(fetched, fake.params, strict=True))
+    assert fetched is not None and all(
+        torch.equal(a, b) for a, b in zip(fetched, fake.params, strict=True)
+    )
     assert engine.session.epoch == "epoch-1" and engine.client.learner_id == "learner-1"
 
 
-def test_connect_uploads_the_local_model_when_the_synchronizer_has_none_and_pulls_deltas_from_it(fake):
+def test_connect_uploads_the_local_model_when_the_synchronizer_has_none_and_pulls_deltas_from_it(
+    fake,
+):
     fake.needs_init = True
     engine = new_engine(fake)
     local = [torch.full((n,), 7.0) for n in SIZES]

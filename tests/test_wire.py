@@ -34,7 +34,10 @@ def test_header_and_other_shapes_go_through_the_protobuf_parser():
     # inside the chunk are all legal protobuf: the real parser reads them.
     empty = pb.PushRequest(chunk=pb.Chunk(offset=5))
     assert parse_push_request(empty.SerializeToString()) == empty
-    two = pb.PushRequest(chunk=pb.Chunk(offset=1, data=b"xy")).SerializeToString() + pb.PushRequest(header=pb.PushHeader(seq=1)).SerializeToString()
+    two = (
+        pb.PushRequest(chunk=pb.Chunk(offset=1, data=b"xy")).SerializeToString()
+        + pb.PushRequest(header=pb.PushHeader(seq=1)).SerializeToString()
+    )
     assert parse_push_request(two) == pb.PushRequest.FromString(two)
     unknown = b"\x12\x06" + b"\x08\x01" + b"\x18\x07" + b"\x12\x00"  # field 3 inside the chunk
     assert parse_push_request(unknown) == pb.PushRequest.FromString(unknown)
@@ -45,7 +48,10 @@ def test_random_and_truncated_bytes_parse_as_protobuf_would():
     good = pb.PushRequest(chunk=pb.Chunk(offset=300, data=b"abcdef" * 20)).SerializeToString()
     samples = [good[:cut] for cut in range(len(good))]
     samples += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))) for _ in range(2000)]
-    samples += [b"\x12" + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 20))) for _ in range(2000)]
+    samples += [
+        b"\x12" + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 20)))
+        for _ in range(2000)
+    ]
     for raw in samples:
         try:
             expected = pb.PushRequest.FromString(raw)
@@ -56,6 +62,9 @@ def test_random_and_truncated_bytes_parse_as_protobuf_would():
         got = parse_push_request(raw)
         if isinstance(got, RawChunk):
             assert expected.WhichOneof("kind") == "chunk", raw
-            assert (got.offset, _chunk_bytes(got)) == (expected.chunk.offset, expected.chunk.data), raw
+            assert (got.offset, _chunk_bytes(got)) == (
+                expected.chunk.offset,
+                expected.chunk.data,
+            ), raw
         else:
             assert got == expected, raw

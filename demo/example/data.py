@@ -114,7 +114,9 @@ class ByteData:
         self.block = block
         files = list_files(self.root, ".py" if root is None else None)
         if len(files) < 2:
-            raise DataError(f"data directory {self.root} needs at least 2 files (one is held out for evaluation), found {len(files)}")
+            raise DataError(
+                f"data directory {self.root} needs at least 2 files (one is held out for evaluation), found {len(files)}"
+            )
         train, held_out = split_files(files, eval_fraction)
         self.train_files = shard_files(train, learner, learners)
         self.eval_files = held_out
@@ -122,16 +124,22 @@ class ByteData:
         self.eval = read_bytes(self.root, self.eval_files, eval_bytes)
         for name, data in (("training shard", self.train), ("evaluation set", self.eval)):
             if len(data) < block + 2:
-                raise DataError(f"the {name} under {self.root} has {len(data)} bytes of text; need at least {block + 2}")
+                raise DataError(
+                    f"the {name} under {self.root} has {len(data)} bytes of text; need at least {block + 2}"
+                )
 
     @staticmethod
-    def windows(data: torch.Tensor, n: int, block: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def windows(
+        data: torch.Tensor, n: int, block: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """n random windows of block+1 bytes: inputs (n, block) and next-byte targets (n, block)."""
         starts = torch.randint(0, len(data) - block, (n,), generator=generator)
         w = data[starts[:, None] + torch.arange(block + 1)].long()
         return w[:, :-1], w[:, 1:]
 
-    def batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, batch_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.windows(self.train, batch_size, self.block, generator)
 
     def eval_set(self, n: int = 256, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +148,9 @@ class ByteData:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, eval_set: tuple[torch.Tensor, torch.Tensor], batch_size: int = 64) -> float:
+def evaluate(
+    model: nn.Module, eval_set: tuple[torch.Tensor, torch.Tensor], batch_size: int = 64
+) -> float:
     """Mean cross-entropy (nats per byte) of model on the evaluation windows."""
     was_training = model.training
     model.eval()
@@ -150,6 +160,8 @@ def evaluate(model: nn.Module, eval_set: tuple[torch.Tensor, torch.Tensor], batc
     for i in range(0, len(x), batch_size):
         xb, yb = x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
         logits = model(xb)[0]
-        total += nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), yb.reshape(-1), reduction="sum").item()
+        total += nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), yb.reshape(-1), reduction="sum"
+        ).item()
     model.train(was_training)
     return total / y.numel()

@@ -22,8 +22,8 @@ class GPTConfig:
     n_layer: int = 2
     d_model: int = 64
     n_head: int = 2
-    block: int = 128       # context length in bytes
-    vocab: int = 256       # byte values
+    block: int = 128  # context length in bytes
+    vocab: int = 256  # byte values
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
@@ -31,7 +31,9 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_head:
-            raise ValueError(f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+            raise ValueError(
+                f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
 
 
 class CausalSelfAttention(nn.Module):
@@ -101,7 +103,9 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab) for byte ids idx (B, T), and the mean cross-entropy if targets given."""
         T = idx.shape[1]
         if T > self.cfg.block:

@@ -25,8 +25,15 @@ from typing import Any
 import yaml
 
 SUPPORTED = {"apiVersion", "kind", "resources", "patches", "namespace", "images"}
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                  "PersistentVolume", "StorageClass", "PriorityClass"}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "PersistentVolume",
+    "StorageClass",
+    "PriorityClass",
+}
 
 
 def render(directory: str | Path) -> list[dict[str, Any]]:
@@ -38,7 +45,9 @@ def render(directory: str | Path) -> list[dict[str, Any]]:
     kust = yaml.safe_load(kust_file.read_text()) or {}
     unknown = set(kust) - SUPPORTED
     if unknown:
-        raise ValueError(f"{kust_file}: fields {sorted(unknown)} are not supported by this renderer (only {sorted(SUPPORTED)}); use kubectl kustomize")
+        raise ValueError(
+            f"{kust_file}: fields {sorted(unknown)} are not supported by this renderer (only {sorted(SUPPORTED)}); use kubectl kustomize"
+        )
     objects: list[dict[str, Any]] = []
     for entry in kust.get("resources", []):
         path = directory / entry
@@ -47,11 +56,20 @@ def render(directory: str | Path) -> list[dict[str, Any]]:
         else:
             objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
     for patch in kust.get("patches", []):
-        ops = yaml.safe_load(patch["patch"] if "patch" in patch else (directory / patch["path"]).read_text())
+        ops = yaml.safe_load(
+            patch["patch"] if "patch" in patch else (directory / patch["path"]).read_text()
+        )
         target = patch["target"]
         if set(target) - {"kind", "name"} or not isinstance(ops, list):
-            raise ValueError(f"{kust_file}: only JSON 6902 patches with a target of kind and name are supported")
-        matched = [o for o in objects if o["kind"] == target.get("kind", o["kind"]) and o["metadata"]["name"] == target.get("name", o["metadata"]["name"])]
+            raise ValueError(
+                f"{kust_file}: only JSON 6902 patches with a target of kind and name are supported"
+            )
+        matched = [
+            o
+            for o in objects
+            if o["kind"] == target.get("kind", o["kind"])
+            and o["metadata"]["name"] == target.get("name", o["metadata"]["name"])
+        ]
         if not matched:
             raise ValueError(f"{kust_file}: patch target {target} matches no object")
         for obj in matched:
@@ -99,7 +117,12 @@ def _apply(obj: dict[str, Any], op: dict[str, Any]) -> None:
 
 def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
     spec = obj.get("spec", {})
-    pod = spec.get("jobTemplate", {}).get("spec", spec).get("template", {}).get("spec", spec if obj["kind"] == "Pod" else {})
+    pod = (
+        spec.get("jobTemplate", {})
+        .get("spec", spec)
+        .get("template", {})
+        .get("spec", spec if obj["kind"] == "Pod" else {})
+    )
     return pod.get("containers", []) + pod.get("initContainers", [])
 
 
