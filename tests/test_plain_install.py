@@ -1,0 +1,135 @@
+"""The plain install (`pip install .`, no extras) is whole: it serves, checkpoints, stops with
+SIGTERM (exit 0) and restores. The suite itself runs with the dev extras, which bring packages a
+plain install lacks (numpy came only through matplotlib, and safetensors needs it to save)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from synchronizer import checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def plain_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    venv = tmp_path_factory.mktemp("plain") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    torch_spec = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+    out = subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", torch_spec, str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert out.returncode == 0, f"pip install . failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return venv
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def _serve(venv: Path, state: Path, cwd: Path) -> tuple[subprocess.Popen, dict]:
+    ready = cwd / "ready.json"
+    ready.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [
+            str(venv / "bin" / "diloco-synchronizer"),
+            "serve",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--state-dir",
+            str(state),
+            "--checkpoint-interval-s",
+            "0",
+            "--ready-file",
+            str(ready),
+        ],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the Synchronizer did not start: {proc.communicate()[0]}")
+        time.sleep(0.05)  # another process's file: no event to wait on
+    return proc, json.loads(ready.read_text())
+
+
+def _sigterm(proc: subprocess.Popen) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    return proc.returncode, out
+
+
+def test_plain_install_serves_checkpoints_on_sigterm_and_restores(
+    plain_venv: Path, tmp_path: Path
+) -> None:
+    weights = {"a.weight": torch.randn(10, 3), "b.bias": torch.randn(7)}
+    save_file(weights, str(tmp_path / "init.safetensors"))
+    state = tmp_path / "state"
+    cli = str(plain_venv / "bin" / "diloco-synchronizer")
+
+    proc, info = _serve(plain_venv, state, tmp_path)
+    try:
+        init = subprocess.run(
+            [
+                cli,
+                "init",
+                str(tmp_path / "init.safetensors"),
+                "--synchronizer",
+                info["address"],
+                "--fragments",
+                "2",
+            ],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert init.returncode == 0, init.stderr
+    finally:
+        code, out = _sigterm(proc)
+    assert code == 0, out
+    assert "Traceback" not in out and " ERROR " not in out, out
+    assert checkpoint.list_checkpoints(state), f"no checkpoint in {state}:\n{out}"
+
+    proc, info = _serve(plain_venv, state, tmp_path)
+    try:
+        status = subprocess.run(
+            [cli, "status", "--synchronizer", info["address"], "--json"],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        restored = json.loads(status.stdout)
+        assert restored["initialized"] and [f["fragment_id"] for f in restored["fragments"]] == [
+            0,
+            1,
+        ]
+    finally:
+        code, out = _sigterm(proc)
+    assert code == 0, out
