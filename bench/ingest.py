@@ -287,7 +287,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
             frag.submit("bench", frag.version, 1000, 10, 1.0, (payload.clone(), header), hold=True)
             rnd = frag.admission.round
             assert rnd is not None and frag.admission.take(rnd)
-            chain.append(frag.apply(rnd))
+            chain.append(frag.apply(rnd)[0])
     plain_s, apply_s = statistics.median(plain), statistics.median(apply)
     return {
         "numel": numel,

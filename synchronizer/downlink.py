@@ -54,6 +54,16 @@ class Downlink:
         while len(self.chain) > self.history:
             self.chain.popleft()
 
+    def skip(self, version: int) -> None:
+        """A version whose update was refused: an all-zero link, parameters and residual as
+        they were (nothing to add when no chain is kept)."""
+        if self.history == 0:
+            return
+        header = layout.make_header(self.codec, self.numel)
+        self.chain.append((version, header, codec.encode(torch.zeros(self.numel), self.codec)))
+        while len(self.chain) > self.history:
+            self.chain.popleft()
+
     def changed(self) -> None:
         """The parameters changed: cached snapshots are stale."""
         self._snapshots.clear()

@@ -99,9 +99,9 @@ class Fragment:
             learner_id, base_version, tokens, steps, share, self.model.version, payload, hold
         )
 
-    def apply(self, rnd: Round) -> float:
+    def apply(self, rnd: Round) -> tuple[float, str | None]:
         """Decodes a taken round's held pushes, merges them and applies the outer step, in
-        version order; returns the seconds it took."""
+        version order; returns the seconds it took and, if the round was refused, why."""
         t_decode = time.perf_counter()
         self._add_held(rnd)
         t_decode = time.perf_counter() - t_decode
@@ -112,10 +112,10 @@ class Fragment:
                 out.zero_() if acc.total_weight == 0 else acc.merged(out)
             )  # zero weights: no change
 
-        seconds = self.model.step(rnd.start_version, merge, rnd.contributions) + t_decode
+        seconds, refused = self.model.step(rnd.start_version, merge, rnd.contributions)
         acc.reset()
         self.admission.recycle(acc)
-        return seconds
+        return seconds + t_decode, refused
 
     def _add_held(self, rnd: Round) -> None:
         """Decodes the round's held pushes into its accumulator (outside the locks: a taken round

@@ -75,15 +75,15 @@ class Goodput:
         self.metrics.tokens.labels("merged").inc(tokens)
         self.metrics.compute.labels("merged").inc(compute)
 
-    def abandoned(self, shares: list[Share]) -> None:
-        """Accepted contributions that will never be merged (an open round at restart)."""
+    def refused(self, shares: list[Share]) -> None:
+        """Accepted contributions of a round whose update was refused: discarded."""
         tokens = sum(s.tokens for s in shares)
         compute = sum(s.compute_s for s in shares)
         with self.lock:
             self.pending_tokens -= tokens
             self.pending_compute -= compute
-        self.metrics.tokens.labels("lost").inc(tokens)
-        self.metrics.compute.labels("lost").inc(compute)
+        self.metrics.tokens.labels("discarded").inc(tokens)
+        self.metrics.compute.labels("discarded").inc(compute)
 
     def died(self, learner_id: str) -> None:
         """The learner's reported-but-unpushed work is lost; its baseline moves up to match."""

@@ -22,6 +22,9 @@ from synchronizer.errors import Code, Rejected
 logger = logging.getLogger(__name__)
 
 REPLIES_KEPT = 256  # push replies remembered per learner for duplicate detection
+MAX_NAME_CHARS = 128  # a learner's name: logged, stored in checkpoints, listed by Status
+MAX_ID_CHARS = 64  # ids handed out are 12 hex digits
+RECORDS_PER_SLOT = 4  # learner records kept (alive, dead or left) per max_learners slot
 
 
 @dataclass
@@ -48,6 +51,16 @@ class LearnerRecord:
         )
 
 
+def check_id(learner_id: str) -> None:
+    """Refuses an id longer than any the Synchronizer hands out (it is logged and stored)."""
+    if len(learner_id) > MAX_ID_CHARS:
+        raise Rejected(
+            Code.INVALID_ARGUMENT,
+            "bad_learner_id",
+            f"learner_id is {len(learner_id)} characters; the ids Join hands out have at most {MAX_ID_CHARS}",
+        )
+
+
 class Registry:
     def __init__(self, lease_s: float, max_learners: int, forget_after_s: float) -> None:
         self.lease_s = lease_s
@@ -57,7 +70,18 @@ class Registry:
         self.learners: dict[str, LearnerRecord] = {}
 
     def join(self, name: str, learner_id: str = "") -> tuple[LearnerRecord, bool]:
-        """Registers (or revives) a learner; returns it and whether it came back from the dead."""
+        """Registers (or revives) a learner; returns it and whether it came back from the dead.
+
+        At most `max_learners` are alive at once: dead and left learners hold no slot. Records of
+        dead and left learners are kept (for re-joins, duplicate pushes and goodput) up to
+        RECORDS_PER_SLOT per slot; past that the longest gone are forgotten first."""
+        if len(name) > MAX_NAME_CHARS:
+            raise Rejected(
+                Code.INVALID_ARGUMENT,
+                "bad_learner_name",
+                f"learner_name is {len(name)} characters; at most {MAX_NAME_CHARS}",
+            )
+        check_id(learner_id)
         now = time.monotonic()
         with self.lock:
             rec = self.learners.get(learner_id) if learner_id else None
@@ -67,20 +91,37 @@ class Registry:
                 rec.lease_deadline = now + self.lease_s
                 rec.name = name or rec.name
                 return rec, revived
-            present = sum(1 for r in self.learners.values() if r.state != "left")
-            if present >= self.max_learners:
+            alive = sum(
+                1 for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline
+            )
+            if alive >= self.max_learners:
                 raise Rejected(
                     Code.RESOURCE_EXHAUSTED,
                     "too_many_learners",
-                    f"the Synchronizer already has {present} learners (max_learners={self.max_learners})",
+                    f"the Synchronizer already has {alive} live learners (max_learners={self.max_learners}); retry when one leaves or its lease lapses",
                 )
             lid = learner_id or uuid.uuid4().hex[:12]
             rec = LearnerRecord(lid, name or lid, "alive", now + self.lease_s, now)
             self.learners[lid] = rec
+            self._trim()
             return rec, False
+
+    def _trim(self) -> None:
+        """Forgets the longest-gone records beyond RECORDS_PER_SLOT * max_learners. Caller holds
+        the lock."""
+        excess = len(self.learners) - RECORDS_PER_SLOT * self.max_learners
+        if excess <= 0:
+            return
+        gone = sorted(
+            (r for r in self.learners.values() if r.state != "alive"),
+            key=lambda r: r.died_at or r.joined_at,
+        )
+        for rec in gone[:excess]:
+            del self.learners[rec.learner_id]
 
     def alive(self, learner_id: str, renew: bool = True) -> LearnerRecord:
         """The live record for an id, lease renewed: Rejected if unknown, dead or gone."""
+        check_id(learner_id)
         with self.lock:
             rec = self.learners.get(learner_id)
             if rec is None or rec.state == "left":
@@ -121,24 +162,24 @@ class Registry:
                 raise Rejected(
                     Code.NOT_FOUND, "unknown_learner", f"learner {learner_id!r} is not joined"
                 )
-            rec.state = "left"
+            rec.state, rec.died_at = "left", time.monotonic()
             return rec
 
     def reap(self) -> list[LearnerRecord]:
-        """Marks lapsed leases dead, forgets long-dead learners; returns the newly dead."""
+        """Marks lapsed leases dead; a learner dead for `forget_after_s` stops counting toward
+        capacity (left), and one left for `forget_after_s` is forgotten. Returns the newly dead."""
         now = time.monotonic()
         died = []
         with self.lock:
-            for rec in self.learners.values():
+            for rec in list(self.learners.values()):
+                gone_for = now - rec.died_at if rec.died_at is not None else 0.0
                 if rec.state == "alive" and now > rec.lease_deadline:
                     rec.state, rec.died_at = "dead", now
                     died.append(rec)
-                elif (
-                    rec.state == "dead"
-                    and rec.died_at is not None
-                    and now - rec.died_at > self.forget_after_s
-                ):
-                    rec.state = "left"
+                elif rec.state == "dead" and gone_for > self.forget_after_s:
+                    rec.state, rec.died_at = "left", now
+                elif rec.state == "left" and gone_for > self.forget_after_s:
+                    del self.learners[rec.learner_id]
         for rec in died:
             logger.warning("learner %s (%s) lease lapsed: now dead", rec.learner_id, rec.name)
         return died

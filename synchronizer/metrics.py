@@ -106,6 +106,11 @@ class Metrics:
         self.fragment_version = Gauge(
             "diloco_fragment_version", "Current version of each fragment.", ["fragment"], registry=r
         )
+        self.rounds_refused = Counter(
+            "diloco_rounds_refused_total",
+            "Rounds whose merged update was not applied (not finite, or beyond the bound); the fragment skipped the version and its contributions count as discarded.",
+            registry=r,
+        )
         self.fragments_failed = Gauge(
             "diloco_fragments_failed",
             "Fragments whose outer step failed; they serve nothing until a restart (health is NOT_SERVING).",

@@ -14,6 +14,7 @@ half-updated. Only a restart from the last checkpoint brings the fragment back.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -30,8 +31,27 @@ from synchronizer.outer import make_outer
 logger = logging.getLogger(__name__)
 
 
+# Largest |merged delta| an outer step applies: far beyond any honest pseudo-gradient, and small
+# enough that momentum and parameters stay finite in FP32 (max 3.4e38).
+MAX_MERGED_ABS = 1e30
+
+
 class FragmentFailed(Exception):
     """The fragment's outer step failed earlier; its state is not trusted any more."""
+
+
+def unappliable(merged: torch.Tensor) -> str | None:
+    """Why a merged delta must not be applied (non-finite, or beyond `MAX_MERGED_ABS`), or None.
+    One pass, no temporaries."""
+    if merged.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(merged)
+    lo_f, hi_f = float(lo), float(hi)
+    if not (math.isfinite(lo_f) and math.isfinite(hi_f)):
+        return "the merged delta is not finite (NaN or Inf: a weighted sum overflowed)"
+    if max(-lo_f, hi_f) > MAX_MERGED_ABS:
+        return f"the merged delta reaches {max(-lo_f, hi_f):.3g}, beyond {MAX_MERGED_ABS:g}"
+    return None
 
 
 class Contributor(Protocol):
@@ -70,10 +90,15 @@ class FragmentModel:
             self._merged = torch.empty(self.numel, dtype=torch.float32)
         return self._merged
 
-    def step(self, start_version: int, merge: Any, contributions: Sequence[Contributor]) -> float:
+    def step(
+        self, start_version: int, merge: Any, contributions: Sequence[Contributor]
+    ) -> tuple[float, str | None]:
         """Applies one round's outer step once the fragment is at `start_version`; returns the
-        seconds it took. `merge(out)` writes the round's merged delta into `out` and returns it.
-        Raises `FragmentFailed` if the fragment failed while this round waited its turn."""
+        seconds it took and, for a refused round, why. `merge(out)` writes the round's merged
+        delta into `out` and returns it. A merged delta that is not finite or beyond
+        `MAX_MERGED_ABS` is refused before it touches any state: the version still advances
+        (by an empty update, so rounds and delta pulls keep their order) and the fragment stays
+        healthy. Raises `FragmentFailed` if the fragment failed while this round waited."""
         with self.cv:
             while self.version != start_version and self.failure is None:
                 self.cv.wait()
@@ -83,7 +108,10 @@ class FragmentModel:
             merged = merge(self.merged_buffer())
             if self.cfg.anchor == "current":
                 self._reanchor(start_version, contributions, merged)
-            if self.cfg.update_history > 0:
+            refused = unappliable(merged)
+            if refused is not None:
+                self.downlink.skip(start_version + 1)
+            elif self.cfg.update_history > 0:
                 self.downlink.step(
                     self.params, merged, self.outer.direction(merged), start_version + 1
                 )
@@ -92,7 +120,7 @@ class FragmentModel:
             self.version = start_version + 1
             self.downlink.changed()
             self.cv.notify_all()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, refused
 
     def _reanchor(
         self, start_version: int, contributions: Sequence[Contributor], merged: torch.Tensor

@@ -273,7 +273,7 @@ class Rounds:
 
     def _apply(self, frag: Fragment, rnd: Round) -> None:
         try:
-            seconds = frag.apply(rnd)
+            seconds, refused = frag.apply(rnd)
         except Exception as e:  # noqa: BLE001 - the failure becomes the fragment's state
             if frag.model.failure is None:
                 logger.exception(
@@ -284,11 +284,24 @@ class Rounds:
                     f"the outer step to version {rnd.start_version + 1} raised {type(e).__name__}: {e}",
                 )
             return
+        self.metrics.fragment_version.labels(str(frag.fid)).set(frag.model.version)
+        if refused is not None:
+            # Counted and skipped: the fragment stays healthy and the next round applies as usual.
+            self.metrics.rounds_refused.inc()
+            self.goodput.refused([c.share for c in rnd.contributions])
+            logger.warning(
+                "fragment %d: round to version %d refused, its %d contributions discarded: %s",
+                frag.fid,
+                rnd.start_version + 1,
+                len(rnd.contributions),
+                refused,
+            )
+            self.check(frag)
+            return
         self.grace.observe(apply_time=seconds)
         self.metrics.round_apply.observe(seconds)
         self.metrics.contributors.observe(len(rnd.contributions))
         self.metrics.outer_steps.inc()
-        self.metrics.fragment_version.labels(str(frag.fid)).set(frag.model.version)
         self.goodput.merged([c.share for c in rnd.contributions])
         logger.debug(
             "fragment %d -> version %d from %d contributions in %.4fs",

@@ -143,7 +143,9 @@ def test_a_pull_cancelled_mid_stream_is_counted_and_not_logged_as_a_failure(make
     c.join()
     c.init([torch.zeros(numel)])
     caplog.set_level(logging.WARNING, logger="synchronizer")
-    replies = c.stub.PullFragment(pb.PullRequest(learner_id=c.learner_id, fragment_id=0), timeout=TIMEOUT, metadata=c.md)
+    replies = c.stub.PullFragment(
+        pb.PullRequest(learner_id=c.learner_id, fragment_id=0), timeout=TIMEOUT, metadata=c.md
+    )
     assert next(replies).WhichOneof("kind") == "header"
     replies.cancel()
     cancelled = srv.synchronizer.metrics.rpcs.labels("PullFragment", "CANCELLED")
