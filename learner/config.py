@@ -8,15 +8,15 @@ this host with no settings at all.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from protos import layout
+from protos.channel import ClientTLS
 
 
-class LearnerConfig(BaseModel):
+class LearnerConfig(ClientTLS):
     model_config = ConfigDict(extra="forbid")
 
     # Where and who
@@ -143,18 +143,6 @@ class LearnerConfig(BaseModel):
         default=None,
         description="Bearer token sent on every RPC (metadata 'authorization: Bearer TOKEN')",
     )
-    tls_ca: Path | None = Field(
-        default=None,
-        description="PEM CA bundle that signed the Synchronizer's certificate: connect with TLS",
-    )
-    tls_cert: Path | None = Field(
-        default=None, description="PEM client certificate for mutual TLS (with tls_key)"
-    )
-    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
-    tls_server_name: str | None = Field(
-        default=None,
-        description="Name to check the server certificate against when it differs from the address's host",
-    )
 
     # Observability
     metrics_host: str = Field(
@@ -182,10 +170,6 @@ class LearnerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key must be given together")
-        if self.tls_cert is not None and self.tls_ca is None:
-            raise ValueError("mutual TLS (tls_cert/tls_key) needs tls_ca to check the server")
         if self.retry_max_s < self.retry_initial_s:
             raise ValueError("retry_max_s must be >= retry_initial_s")
         if ":" not in self.synchronizer:

@@ -14,8 +14,35 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
+from pydantic import BaseModel, Field, model_validator
 
 MAX_MESSAGE_BYTES = 16 << 20
+
+
+class ClientTLS(BaseModel):
+    """The TLS settings of every client config (the learner's, the operator commands'), checked
+    together: a client certificate needs its key, and both need the CA."""
+
+    tls_ca: Path | None = Field(
+        default=None,
+        description="PEM CA bundle that signed the Synchronizer's certificate: connect with TLS",
+    )
+    tls_cert: Path | None = Field(
+        default=None, description="PEM client certificate for mutual TLS (with tls_key)"
+    )
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
+    tls_server_name: str | None = Field(
+        default=None,
+        description="Name to check the server certificate against when it differs from the address's host",
+    )
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> ClientTLS:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise ValueError("mutual TLS (tls_cert/tls_key) needs tls_ca to check the server")
+        return self
 
 
 def _read_pem(what: str, path: str | Path) -> bytes:

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
-from protos.channel import bearer, open_channel
+from protos.channel import ClientTLS, bearer, open_channel
 from protos.configload import ConfigError, add_flags, load
 from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec, TensorInfo, plan_fragments
@@ -39,7 +39,7 @@ logger = logging.getLogger("synchronizer")
 SPEC_METADATA_KEY = "diloco.spec"  # optional: ModelSpec proto, base64, in the safetensors metadata
 
 
-class RemoteConfig(BaseModel):
+class RemoteConfig(ClientTLS):
     """How `init` and `status` reach a running Synchronizer (the learner's settings of the same names)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -55,18 +55,6 @@ class RemoteConfig(BaseModel):
         default=None,
         description="Admin bearer token: status needs it when the Synchronizer has one (init may use it too)",
     )
-    tls_ca: Path | None = Field(
-        default=None,
-        description="PEM CA bundle that signed the Synchronizer's certificate: connect with TLS",
-    )
-    tls_cert: Path | None = Field(
-        default=None, description="PEM client certificate for mutual TLS (with tls_key)"
-    )
-    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
-    tls_server_name: str | None = Field(
-        default=None,
-        description="Name to check the server certificate against when it differs from the address's host",
-    )
 
     @field_validator("synchronizer")
     @classmethod
@@ -77,14 +65,6 @@ class RemoteConfig(BaseModel):
                 f"must be host:port with a port in 1..65535 (e.g. 127.0.0.1:50051), got {v!r}"
             )
         return v
-
-    @model_validator(mode="after")
-    def _consistent(self) -> RemoteConfig:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key must be given together")
-        if self.tls_cert is not None and self.tls_ca is None:
-            raise ValueError("mutual TLS (tls_cert/tls_key) needs tls_ca to check the server")
-        return self
 
 
 class Parser(argparse.ArgumentParser):

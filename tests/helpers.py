@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import grpc
 import torch
@@ -174,3 +177,44 @@ def wait_until(
             return False
         stop.wait(interval_s)
     return True
+
+
+def serve_process(
+    command: Sequence[str],
+    state_dir: Path,
+    ready: Path,
+    *flags: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen, dict]:
+    """Starts `command` (e.g. `python -m synchronizer`) `serve` on free ports with stdout piped,
+    waits for its ready file and returns the process and the file's content (address, ports,
+    epoch); AssertionError with the output if it exits or is not ready within 120 s."""
+    ready.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [
+            *command,
+            "serve",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--state-dir",
+            str(state_dir),
+            "--ready-file",
+            str(ready),
+            *flags,
+        ],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the Synchronizer did not start: {proc.communicate()[0]}")
+        time.sleep(0.05)  # waiting on another process's file: no event to await
+    return proc, json.loads(ready.read_text())

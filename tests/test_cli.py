@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -21,42 +20,19 @@ from learner.client import SyncClient
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer.cli import main
-from tests.helpers import Client
+from tests.helpers import Client, serve_process
 
 
 def _start(
     tmp_path: Path, *flags: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, dict]:
-    ready = tmp_path / "ready.json"
-    ready.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "synchronizer",
-            "serve",
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--ready-file",
-            str(ready),
-            *flags,
-        ],
+    return serve_process(
+        [sys.executable, "-m", "synchronizer"],
+        tmp_path / "state",
+        tmp_path / "ready.json",
+        *flags,
         env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not start: {proc.communicate()[0]}")
-        time.sleep(0.05)  # waiting on another process's file: no event to await
-    return proc, json.loads(ready.read_text())
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from synchronizer import checkpoint
+from tests.helpers import serve_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,36 +43,18 @@ def _env() -> dict[str, str]:
 
 
 def _serve(venv: Path, state: Path, cwd: Path) -> tuple[subprocess.Popen, dict]:
-    ready = cwd / "ready.json"
-    ready.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [
-            str(venv / "bin" / "diloco-synchronizer"),
-            "serve",
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            "--state-dir",
-            str(state),
-            "--checkpoint-interval-s",
-            "0",
-            "--ready-file",
-            str(ready),
-        ],
+    command = [str(venv / "bin" / "diloco-synchronizer")]
+    return serve_process(
+        command,
+        state,
+        cwd / "ready.json",
+        "--metrics-port",
+        "-1",
+        "--checkpoint-interval-s",
+        "0",
         cwd=cwd,
         env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"the Synchronizer did not start: {proc.communicate()[0]}")
-        time.sleep(0.05)  # another process's file: no event to wait on
-    return proc, json.loads(ready.read_text())
 
 
 def _sigterm(proc: subprocess.Popen) -> tuple[int, str]:
