@@ -137,6 +137,11 @@ class SynchronizerConfig(BaseModel):
     )
 
     # Limits
+    init_stall_s: float = Field(
+        30.0,
+        gt=0,
+        description="An InitModel upload that sends nothing for this long may be taken over by another learner's",
+    )
     max_pull_wait_s: float = Field(
         30.0,
         ge=0,

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +52,17 @@ OUTCOME_LABEL = {
 PushMessages = Iterable[pb.PushRequest | wire.RawChunk]
 
 
+@dataclass
+class InitClaim:
+    """An InitModel upload under way: who, and when its stream last moved."""
+
+    learner_id: str
+    progress_at: float = field(default_factory=time.monotonic)
+
+    def touch(self) -> None:
+        self.progress_at = time.monotonic()
+
+
 class Synchronizer:
     def __init__(self, cfg: SynchronizerConfig, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
@@ -64,7 +76,7 @@ class Synchronizer:
         self.fragments: list[Fragment] = []
         self.rounds: Rounds | None = None
         self.initialized = False
-        self.init_in_progress = False
+        self.init_claim: InitClaim | None = None  # the InitModel upload under way, if any
         self.streams = threading.BoundedSemaphore(cfg.max_concurrent_streams)
         self.failures: dict[int, str] = {}  # fragment id -> why its outer step failed
         self.checkpoint_failure: str | None = None  # why the last checkpoint could not be written
@@ -265,25 +277,47 @@ class Synchronizer:
                 Code.FAILED_PRECONDITION, "no_spec", "no model spec yet: call Join first"
             )
         self._check_spec_hash(first.start.spec_hash)
+        claim = InitClaim(first.start.learner_id)
         with self.model_lock:
-            if self.initialized or self.init_in_progress:
+            if self.initialized:
                 raise Rejected(
                     Code.ALREADY_EXISTS,
                     "already_initialized",
-                    "the model is already initialised (or being initialised by another learner); pull its fragments instead",
+                    "the model is already initialised; pull its fragments instead",
                 )
-            self.init_in_progress = True
+            held = self.init_claim
+            if held is not None and time.monotonic() - held.progress_at < self.cfg.init_stall_s:
+                raise Rejected(
+                    Code.ALREADY_EXISTS,
+                    "already_initialized",
+                    f"the model is being initialised by learner {held.learner_id}; pull its fragments instead",
+                )
+            if held is not None:
+                logger.warning(
+                    "InitModel of learner %s made no progress for %.0f s: learner %s takes over",
+                    held.learner_id,
+                    time.monotonic() - held.progress_at,
+                    claim.learner_id,
+                )
+            self.init_claim = claim
         try:
             received = receive.init_fragments(
-                messages, self.fragment, [f.numel for f in self.fragments]
+                messages, self.fragment, [f.numel for f in self.fragments], claim.touch
             )
             with self.model_lock:
+                if self.init_claim is not claim:
+                    raise Rejected(
+                        Code.ALREADY_EXISTS,
+                        "already_initialized",
+                        f"this upload stalled for more than init_stall_s ({self.cfg.init_stall_s:g} s) and another learner took over; pull its fragments instead",
+                    )
                 for frag, params in zip(self.fragments, received, strict=True):
                     frag.initialize(params)
                 self.initialized = True
         finally:
             with self.model_lock:
-                self.init_in_progress = False
+                if self.init_claim is claim:
+                    self.init_claim = None
         logger.info("model initialised by learner %s", first.start.learner_id)
         self.save_checkpoint()
         return pb.InitModelReply(versions=self.versions())

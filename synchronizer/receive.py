@@ -90,15 +90,20 @@ def payload(
 
 
 def init_fragments(
-    messages: Iterator[pb.InitModelRequest], known: Callable[[int], object], numels: list[int]
+    messages: Iterator[pb.InitModelRequest],
+    known: Callable[[int], object],
+    numels: list[int],
+    progress: Callable[[], None] = lambda: None,
 ) -> list[torch.Tensor]:
     """Every fragment's FP32 parameters from an InitModel stream, each exactly once, checked
-    finite. `known(fid)` raises for a fragment id the model does not have."""
+    finite. `known(fid)` raises for a fragment id the model does not have; `progress()` is
+    called for every message that arrives."""
     got: dict[int, torch.Tensor] = {}
     asm: framing.Assembler | None = None
     header = pb.PayloadHeader()
     fid = -1
     for msg in messages:
+        progress()
         kind = msg.WhichOneof("kind")
         if kind == "fragment":
             if asm is not None:
