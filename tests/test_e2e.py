@@ -239,10 +239,15 @@ def test_learners_ride_out_a_synchronizer_crash_and_restart(procs: Procs):
     address, port = sync["address"], sync["port"]
     runs = [start_learner(procs, address, i, 2, 2000, "--slow", "3") for i in range(2)]
 
+    # Both learners training (on a busy machine one may still be starting while the other
+    # alone closes rounds), a few rounds closed, and a checkpoint holding some of them.
     wait_until(
-        lambda: min(versions(address), default=0) >= 3 and list((procs.root / "state").glob("*")),
-        60,
-        "a few rounds and a checkpoint",
+        lambda: (
+            all(read_json(out).get("step", 0) > 0 for _, out in runs)
+            and min(versions(address), default=0) >= 3
+        ),
+        90,
+        "both learners training and a few rounds",
         procs,
     )
 
