@@ -15,6 +15,7 @@ the outer-step worker decodes it into its round, so learners never wait for a de
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import math
 import threading
@@ -32,7 +33,7 @@ from synchronizer import checkpoint, receive, wire
 from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
-from synchronizer.goodput import Goodput, Share
+from synchronizer.goodput import Goodput
 from synchronizer.grace import GraceWindow
 from synchronizer.leases import LearnerRecord, Registry
 from synchronizer.metrics import Metrics
@@ -322,18 +323,27 @@ class Synchronizer:
         self.save_checkpoint()
         return pb.InitModelReply(versions=self.versions())
 
-    def push(self, messages: PushMessages) -> pb.PushReply:
-        """Receives, validates and judges one push; the reply says what became of it."""
+    @contextlib.contextmanager
+    def _stream_slot(self) -> Iterator[None]:
+        """One of `max_concurrent_streams` slots for a push or pull (RESOURCE_EXHAUSTED when
+        none is free), counted in `diloco_streams_open` while held."""
         if not self.streams.acquire(blocking=False):
             raise Rejected(
                 Code.RESOURCE_EXHAUSTED,
                 "too_many_streams",
                 f"the Synchronizer is serving {self.cfg.max_concurrent_streams} streams already; retry with backoff",
             )
+        self.metrics.streams_open.inc()
         try:
-            reply, frag = self._push(iter(messages))
+            yield
         finally:
+            self.metrics.streams_open.dec()
             self.streams.release()
+
+    def push(self, messages: PushMessages) -> pb.PushReply:
+        """Receives, validates and judges one push; the reply says what became of it."""
+        with self._stream_slot():
+            reply, frag = self._push(iter(messages))
         self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
         if frag is not None and self.rounds is not None:
             self.rounds.check(frag)
@@ -421,23 +431,18 @@ class Synchronizer:
             raise invalid("bad_codec", "pulls are served as CODEC_FP32 or CODEC_BF16")
         if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
             raise invalid("bad_wait", "wait_s must be finite and non-negative")
-        if not self.streams.acquire(blocking=False):
-            raise Rejected(
-                Code.RESOURCE_EXHAUSTED, "too_many_streams", "too many streams; retry with backoff"
-            )
-        try:
-            if request.min_version > frag.version or not frag.model.initialized:
-                frag.model.wait_for(
-                    request.min_version, min(request.wait_s, self.cfg.max_pull_wait_s)
+        with self._stream_slot():
+            try:
+                if request.min_version > frag.version or not frag.model.initialized:
+                    frag.model.wait_for(
+                        request.min_version, min(request.wait_s, self.cfg.max_pull_wait_s)
+                    )
+                self._require_initialized()
+                snap, links, version, checksum = frag.model.served(
+                    codec_id, request.have_version if request.delta_ok else None
                 )
-            self._require_initialized()
-            snap, links, version, checksum = frag.model.served(
-                codec_id, request.have_version if request.delta_ok else None
-            )
-        except FragmentFailed:
-            raise self._unavailable(frag) from None
-        finally:
-            self.streams.release()
+            except FragmentFailed:
+                raise self._unavailable(frag) from None
         return self._stream_pull(frag.fid, request.have_version, snap, links, version, checksum)
 
     def _stream_pull(
@@ -482,15 +487,6 @@ class Synchronizer:
         for chunk in framing.iter_chunks(buf):
             yield pb.PullReply(chunk=chunk)
         self.metrics.bytes_out.labels(layout.codec_name(header.codec)).inc(header.total_bytes)
-
-    def open_round_shares(self) -> list[Share]:
-        """Shares held in open rounds (for tests and shutdown accounting)."""
-        return [
-            c.share
-            for f in self.fragments
-            if (r := f.admission.round) is not None
-            for c in r.contributions
-        ]
 
     # Housekeeping and durability -------------------------------------------------------------
 

@@ -106,6 +106,11 @@ class Metrics:
         self.fragment_version = Gauge(
             "diloco_fragment_version", "Current version of each fragment.", ["fragment"], registry=r
         )
+        self.streams_open = Gauge(
+            "diloco_streams_open",
+            "Push and pull streams being served (each holds a gRPC worker; at most max_concurrent_streams).",
+            registry=r,
+        )
         self.rounds_refused = Counter(
             "diloco_rounds_refused_total",
             "Rounds whose merged update was not applied (not finite, or beyond the bound); the fragment skipped the version and its contributions count as discarded.",

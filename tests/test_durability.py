@@ -36,6 +36,10 @@ def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server, caplo
 
     future = c.stub.PushFragment.future(dying(), timeout=30)
     assert half_sent.wait(30)
+    # The client has sent them; cancel only once the server's handler holds the stream (on a
+    # busy machine a call cancelled before it is dispatched never reaches the handler at all).
+    streams_open = srv.synchronizer.metrics.streams_open
+    assert wait_until(lambda: streams_open._value.get() == 1, TIMEOUT)
     future.cancel()
     never.set()
     assert future.cancelled() or future.exception() is not None
