@@ -6,10 +6,13 @@ import json
 import subprocess
 import threading
 import time
+import urllib.error
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pytest
 import torch
 
 from protos import codec, framing, layout
@@ -218,3 +221,19 @@ def serve_process(
             raise AssertionError(f"the Synchronizer did not start: {proc.communicate()[0]}")
         time.sleep(0.05)  # waiting on another process's file: no event to await
     return proc, json.loads(ready.read_text())
+
+
+def poll(fn: Callable[[], Any], deadline_s: float, what: str, every_s: float = 0.25) -> Any:
+    """fn() until it returns something truthy, or fail after deadline_s saying what never came."""
+    end = time.monotonic() + deadline_s
+    last: Any = None
+    while time.monotonic() < end:
+        try:
+            last = fn()
+        except (OSError, urllib.error.URLError) as e:
+            last = e
+        else:
+            if last:
+                return last
+        time.sleep(every_s)
+    pytest.fail(f"{what} within {deadline_s:.0f}s (last: {last!r})")

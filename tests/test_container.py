@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import pytest
 import yaml
 
 from demo.procs import scrape
+from tests.helpers import poll
 from tests.test_e2e import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -61,22 +62,6 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.bind(("127.0.0.1", 0))
         return [int(s.getsockname()[1]) for s in socks]
-
-
-def poll(fn: Callable[[], Any], deadline_s: float, what: str, every_s: float = 0.5) -> Any:
-    """fn() until it returns something truthy, or fail after deadline_s saying what never came."""
-    end = time.monotonic() + deadline_s
-    last: Any = None
-    while time.monotonic() < end:
-        try:
-            last = fn()
-        except (OSError, urllib.error.URLError) as e:
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(every_s)
-    pytest.fail(f"{what} within {deadline_s:.0f}s (last: {last!r})")
 
 
 def host_network_state() -> tuple[str, str | None]:

@@ -45,7 +45,7 @@ from protos import diloco_pb2 as pb
 from synchronizer.config import SynchronizerConfig
 from synchronizer.metrics import Metrics
 from synchronizer.server import serving
-from tests.helpers import TIMEOUT, Client, push_messages, small_spec
+from tests.helpers import TIMEOUT, Client, poll, push_messages, small_spec
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -113,22 +113,6 @@ def free_port() -> int:
 def http_get(url: str, timeout: float = 5) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
-
-
-def poll(fn: Callable[[], Any], deadline_s: float, what: str, every_s: float = 0.25) -> Any:
-    """fn() until it returns something truthy, or fail after deadline_s saying what never came."""
-    end = time.monotonic() + deadline_s
-    last: Any = None
-    while time.monotonic() < end:
-        try:
-            last = fn()
-        except (OSError, urllib.error.URLError) as e:
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(every_s)
-    pytest.fail(f"{what} within {deadline_s:.0f}s (last: {last!r})")
 
 
 def sample_names(metrics_text: str) -> set[str]:
