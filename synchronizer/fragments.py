@@ -75,11 +75,14 @@ class Fragment:
 
     def initialize(self, params: torch.Tensor, version: int = 0) -> None:
         self.model.initialize(params, version)
-        self.admission.reset(version)
-        self.metrics.fragment_version.labels(str(self.fid)).set(version)
+        self._settled()
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         self.model.restore(tensors, meta)
+        self._settled()
+
+    def _settled(self) -> None:
+        """Rounds and the version gauge follow parameters set from outside (init, restore)."""
         self.admission.reset(self.model.version)
         self.metrics.fragment_version.labels(str(self.fid)).set(self.model.version)
 

@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -91,7 +91,10 @@ class FragmentModel:
         return self._merged
 
     def step(
-        self, start_version: int, merge: Any, contributions: Sequence[Contributor]
+        self,
+        start_version: int,
+        merge: Callable[[torch.Tensor], torch.Tensor],
+        contributions: Sequence[Contributor],
     ) -> tuple[float, str | None]:
         """Applies one round's outer step once the fragment is at `start_version`; returns the
         seconds it took and, for a refused round, why. `merge(out)` writes the round's merged
