@@ -66,7 +66,7 @@ from bench.dp import DPJob
 from bench.jobs import SMOKE, Decoupled, DilocoJob, Slot, Workload
 from bench.net import open_links
 from bench.plots import goodput_timelines, png_path
-from demo.procs import Procs, metric, scrape
+from demo.procs import Procs, metric, rejoin_args, scrape
 
 
 @dataclass
@@ -186,7 +186,7 @@ def run_diloco(
     cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: Path, align_restart: bool
 ) -> dict:
     timeline: list[tuple[float, float]] = []
-    crashed: dict[int, tuple[int, str]] = {}  # slot -> (step it had reached, its learner id)
+    crashed: dict[int, tuple[int, list[str]]] = {}  # slot -> (step reached, flags to rejoin)
     job: DilocoJob  # made below, once the links are open; the callbacks run after that
 
     def crash(i: int) -> str:
@@ -198,7 +198,7 @@ def run_diloco(
             return "already finished"
         crashed[i] = (
             r.get("step", slot.runs[-1].start_step),
-            (r.get("learner") or {}).get("learner_id", ""),
+            rejoin_args(r),
         )
         Procs.signal(slot.proc, signal.SIGKILL)
         slot.proc.wait()
@@ -208,10 +208,10 @@ def run_diloco(
     def restart(i: int) -> str:
         if i not in crashed:
             return "not down"
-        step, learner_id = crashed.pop(i)
+        step, rejoin = crashed.pop(i)
         if align_restart:  # back on the sync boundary, so its pushes join everyone's rounds
             step = step // cfg.sync_every * cfg.sync_every
-        job.start_learner(job.slots[i], start_step=step, learner_id=learner_id)
+        job.start_learner(job.slots[i], start_step=step, rejoin=rejoin)
         return f"from step {step}"
 
     injector = Injector(faults, lambda i: job.slots[i].proc, crash, restart)
@@ -283,7 +283,9 @@ def diloco_goodput(cfg: Decoupled, w: Workload, slots: list[Slot], summary: dict
                 continue
             per_step = stats.get("compute_s", 0.0) / n
             pushes = stats.get("pushes") or {}
-            judged = sum(pushes.get(k, 0) for k in ("accepted", "dropped_stale", "rejected"))
+            judged = sum(
+                pushes.get(k, 0) for k in ("accepted", "dropped_stale", "refused_norm", "rejected")
+            )
             accepted = pushes.get("accepted", 0) / judged if judged else 0.0
             slot_merged += (
                 per_step * n * pushed_fraction(n, cfg.sync_every, cfg.fragments) * accepted

@@ -107,14 +107,14 @@ def client(
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     if mode == "raw":
         push = channel.stream_unary(SINK_METHOD)
-        learner_id, seq = "", 0
+        learner_id, session, seq = "", "", 0
     else:
         stub = pb_grpc.SynchronizerStub(channel)
         push = channel.stream_unary(
             "/diloco.v1.Synchronizer/PushFragment", response_deserializer=pb.PushReply.FromString
         )
         joined = stub.Join(pb.JoinRequest(learner_name="bench", spec=spec.to_proto()), timeout=60)
-        learner_id, seq = joined.learner_id, joined.next_seq - 1
+        learner_id, session, seq = joined.learner_id, joined.session, joined.next_seq - 1
         versions = {v.fragment_id: v.version for v in joined.versions}
     barrier.wait()
     sent, t0 = 0, time.perf_counter()
@@ -126,6 +126,7 @@ def client(
                 seq += 1
                 h = pb.PushHeader(
                     learner_id=learner_id,
+                    session=session,
                     seq=seq,
                     spec_hash=spec.spec_hash,
                     fragment_id=f.fragment_id,
@@ -177,8 +178,10 @@ def init_synchronizer(address: str, params: int, fragments: int) -> None:
     joined = stub.Join(pb.JoinRequest(learner_name="init", spec=spec.to_proto()), timeout=60)
 
     zeros = (torch.zeros(f.numel) for f in spec.fragments)
-    stub.InitModel(init_model_requests(joined.learner_id, spec.spec_hash, zeros), timeout=300)
-    stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id), timeout=60)
+    stub.InitModel(
+        init_model_requests(joined.learner_id, joined.session, spec.spec_hash, zeros), timeout=300
+    )
+    stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id, session=joined.session), timeout=60)
 
 
 def release_memory() -> None:

@@ -217,7 +217,7 @@ def learner_cmd(
     address: str = "",
     *,
     start_step: int = 0,
-    learner_id: str = "",
+    rejoin: list[str] | None = None,
     wait_for: int = 0,
 ) -> list[str]:
     """`python -m demo train` for learner `index` of the workload; c None: without syncing."""
@@ -262,9 +262,7 @@ def learner_cmd(
         cmd += ["--strict-overlap"]
     if wait_for:
         cmd += ["--wait-for-learners", str(wait_for)]
-    if learner_id:
-        cmd += ["--learner-id", learner_id]
-    return cmd
+    return cmd + (rejoin or [])
 
 
 @dataclass
@@ -318,7 +316,11 @@ class DilocoJob:
             self.start_learner(s, wait_for=self.workload.learners)
 
     def start_learner(
-        self, slot: Slot, start_step: int = 0, learner_id: str = "", wait_for: int = 0
+        self,
+        slot: Slot,
+        start_step: int = 0,
+        rejoin: list[str] | None = None,
+        wait_for: int = 0,
     ) -> None:
         out = self.out / f"learner-{slot.index}.run{len(slot.runs)}.json"
         out.unlink(missing_ok=True)
@@ -329,7 +331,7 @@ class DilocoJob:
             out,
             self.links.synchronizer_address(slot.index, self.port),
             start_step=start_step,
-            learner_id=learner_id,
+            rejoin=rejoin,
             wait_for=wait_for,
         )
         proc = self.children.start(f"learner-{slot.index}", self.links.wrap(slot.index, cmd))

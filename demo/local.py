@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demo.procs import Procs, metric, read_json, scrape, start_synchronizer
+from demo.procs import Procs, metric, read_json, rejoin_args, scrape, start_synchronizer
 
 
 @dataclass
@@ -157,11 +157,8 @@ def start_learner(
         )
     )
     cmd = learner_cmd(o, address, slot, slot.runs[-1], start_step)
-    old_id = (
-        (read_json(slot.runs[0]).get("learner") or {}).get("learner_id") if start_step else None
-    )
-    if old_id:
-        cmd += ["--learner-id", old_id]  # come back as the same learner
+    if start_step:
+        cmd += rejoin_args(read_json(slot.runs[0]))  # come back as the same learner
     slot.proc = procs.start(f"learner-{slot.index}", cmd)
 
 

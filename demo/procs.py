@@ -159,3 +159,11 @@ def start_synchronizer(
             )
         time.sleep(0.05)  # another process's file: no event to wait on
     return proc, info
+
+
+def rejoin_args(result: dict) -> list[str]:
+    """Flags that make a restarted learner come back as the one whose result this is."""
+    info = result.get("learner") or {}
+    if not info.get("learner_id"):
+        return []
+    return ["--learner-id", info["learner_id"], "--learner-session", info.get("session", "")]

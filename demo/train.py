@@ -172,7 +172,10 @@ def write_json(path: str | None, result: dict) -> None:
 
 
 def stats_dict(learner: Any) -> dict:
-    return asdict(learner.stats) if learner is not None else {}
+    """The learner's stats, and the session that lets a restart come back as the same learner."""
+    if learner is None:
+        return {}
+    return {**asdict(learner.stats), "session": learner.client.session if learner.client else ""}
 
 
 def wait_for_learners(learner: Any, n: int, timeout_s: float = 120.0) -> None:

@@ -91,6 +91,7 @@ class SyncClient:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.learner_id = ""
+        self.session = ""  # the secret Join gave learner_id: sent with every later call
         self.spec_hash = ""
 
     # Plumbing --------------------------------------------------------------------------------
@@ -140,9 +141,15 @@ class SyncClient:
     # RPCs ------------------------------------------------------------------------------------
 
     def join(self, name: str, spec: ModelSpec, learner_id: str = "") -> pb.JoinReply:
-        req = pb.JoinRequest(learner_name=name, spec=spec.to_proto(), learner_id=learner_id)
+        """Joins as a new learner, or re-joins under `learner_id` with the session it holds."""
+        req = pb.JoinRequest(
+            learner_name=name,
+            spec=spec.to_proto(),
+            learner_id=learner_id,
+            session=self.session if learner_id else "",
+        )
         reply = self._unary("Join", self.stub.Join, req)
-        self.learner_id = reply.learner_id
+        self.learner_id, self.session = reply.learner_id, reply.session
         self.spec_hash = spec.spec_hash
         return reply
 
@@ -151,7 +158,7 @@ class SyncClient:
 
         def call() -> pb.InitModelReply:
             messages = init_model_requests(
-                self.learner_id, self.spec_hash, fragments, self.chunk_bytes
+                self.learner_id, self.session, self.spec_hash, fragments, self.chunk_bytes
             )
             reply = self.stub.InitModel(
                 self._counted(messages), timeout=self.rpc_timeout_s, metadata=self.metadata
@@ -166,6 +173,7 @@ class SyncClient:
     ) -> pb.HeartbeatReply:
         req = pb.HeartbeatRequest(
             learner_id=self.learner_id,
+            session=self.session,
             counters=counters,
             step_time_s=step_time_s,
             overlap_steps=overlap_steps,
@@ -186,6 +194,7 @@ class SyncClient:
         """Streams one encoded outer gradient (a CPU uint8 tensor); retries keep the seq."""
         push_header = pb.PushHeader(
             learner_id=self.learner_id,
+            session=self.session,
             seq=seq,
             spec_hash=self.spec_hash,
             fragment_id=fragment_id,
@@ -257,6 +266,7 @@ class SyncClient:
     ) -> tuple[int, str, torch.Tensor]:
         req = pb.PullRequest(
             learner_id=self.learner_id,
+            session=self.session,
             fragment_id=fragment_id,
             min_version=min_version,
             wait_s=wait_s,
@@ -343,7 +353,9 @@ class SyncClient:
 
     def leave(self, counters: pb.LearnerCounters) -> None:
         self._unary(
-            "Leave", self.stub.Leave, pb.LeaveRequest(learner_id=self.learner_id, counters=counters)
+            "Leave",
+            self.stub.Leave,
+            pb.LeaveRequest(learner_id=self.learner_id, session=self.session, counters=counters),
         )
 
     def status(self) -> pb.StatusReply:

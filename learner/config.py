@@ -31,6 +31,10 @@ class LearnerConfig(ClientTLS):
         default="",
         description="Join under this earlier learner id (a restarted learner comes back as itself); empty joins as a new learner",
     )
+    learner_session: str = Field(
+        default="",
+        description="The session secret Join gave learner_id, which re-joining under it takes; prefer DILOCO_LEARNER_SESSION to the flag, which other local users can see",
+    )
 
     # Schedule
     sync_every: int = Field(

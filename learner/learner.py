@@ -64,7 +64,9 @@ class LearnerStats:
     blocked_s: float
     bytes_sent: int
     bytes_received: int
-    pushes: dict[str, int]  # by outcome: accepted, duplicate, dropped_stale, superseded, rejected
+    pushes: dict[
+        str, int
+    ]  # by outcome: accepted, duplicate, dropped_stale, refused_norm, superseded, rejected
     pulls: int
     merges: int
     errors: int
@@ -166,6 +168,7 @@ class Learner:
             chunk_bytes=cfg.chunk_bytes,
         )
         self.client.learner_id = cfg.learner_id  # empty: the Synchronizer assigns one
+        self.client.session = cfg.learner_session
         name = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = SyncEngine(
             self.client,

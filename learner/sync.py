@@ -41,6 +41,7 @@ OUTCOMES = {
     pb.PUSH_ACCEPTED: "accepted",
     pb.PUSH_DROPPED_STALE: "dropped_stale",
     pb.PUSH_DUPLICATE: "duplicate",
+    pb.PUSH_REFUSED_NORM: "refused_norm",
 }
 PULL_CODECS = {"fp32": pb.CODEC_FP32, "bf16": pb.CODEC_BF16}
 
@@ -332,7 +333,11 @@ class SyncEngine:
                 else:
                     self.resync.add(p)
                 self.cv.notify_all()
-            log = logger.info if outcome == "dropped_stale" else logger.debug
+            # Refused for its norm: nothing was applied, and this learner's updates are far from
+            # the others' (a diverging run, or a bound too tight for this run's schedule).
+            log = {"dropped_stale": logger.info, "refused_norm": logger.warning}.get(
+                outcome, logger.debug
+            )
             log(
                 "learner=%s fragment=%d seq=%d base_version=%d push %s: round_version=%d staleness=%d %s",
                 self.client.learner_id,

@@ -1,7 +1,7 @@
 """The tensor codec of the wire: how a flat FP32 vector becomes payload bytes and back.
 
 This module owns the byte layout of every ``Codec`` in ``diloco.proto`` and the quantization
-itself (``encode``, ``decode``, ``check``, ``accumulate``). How the bytes travel in
+itself (``encode``, ``decode``, ``check``, ``accumulate``, ``l2_norm``). How the bytes travel in
 chunks is ``protos.framing``'s job. Encode and decode are vectorised torch code that runs unchanged on CPU
 and CUDA; they walk the tensor in runs of whole blocks (about 1M elements) and write into
 preallocated outputs, so temporaries stay small whatever the tensor's size.
@@ -62,6 +62,7 @@ A payload of 0 elements is allowed: it is 0 bytes (``protos.framing`` sends it a
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -499,6 +500,65 @@ def values(buf: torch.Tensor, header: pb.PayloadHeader, scratch: torch.Tensor) -
     ):
         return buf.view(torch.float32)
     return decode(buf, header, scratch)
+
+
+@torch.no_grad()
+def l2_norm(buf: torch.Tensor, header: pb.PayloadHeader) -> float:
+    """The L2 norm of ``decode(buf, header)`` for a payload that passed ``check``, without a
+    decoded copy: the payload is read in runs (about 1M elements), BF16 through one run-sized
+    FP32 buffer. FP32/BF16 values are squared and summed in float32 (a run whose sum overflows,
+    which needs values beyond about 1e19, again in float64); quantized payloads take each
+    block's norm of its codes and weight it by the block's scale in float64. The result is finite
+    for any payload ``check`` accepts.
+    """
+    codec, n = header.codec, int(header.numel)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != header.total_bytes:
+        raise layout.CodecError(
+            f"payload buffer must be 1-D uint8 of {header.total_bytes} bytes, got {buf.dtype} "
+            f"of shape {tuple(buf.shape)}"
+        )
+    if n == 0:
+        return 0.0
+    if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
+        raw = _aligned(
+            buf.contiguous(), torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16
+        )
+        work = (
+            torch.empty(min(n, _RUN_ELEMS), dtype=torch.float32, device=buf.device)
+            if codec == pb.CODEC_BF16
+            else None
+        )
+        squares = 0.0
+        for start in range(0, n, _RUN_ELEMS):
+            chunk = raw[start : start + _RUN_ELEMS]
+            if work is not None:
+                chunk = work[: chunk.numel()].copy_(chunk)
+            chunk_squares = float(torch.dot(chunk, chunk))
+            if math.isinf(chunk_squares):
+                chunk_squares = float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
+            squares += chunk_squares
+        return math.sqrt(squares)
+    # Blockwise: the norm of each block's codes (decoded with unit scales: at most
+    # 128 * sqrt(block_size), so float32 never overflows), times its scale.
+    bs = int(header.block_size)
+    scales = _checked_scales(buf, codec, n, header.scale_dtype).double()
+    per_byte = 1 if codec == pb.CODEC_INT8 else 2
+    full = (n // bs) * bs
+    run = max(1, _RUN_ELEMS // bs) * bs
+    unit = torch.ones(max(1, min(run, full) // bs), dtype=torch.float32, device=buf.device)
+    work = torch.empty(min(run, full), dtype=torch.float32, device=buf.device)
+    idx = torch.empty(min(run, full) // per_byte, dtype=torch.int32, device=buf.device)
+    block_norms = torch.empty(scales.numel(), dtype=torch.float32, device=buf.device)
+    for start in range(0, full, run):
+        stop = min(start + run, full)
+        codes = work[: stop - start].view(-1, bs)
+        _decode_run(
+            buf[start // per_byte : stop // per_byte], codec, unit[: len(codes)], codes, idx
+        )
+        torch.linalg.vector_norm(codes, dim=1, out=block_norms[start // bs : stop // bs])
+    if full < n:
+        block_norms[-1] = torch.linalg.vector_norm(_decode_tail(buf, codec, bs, n, unit[:1]))
+    return math.sqrt(float((block_norms.double() * scales).square().sum()))
 
 
 def _decode_run(

@@ -27,6 +27,7 @@ class PushOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_ACCEPTED: _ClassVar[PushOutcome]
     PUSH_DROPPED_STALE: _ClassVar[PushOutcome]
     PUSH_DUPLICATE: _ClassVar[PushOutcome]
+    PUSH_REFUSED_NORM: _ClassVar[PushOutcome]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_BF16: Codec
@@ -39,6 +40,7 @@ PUSH_OUTCOME_UNSPECIFIED: PushOutcome
 PUSH_ACCEPTED: PushOutcome
 PUSH_DROPPED_STALE: PushOutcome
 PUSH_DUPLICATE: PushOutcome
+PUSH_REFUSED_NORM: PushOutcome
 
 class PayloadHeader(_message.Message):
     __slots__ = ("codec", "numel", "block_size", "scale_dtype", "total_bytes")
@@ -113,17 +115,19 @@ class LearnerCounters(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., blocked_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_name", "spec", "learner_id")
+    __slots__ = ("learner_name", "spec", "learner_id", "session")
     LEARNER_NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     learner_name: str
     spec: ModelSpec
     learner_id: str
-    def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("learner_id", "lease_s", "heartbeat_interval_s", "server_epoch", "versions", "needs_init", "inner_steps", "next_seq")
+    __slots__ = ("learner_id", "lease_s", "heartbeat_interval_s", "server_epoch", "versions", "needs_init", "inner_steps", "next_seq", "session")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +136,7 @@ class JoinReply(_message.Message):
     NEEDS_INIT_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     lease_s: float
     heartbeat_interval_s: float
@@ -140,15 +145,18 @@ class JoinReply(_message.Message):
     needs_init: bool
     inner_steps: int
     next_seq: int
-    def __init__(self, learner_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., server_epoch: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., needs_init: _Optional[bool] = ..., inner_steps: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, learner_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., server_epoch: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., needs_init: _Optional[bool] = ..., inner_steps: _Optional[int] = ..., next_seq: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class InitStart(_message.Message):
-    __slots__ = ("learner_id", "spec_hash")
+    __slots__ = ("learner_id", "spec_hash", "session")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     spec_hash: str
-    def __init__(self, learner_id: _Optional[str] = ..., spec_hash: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, learner_id: _Optional[str] = ..., spec_hash: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class InitFragmentHeader(_message.Message):
     __slots__ = ("fragment_id", "payload")
@@ -175,16 +183,18 @@ class InitModelReply(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "counters", "step_time_s", "overlap_steps")
+    __slots__ = ("learner_id", "counters", "step_time_s", "overlap_steps", "session")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     counters: LearnerCounters
     step_time_s: float
     overlap_steps: int
-    def __init__(self, learner_id: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., step_time_s: _Optional[float] = ..., overlap_steps: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, learner_id: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., step_time_s: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("server_epoch", "lease_s", "inner_steps", "versions")
@@ -199,7 +209,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, server_epoch: _Optional[str] = ..., lease_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "seq", "spec_hash", "fragment_id", "base_version", "tokens", "steps", "compute_s", "payload")
+    __slots__ = ("learner_id", "seq", "spec_hash", "fragment_id", "base_version", "tokens", "steps", "compute_s", "payload", "session")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +219,7 @@ class PushHeader(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     seq: int
     spec_hash: str
@@ -218,7 +229,8 @@ class PushHeader(_message.Message):
     steps: int
     compute_s: float
     payload: PayloadHeader
-    def __init__(self, learner_id: _Optional[str] = ..., seq: _Optional[int] = ..., spec_hash: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ...) -> None: ...
+    session: str
+    def __init__(self, learner_id: _Optional[str] = ..., seq: _Optional[int] = ..., spec_hash: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ..., session: _Optional[str] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -245,7 +257,7 @@ class PushReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., round_version: _Optional[int] = ..., current_version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fragment_id", "min_version", "wait_s", "codec", "delta_ok", "have_version")
+    __slots__ = ("learner_id", "fragment_id", "min_version", "wait_s", "codec", "delta_ok", "have_version", "session")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +265,7 @@ class PullRequest(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     DELTA_OK_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment_id: int
     min_version: int
@@ -260,7 +273,8 @@ class PullRequest(_message.Message):
     codec: Codec
     delta_ok: bool
     have_version: int
-    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., delta_ok: _Optional[bool] = ..., have_version: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., delta_ok: _Optional[bool] = ..., have_version: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("fragment_id", "version", "server_epoch", "payload", "delta_from", "links", "checksum")
@@ -299,12 +313,14 @@ class PullReply(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., link: _Optional[_Union[DeltaLink, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("learner_id", "counters")
+    __slots__ = ("learner_id", "counters", "session")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     counters: LearnerCounters
-    def __init__(self, learner_id: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ...) -> None: ...
+    session: str
+    def __init__(self, learner_id: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., session: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()

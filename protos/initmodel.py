@@ -19,13 +19,17 @@ from protos import diloco_pb2 as pb
 
 def init_model_requests(
     learner_id: str,
+    session: str,
     spec_hash: str,
     fragments: Iterable[torch.Tensor],
     chunk_bytes: int = framing.CHUNK_BYTES,
 ) -> Iterator[pb.InitModelRequest]:
     """The InitModel stream for `fragments`: fragment p's parameters, any shape, dtype or
-    device (sent flat as FP32 from the CPU), at position p."""
-    yield pb.InitModelRequest(start=pb.InitStart(learner_id=learner_id, spec_hash=spec_hash))
+    device (sent flat as FP32 from the CPU), at position p, from the learner that joined as
+    `learner_id` with `session`."""
+    yield pb.InitModelRequest(
+        start=pb.InitStart(learner_id=learner_id, session=session, spec_hash=spec_hash)
+    )
     for fragment_id, params in enumerate(fragments):
         flat = params.detach().to("cpu", torch.float32).reshape(-1)
         header = layout.make_header(pb.CODEC_FP32, flat.numel())

@@ -223,12 +223,16 @@ def _init(args: argparse.Namespace, cfg: RemoteConfig) -> int:
                     [tensors[t.name].to(torch.float32).reshape(-1) for t in frag.tensors]
                 )
 
-        requests = init_model_requests(joined.learner_id, spec.spec_hash, fragments())
+        requests = init_model_requests(
+            joined.learner_id, joined.session, spec.spec_hash, fragments()
+        )
         reply = stub.InitModel(requests, timeout=args.timeout_s, metadata=md)
     finally:
         try:
             stub.Leave(
-                pb.LeaveRequest(learner_id=joined.learner_id), timeout=args.timeout_s, metadata=md
+                pb.LeaveRequest(learner_id=joined.learner_id, session=joined.session),
+                timeout=args.timeout_s,
+                metadata=md,
             )
         except grpc.RpcError:
             pass  # its lease lapses instead; the error that matters is the one above

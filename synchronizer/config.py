@@ -82,6 +82,16 @@ class SynchronizerConfig(BaseModel):
     )
     staleness_alpha: float = Field(0.5, ge=0, description="The a in the staleness factor")
     staleness_hinge: int = Field(2, ge=0, description="Staleness up to which the hinge factor is 1")
+    max_norm_ratio: float = Field(
+        10.0,
+        ge=0,
+        description="A push whose L2 norm is above this many times the median norm of the fragment's recent accepted pushes by other learners is refused (PUSH_REFUSED_NORM: nothing applied, the learner re-pulls); judged once 4 such norms are known. 0 or at least 1; 0 turns the bound off",
+    )
+    max_weight_ratio: float = Field(
+        8.0,
+        ge=0,
+        description="A contribution's token weight is capped at this many times the median token weight of the fragment's recent accepted pushes by other learners, so inflated token counts cannot take a round over. 0 or at least 1; 0 turns the cap off",
+    )
     anchor: Literal["current", "base"] = Field(
         "current",
         description="Re-anchor a stale delta at the current global fragment (Decoupled DiLoCo), or apply it relative to its base",
@@ -145,7 +155,32 @@ class SynchronizerConfig(BaseModel):
     max_pull_wait_s: float = Field(
         30.0,
         ge=0,
-        description="Longest a pull may wait for a minimum version (it holds a stream slot and a gRPC worker meanwhile)",
+        description="Longest a pull may wait for a minimum version (it holds a waiting slot and a gRPC worker meanwhile)",
+    )
+    max_waiting_pulls: int = Field(
+        64,
+        ge=0,
+        description="Pulls that may wait for a version at once (at least learners x fragments); with all taken, a pull is answered at once with what exists",
+    )
+    stream_idle_s: float = Field(
+        30.0,
+        gt=0,
+        description="A push or pull stream that moves no message for this long is cancelled (an idle or stalled client frees its slot)",
+    )
+    max_streams_per_learner: int = Field(
+        0,
+        ge=0,
+        description="Streams (transfers and waiting pulls) one learner may hold at once; 0 = the model's fragments + 2",
+    )
+    max_model_params: int = Field(
+        20_000_000_000,
+        ge=1,
+        description="Largest model (in parameters) a learner may initialise; a larger spec is refused at Join",
+    )
+    max_spec_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="Largest model spec (tensor names and shapes, serialized) a Join may carry",
     )
     max_message_bytes: int = Field(
         8 << 20,
@@ -158,9 +193,9 @@ class SynchronizerConfig(BaseModel):
         description="Push and pull streams served at once (each holds a gRPC worker); more get RESOURCE_EXHAUSTED",
     )
     max_workers: int = Field(
-        40,
-        ge=2,
-        description=f"gRPC worker threads; at least max_concurrent_streams + {RESERVED_WORKERS}, so heartbeats, joins and health checks always find one",
+        0,
+        ge=0,
+        description=f"gRPC worker threads; at least max_concurrent_streams + max_waiting_pulls + {RESERVED_WORKERS}, so heartbeats, joins and health checks always find one; 0 = exactly that",
     )
     apply_threads: int = Field(
         1,
@@ -207,10 +242,19 @@ class SynchronizerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> SynchronizerConfig:
-        if self.max_workers < self.max_concurrent_streams + RESERVED_WORKERS:
+        for name in ("max_norm_ratio", "max_weight_ratio"):
+            ratio = getattr(self, name)
+            if 0 < ratio < 1:
+                raise ValueError(
+                    f"{name} must be 0 (off) or at least 1, got {ratio}: below 1 it would refuse or cap honest learners' typical pushes"
+                )
+        needed = self.max_concurrent_streams + self.max_waiting_pulls + RESERVED_WORKERS
+        if self.max_workers == 0:
+            self.max_workers = needed
+        elif self.max_workers < needed:
             raise ValueError(
-                f"max_workers ({self.max_workers}) must be at least max_concurrent_streams ({self.max_concurrent_streams}) + {RESERVED_WORKERS}: "
-                "every push or pull stream holds a gRPC worker, and heartbeats, joins and health checks need workers of their own"
+                f"max_workers ({self.max_workers}) must be at least max_concurrent_streams ({self.max_concurrent_streams}) + max_waiting_pulls ({self.max_waiting_pulls}) + {RESERVED_WORKERS}: "
+                "every push, pull or waiting pull holds a gRPC worker, and heartbeats, joins and health checks need workers of their own"
             )
         if self.dynamic_local_updates and self.inner_steps < 1:
             raise ValueError(

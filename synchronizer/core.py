@@ -39,6 +39,7 @@ from synchronizer.leases import LearnerRecord, Registry
 from synchronizer.metrics import Metrics
 from synchronizer.model import FragmentFailed
 from synchronizer.rounds import Rounds
+from synchronizer.streams import SLOT_PATIENCE_S, Call, Stream, Streams
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ OUTCOME_LABEL = {
     pb.PUSH_ACCEPTED: "accepted",
     pb.PUSH_DROPPED_STALE: "dropped_stale",
     pb.PUSH_DUPLICATE: "duplicate",
+    pb.PUSH_REFUSED_NORM: "refused_norm",
 }
 
 PushMessages = Iterable[pb.PushRequest | wire.RawChunk]
@@ -78,7 +80,9 @@ class Synchronizer:
         self.rounds: Rounds | None = None
         self.initialized = False
         self.init_claim: InitClaim | None = None  # the InitModel upload under way, if any
-        self.streams = threading.BoundedSemaphore(cfg.max_concurrent_streams)
+        self.proposed: dict[str, ModelSpec] = {}  # specs live learners joined with, before init
+        self.streams = Streams(cfg, self.metrics)
+        self.init_cv = threading.Condition(self.model_lock)  # notified once initialised
         self.failures: dict[int, str] = {}  # fragment id -> why its outer step failed
         self.checkpoint_failure: str | None = None  # why the last checkpoint could not be written
         self.health_listeners: list[Callable[[str], None]] = []  # told the reason once unhealthy
@@ -94,6 +98,7 @@ class Synchronizer:
 
     def _set_spec(self, spec: ModelSpec) -> None:
         self.spec = spec
+        self.streams.limit_per_learner(len(spec.fragments))
         self.fragments = [
             Fragment(f, self.cfg, self.metrics, self.goodput, spec.numel) for f in spec.fragments
         ]
@@ -170,27 +175,43 @@ class Synchronizer:
     # Learners --------------------------------------------------------------------------------
 
     def join(self, request: pb.JoinRequest) -> pb.JoinReply:
+        """Admits a learner. Before the model is initialised any well-formed spec within the
+        size limits is accepted and kept as that learner's proposal: the served spec is set
+        only by a successful initialisation (InitModel or `init`), so a bogus Join decides
+        nothing. After it, a learner must bring the served spec."""
+        size = request.spec.ByteSize()
+        if size > self.cfg.max_spec_bytes:
+            raise invalid(
+                "spec_too_large",
+                f"the model spec is {size} bytes serialized; this Synchronizer takes at most max_spec_bytes={self.cfg.max_spec_bytes}",
+            )
         try:
             spec = ModelSpec.from_proto(request.spec)
         except ValueError as e:
             raise invalid("bad_spec", f"model spec is malformed: {e}") from None
+        if spec.numel > self.cfg.max_model_params:
+            raise invalid(
+                "model_too_large",
+                f"the model has {spec.numel} parameters; this Synchronizer serves at most max_model_params={self.cfg.max_model_params}",
+            )
         with self.model_lock:
-            if self.spec is None:
-                self._set_spec(spec)
-                logger.info(
-                    "serving a model of %d parameters in %d fragments (spec %s)",
-                    spec.numel,
-                    len(spec.fragments),
-                    spec.spec_hash[:12],
-                )
-            elif spec.spec_hash != self.spec.spec_hash:
+            if self.spec is not None and spec.spec_hash != self.spec.spec_hash:
                 raise Rejected(
                     Code.FAILED_PRECONDITION,
                     "spec_mismatch",
                     f"model spec does not match the served model: {self.spec.describe_difference(spec)}",
                 )
             needs_init = not self.initialized
-        rec, revived = self.registry.join(request.learner_name, request.learner_id)
+        rec, session, revived = self.registry.join(
+            request.learner_name, request.learner_id, request.session
+        )
+        rec.spec_hash = spec.spec_hash
+        if needs_init:
+            with self.model_lock:
+                self.proposed[spec.spec_hash] = spec
+                live = self.registry.live_specs()
+                for h in [h for h in self.proposed if h not in live]:
+                    del self.proposed[h]
         logger.info(
             "learner %s (%s) %s", rec.learner_id, rec.name, "re-joined" if revived else "joined"
         )
@@ -203,6 +224,7 @@ class Synchronizer:
             needs_init=needs_init,
             inner_steps=self._inner_steps(rec),
             next_seq=rec.max_seq + 1,
+            session=session,
         )
 
     def _inner_steps(self, rec: LearnerRecord) -> int:
@@ -211,7 +233,7 @@ class Synchronizer:
         return self.registry.inner_steps_for(rec, self.cfg.inner_steps)
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
-        rec = self.registry.alive(request.learner_id)
+        rec = self.registry.alive(request.learner_id, request.session)
         self._report(rec, request.counters, request.step_time_s)
         self.grace.observe(overlap_steps=request.overlap_steps)
         return pb.HeartbeatReply(
@@ -234,7 +256,7 @@ class Synchronizer:
             self.grace.observe(step_time=step_time_s)
 
     def leave(self, request: pb.LeaveRequest) -> pb.LeaveReply:
-        rec = self.registry.alive(request.learner_id, renew=False)
+        rec = self.registry.alive(request.learner_id, request.session, renew=False)
         self._report(rec, request.counters, 0.0)
         self.registry.leave(request.learner_id)
         self.goodput.died(request.learner_id)
@@ -272,12 +294,21 @@ class Synchronizer:
         first = next(messages, None)
         if first is None or first.WhichOneof("kind") != "start":
             raise invalid("bad_stream", "InitModel must start with an InitStart message")
-        self.registry.alive(first.start.learner_id)
-        if self.spec is None:
+        rec = self.registry.alive(first.start.learner_id, first.start.session)
+        with self.model_lock:
+            spec = self.spec if self.initialized else self.proposed.get(rec.spec_hash)
+        if spec is None:
             raise Rejected(
-                Code.FAILED_PRECONDITION, "no_spec", "no model spec yet: call Join first"
+                Code.FAILED_PRECONDITION,
+                "no_spec",
+                "this learner's model spec is not known: call Join with it first",
             )
-        self._check_spec_hash(first.start.spec_hash)
+        if first.start.spec_hash != spec.spec_hash:
+            raise Rejected(
+                Code.FAILED_PRECONDITION,
+                "spec_mismatch",
+                f"spec hash {first.start.spec_hash[:12]!r} is not the one this learner joined with ({spec.spec_hash[:12]!r}); re-join with the model's spec",
+            )
         claim = InitClaim(first.start.learner_id)
         with self.model_lock:
             if self.initialized:
@@ -302,9 +333,17 @@ class Synchronizer:
                 )
             self.init_claim = claim
         try:
-            received = receive.init_fragments(
-                messages, self.fragment, [f.numel for f in self.fragments], claim.touch
-            )
+            numels = [f.numel for f in spec.fragments]
+
+            def known(fid: int) -> None:
+                if fid >= len(numels):
+                    raise Rejected(
+                        Code.NOT_FOUND,
+                        "unknown_fragment",
+                        f"fragment {fid} does not exist; the model has fragments 0..{len(numels) - 1}",
+                    )
+
+            received = receive.init_fragments(messages, known, numels, claim.touch)
             with self.model_lock:
                 if self.init_claim is not claim:
                     raise Rejected(
@@ -312,9 +351,18 @@ class Synchronizer:
                         "already_initialized",
                         f"this upload stalled for more than init_stall_s ({self.cfg.init_stall_s:g} s) and another learner took over; pull its fragments instead",
                     )
+                self._set_spec(spec)
                 for frag, params in zip(self.fragments, received, strict=True):
                     frag.initialize(params)
                 self.initialized = True
+                self.proposed.clear()
+                self.init_cv.notify_all()
+                logger.info(
+                    "serving a model of %d parameters in %d fragments (spec %s)",
+                    spec.numel,
+                    len(spec.fragments),
+                    spec.spec_hash[:12],
+                )
         finally:
             with self.model_lock:
                 if self.init_claim is claim:
@@ -323,46 +371,36 @@ class Synchronizer:
         self.save_checkpoint()
         return pb.InitModelReply(versions=self.versions())
 
-    @contextlib.contextmanager
-    def _stream_slot(self) -> Iterator[None]:
-        """One of `max_concurrent_streams` slots for a push or pull (RESOURCE_EXHAUSTED when
-        none is free), counted in `diloco_streams_open` while held."""
-        if not self.streams.acquire(blocking=False):
-            raise Rejected(
-                Code.RESOURCE_EXHAUSTED,
-                "too_many_streams",
-                f"the Synchronizer is serving {self.cfg.max_concurrent_streams} streams already; retry with backoff",
-            )
-        self.metrics.streams_open.inc()
-        try:
-            yield
-        finally:
-            self.metrics.streams_open.dec()
-            self.streams.release()
-
-    def push(self, messages: PushMessages) -> pb.PushReply:
+    def push(self, messages: PushMessages, call: Call | None = None) -> pb.PushReply:
         """Receives, validates and judges one push; the reply says what became of it."""
-        with self._stream_slot():
-            reply, frag = self._push(iter(messages))
+        with contextlib.ExitStack() as held:
+            stream = held.enter_context(self.streams.transfer("push", call or Call()))
+            reply, frag = self._push(stream, held, stream.moving(messages))
         self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
         if frag is not None and self.rounds is not None:
             self.rounds.check(frag)
         return reply
 
     def _push(
-        self, messages: Iterator[pb.PushRequest | wire.RawChunk]
+        self,
+        stream: Stream,
+        held: contextlib.ExitStack,
+        messages: Iterator[pb.PushRequest | wire.RawChunk],
     ) -> tuple[pb.PushReply, Fragment | None]:
         first = next(messages, None)
         if not isinstance(first, pb.PushRequest) or first.WhichOneof("kind") != "header":
             raise invalid("bad_stream", "PushFragment must start with a PushHeader")
         h = first.header
-        rec = self.registry.alive(h.learner_id)
+        rec = self.registry.alive(h.learner_id, h.session)
+        held.enter_context(self.streams.claimed(rec.learner_id))
+        stream.learner_id = rec.learner_id
         self._require_initialized()
         self._check_spec_hash(h.spec_hash)
         frag = self.fragment(h.fragment_id)
         if frag.model.failure is not None:
             raise self._unavailable(frag)
         receive.check_push_header(h, frag.version, self.cfg.token_weight != "uniform")
+        rec.check_counts("push counts", h.tokens, h.steps, h.compute_s)
         seen = self.registry.seen_reply(rec, h.seq)
         if seen is not None:
             for _ in messages:  # drain: the client may still be streaming the repeat
@@ -400,9 +438,7 @@ class Synchronizer:
                     current_version=verdict.current_version,
                     staleness=verdict.staleness,
                     weight=verdict.weight,
-                    message=""
-                    if verdict.outcome == pb.PUSH_ACCEPTED
-                    else f"staleness {verdict.staleness} > max_staleness {self.cfg.max_staleness}: re-pull fragment {frag.fid}",
+                    message=verdict.message,
                 )
                 self.registry.record_reply(rec, h.seq, reply)
         finally:
@@ -420,30 +456,77 @@ class Synchronizer:
             reply.message = "this push was already accepted; it was not applied again"
         return reply
 
-    def pull(self, request: pb.PullRequest) -> Iterator[pb.PullReply]:
+    def pull(self, request: pb.PullRequest, call: Call | None = None) -> Iterator[pb.PullReply]:
         """The fragment's parameters (or the updates since `have_version`), judged at one
-        version, after waiting (bounded) for `min_version`. Validation happens on the first
-        `next()`, before anything is sent."""
-        self.registry.alive(request.learner_id)
-        frag = self.fragment(request.fragment_id)
+        version, after waiting (bounded, in a waiting slot) for `min_version`. Everything runs
+        on the first `next()`: a refusal is raised there, before anything is sent."""
+        call = call or Call()
+        rec = self.registry.alive(request.learner_id, request.session)
         codec_id = request.codec or pb.CODEC_FP32
         if codec_id not in PULL_CODECS:
             raise invalid("bad_codec", "pulls are served as CODEC_FP32 or CODEC_BF16")
         if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
             raise invalid("bad_wait", "wait_s must be finite and non-negative")
-        with self._stream_slot():
+        if self.initialized:
+            self.fragment(request.fragment_id)
+        with contextlib.ExitStack() as held:
+            held.enter_context(self.streams.claimed(rec.learner_id))
+            with self.streams.waiting() as free:
+                if free:
+                    self._wait_for_pull(request, call)
+                stream = held.enter_context(
+                    self.streams.transfer("pull", call, SLOT_PATIENCE_S if free else 0.0)
+                )
+            stream.learner_id = rec.learner_id
+            self._require_initialized()
+            frag = self.fragment(request.fragment_id)
+            assert self.spec is not None
+            if rec.spec_hash != self.spec.spec_hash:
+                raise Rejected(
+                    Code.FAILED_PRECONDITION,
+                    "spec_mismatch",
+                    "this learner joined with another model spec than the one the Synchronizer was initialised with; re-join with the served model's spec",
+                )
             try:
-                if request.min_version > frag.version or not frag.model.initialized:
-                    frag.model.wait_for(
-                        request.min_version, min(request.wait_s, self.cfg.max_pull_wait_s)
-                    )
-                self._require_initialized()
                 snap, links, version, checksum = frag.model.served(
                     codec_id, request.have_version if request.delta_ok else None
                 )
             except FragmentFailed:
                 raise self._unavailable(frag) from None
-        return self._stream_pull(frag.fid, request.have_version, snap, links, version, checksum)
+            yield from stream.moving(
+                self._stream_pull(frag.fid, request.have_version, snap, links, version, checksum)
+            )
+
+    def _wait_for_pull(self, request: pb.PullRequest, call: Call) -> None:
+        """Waits (up to the bounded wait) until the model is initialised and the fragment at
+        `min_version`; returns as soon as the client cancels."""
+        wait_s = min(request.wait_s, self.cfg.max_pull_wait_s)
+        fid = request.fragment_id
+        if wait_s <= 0 or (
+            self.initialized
+            and fid < len(self.fragments)
+            and request.min_version <= self.fragments[fid].version
+        ):
+            return
+        deadline = time.monotonic() + wait_s
+        ended = threading.Event()
+
+        def wake() -> None:
+            ended.set()
+            with self.init_cv:
+                self.init_cv.notify_all()
+            for frag in list(self.fragments):
+                frag.model.wake()
+
+        call.on_end(wake)
+        with self.init_cv:
+            while not self.initialized and not ended.is_set() and not self.stopping.is_set():
+                if not self.init_cv.wait(max(0.0, deadline - time.monotonic())):
+                    return
+        if self.initialized and fid < len(self.fragments):
+            self.fragments[fid].model.wait_for(
+                request.min_version, deadline - time.monotonic(), ended
+            )
 
     def _stream_pull(
         self,
@@ -497,6 +580,7 @@ class Synchronizer:
             try:
                 for rec in self.registry.reap():
                     self.goodput.died(rec.learner_id)
+                self.streams.cut_idle()
                 if self.rounds is not None:
                     self.rounds.check_all()
                 self.goodput.tick(self.registry.capacity_slots())
@@ -584,6 +668,8 @@ class Synchronizer:
         """Stops housekeeping, answers waiting pulls, merges every acknowledged contribution,
         writes a final checkpoint; False if that checkpoint could not be written."""
         self.stopping.set()
+        with self.init_cv:
+            self.init_cv.notify_all()
         self.housekeeper.join(timeout=5)
         for frag in self.fragments:
             frag.model.stop_waiting()

@@ -55,7 +55,7 @@ class Fragment:
         self.held = HeldBudget(2 * 4 * spec.numel)
         self.model = FragmentModel(self.fid, spec.numel, cfg)
         self.admission = Admission(
-            cfg, metrics, goodput, self._new_accumulator, self.pool, self.held
+            cfg, metrics, goodput, self._new_accumulator, self.pool, self.held, self.fid
         )
         self.metrics = metrics
         metrics.fragment_version.labels(str(self.fid)).set(0)

@@ -2,14 +2,20 @@
 
 A learner is alive while its lease is fresh (renewed by every heartbeat, push and pull); a lease
 that lapses makes it dead: it no longer counts toward "every live learner" and never holds a round.
-A dead learner may come back by joining again under its id. The registry also keeps each
+A dead learner may come back by joining again under its id. Join hands each new learner a random
+session secret; every later call under that id (and a re-join under it) must carry it, so one
+learner cannot act as another (PERMISSION_DENIED): only its SHA-256 is kept, and checkpointed, so
+learners keep their sessions across a restart. The registry also keeps each
 learner's push replies by sequence number, so a retried push is answered, not applied twice, and
 computes the Dynamic Local Updates directive from measured step times.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -25,6 +31,11 @@ REPLIES_KEPT = 256  # push replies remembered per learner for duplicate detectio
 MAX_NAME_CHARS = 128  # a learner's name: logged, stored in checkpoints, listed by Status
 MAX_ID_CHARS = 64  # ids handed out are 12 hex digits
 RECORDS_PER_SLOT = 4  # learner records kept (alive, dead or left) per max_learners slot
+# Sanity bounds of self-reported counts: no learner has done more than this since it first
+# joined (time counters at most the wall time itself), give or take COUNTS_SLACK_S.
+MAX_TOKENS_PER_S = 1e9
+MAX_STEPS_PER_S = 1e5
+COUNTS_SLACK_S = 60.0
 
 
 @dataclass
@@ -41,13 +52,43 @@ class LearnerRecord:
     blocked_s: float = 0.0
     step_time_s: float = 0.0
     max_seq: int = 0
+    session_hash: str = ""  # SHA-256 of the session secret Join gave; "" = unbound (old checkpoint)
+    spec_hash: str = ""  # of the model spec it joined with
+    first_joined: float = field(default_factory=time.time)  # wall clock, kept across restarts
     forgotten_up_to: int = 0  # replies up to this seq are no longer remembered
     replies: dict[int, pb.PushReply] = field(default_factory=dict)
     push_lock: threading.Lock = field(default_factory=threading.Lock)  # judge one seq at a time
 
+    def check_counts(self, what: str, tokens: float, steps: float, seconds: float) -> None:
+        """Refuses counts no learner could have reached since it first joined: more tokens or
+        steps than MAX_*_PER_S, or more compute or blocked seconds than wall-clock seconds."""
+        age = max(0.0, time.time() - self.first_joined) + COUNTS_SLACK_S
+        if tokens > age * MAX_TOKENS_PER_S or steps > age * MAX_STEPS_PER_S or seconds > age:
+            raise Rejected(
+                Code.INVALID_ARGUMENT,
+                "bad_counters",
+                f"{what} of learner {self.learner_id!r} (tokens={tokens:g}, steps={steps:g}, seconds={seconds:g}) are more than it can have done in the {age:.0f} s since it joined",
+            )
+
     def counters(self) -> pb.LearnerCounters:
         return pb.LearnerCounters(
             steps=self.steps, tokens=self.tokens, compute_s=self.compute_s, blocked_s=self.blocked_s
+        )
+
+
+def session_hash(session: str) -> str:
+    return hashlib.sha256(session.encode()).hexdigest()
+
+
+def check_session(rec: LearnerRecord, session: str) -> None:
+    """Refuses a call whose session is not the one Join gave this learner."""
+    if rec.session_hash and not hmac.compare_digest(
+        session_hash(session) if session else "", rec.session_hash
+    ):
+        raise Rejected(
+            Code.PERMISSION_DENIED,
+            "wrong_session",
+            f"this call's session is not learner {rec.learner_id!r}'s: only the learner that joined under an id may act as it (join without learner_id to get an id of your own)",
         )
 
 
@@ -69,8 +110,12 @@ class Registry:
         self.lock = threading.Lock()
         self.learners: dict[str, LearnerRecord] = {}
 
-    def join(self, name: str, learner_id: str = "") -> tuple[LearnerRecord, bool]:
-        """Registers (or revives) a learner; returns it and whether it came back from the dead.
+    def join(
+        self, name: str, learner_id: str = "", session: str = ""
+    ) -> tuple[LearnerRecord, str, bool]:
+        """Registers (or revives) a learner; returns it, its session secret and whether it came
+        back from the dead. Re-joining under an id takes that id's session (PERMISSION_DENIED
+        otherwise) and keeps it.
 
         At most `max_learners` are alive at once: dead and left learners hold no slot. Records of
         dead and left learners are kept (for re-joins, duplicate pushes and goodput) up to
@@ -86,11 +131,15 @@ class Registry:
         with self.lock:
             rec = self.learners.get(learner_id) if learner_id else None
             if rec is not None:
+                check_session(rec, session)
+                if not rec.session_hash:  # restored from a checkpoint that kept no sessions
+                    session = session or secrets.token_hex(16)
+                    rec.session_hash = session_hash(session)
                 revived = rec.state != "alive"
                 rec.state, rec.died_at = "alive", None
                 rec.lease_deadline = now + self.lease_s
                 rec.name = name or rec.name
-                return rec, revived
+                return rec, session, revived
             alive = sum(
                 1 for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline
             )
@@ -101,10 +150,12 @@ class Registry:
                     f"the Synchronizer already has {alive} live learners (max_learners={self.max_learners}); retry when one leaves or its lease lapses",
                 )
             lid = learner_id or uuid.uuid4().hex[:12]
+            session = secrets.token_hex(16)
             rec = LearnerRecord(lid, name or lid, "alive", now + self.lease_s, now)
+            rec.session_hash = session_hash(session)
             self.learners[lid] = rec
             self._trim()
-            return rec, False
+            return rec, session, False
 
     def _trim(self) -> None:
         """Forgets the longest-gone records beyond RECORDS_PER_SLOT * max_learners. Caller holds
@@ -119,8 +170,9 @@ class Registry:
         for rec in gone[:excess]:
             del self.learners[rec.learner_id]
 
-    def alive(self, learner_id: str, renew: bool = True) -> LearnerRecord:
-        """The live record for an id, lease renewed: Rejected if unknown, dead or gone."""
+    def alive(self, learner_id: str, session: str, renew: bool = True) -> LearnerRecord:
+        """The live record for an id, lease renewed: Rejected if unknown, dead or gone, or when
+        `session` is not the one Join gave it."""
         check_id(learner_id)
         with self.lock:
             rec = self.learners.get(learner_id)
@@ -130,6 +182,7 @@ class Registry:
                     "unknown_learner",
                     f"learner {learner_id!r} is not joined; call Join first",
                 )
+            check_session(rec, session)
             now = time.monotonic()
             if rec.state == "dead" or now > rec.lease_deadline:
                 raise Rejected(
@@ -144,7 +197,14 @@ class Registry:
     def report(
         self, rec: LearnerRecord, counters: pb.LearnerCounters, step_time_s: float = 0.0
     ) -> float:
-        """Stores cumulative counters (they never go down); returns the new blocked seconds."""
+        """Stores cumulative counters (they never go down); returns the new blocked seconds.
+        Counters no learner could have reached are refused and nothing is stored."""
+        rec.check_counts(
+            "counters",
+            counters.tokens,
+            counters.steps,
+            max(counters.compute_s, counters.blocked_s, step_time_s),
+        )
         with self.lock:
             blocked_delta = max(0.0, counters.blocked_s - rec.blocked_s)
             rec.steps = max(rec.steps, counters.steps)
@@ -189,6 +249,16 @@ class Registry:
         with self.lock:
             return {
                 r.learner_id
+                for r in self.learners.values()
+                if r.state == "alive" and now <= r.lease_deadline
+            }
+
+    def live_specs(self) -> set[str]:
+        """Spec hashes the live learners joined with."""
+        now = time.monotonic()
+        with self.lock:
+            return {
+                r.spec_hash
                 for r in self.learners.values()
                 if r.state == "alive" and now <= r.lease_deadline
             }
@@ -259,6 +329,8 @@ class Registry:
                     "name": r.name,
                     "left": r.state == "left",
                     "max_seq": r.max_seq,
+                    "session_hash": r.session_hash,
+                    "first_joined": r.first_joined,
                     "steps": r.steps,
                     "tokens": r.tokens,
                     "compute_s": r.compute_s,
@@ -276,6 +348,8 @@ class Registry:
                     continue
                 rec = LearnerRecord(d["learner_id"], d["name"], "dead", now, now, died_at=now)
                 rec.max_seq = rec.forgotten_up_to = int(d["max_seq"])
+                rec.session_hash = str(d.get("session_hash", ""))
+                rec.first_joined = float(d.get("first_joined", rec.first_joined))
                 rec.steps, rec.tokens = int(d["steps"]), int(d["tokens"])
                 rec.compute_s, rec.blocked_s = float(d["compute_s"]), float(d["blocked_s"])
                 self.learners[rec.learner_id] = rec

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 GOODPUT_BUCKETS = ("merged", "discarded", "lost")
-PUSH_OUTCOMES = ("accepted", "dropped_stale", "duplicate", "rejected")
+PUSH_OUTCOMES = ("accepted", "dropped_stale", "duplicate", "refused_norm", "rejected")
 LEARNER_STATES = ("alive", "dead")
 
 
@@ -111,9 +111,25 @@ class Metrics:
             "Push and pull streams being served (each holds a gRPC worker; at most max_concurrent_streams).",
             registry=r,
         )
+        self.pulls_waiting = Gauge(
+            "diloco_pulls_waiting",
+            "Pulls waiting for a version that is not there yet (at most max_waiting_pulls).",
+            registry=r,
+        )
+        self.streams_cut = Counter(
+            "diloco_streams_cut",
+            "Streams cancelled for making no progress within stream_idle_s, by kind (push, pull).",
+            ["kind"],
+            registry=r,
+        )
         self.rounds_refused = Counter(
             "diloco_rounds_refused_total",
             "Rounds whose merged update was not applied (not finite, or beyond the bound); the fragment skipped the version and its contributions count as discarded.",
+            registry=r,
+        )
+        self.weights_capped = Counter(
+            "diloco_weights_capped_total",
+            "Accepted pushes whose token weight was capped at max_weight_ratio times the median of other learners' recent ones (inflated token counts).",
             registry=r,
         )
         self.fragments_failed = Gauge(

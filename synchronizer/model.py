@@ -146,6 +146,11 @@ class FragmentModel:
                 self.failure = reason
             self.cv.notify_all()
 
+    def wake(self) -> None:
+        """Makes waiting pulls look again at what they wait for (one of them ended)."""
+        with self.cv:
+            self.cv.notify_all()
+
     def stop_waiting(self) -> None:
         """Shutdown: pulls waiting for a version are answered with the one there is."""
         with self.cv:
@@ -158,15 +163,18 @@ class FragmentModel:
 
     # Pulls -----------------------------------------------------------------------------------
 
-    def wait_for(self, min_version: int, timeout_s: float) -> None:
+    def wait_for(
+        self, min_version: int, timeout_s: float, ended: threading.Event | None = None
+    ) -> None:
         """Waits (up to `timeout_s`) until the fragment is initialised and at `min_version`,
-        failed, or shutting down."""
+        failed, shutting down, or `ended` is set (and `wake()` called)."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
             while (
                 (self.version < min_version or self.params is None)
                 and self.failure is None
                 and not self.stopping
+                and not (ended is not None and ended.is_set())
             ):
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -1,10 +1,11 @@
 """Rounds: which pushes go into a fragment's next outer step, and when that round closes.
 
 Per fragment, `Admission` keeps at most one open round collecting weighted outer gradients: it
-judges each push (staleness bound, token and staleness weight), holds its encoded payload for the
-outer step or adds it at once when the held-bytes budget is full (sums stay in arrival order
-either way), and says when the round may close. `Rounds` closes them, on worker threads, never on
-gRPC threads.
+judges each push (staleness bound; norm bound and token-weight cap against the other learners'
+recent pushes, `synchronizer.bounds`; staleness weight), holds its encoded payload for the outer
+step or adds it at once when the held-bytes budget is full (sums stay in arrival order either
+way), and says when the round may close. `Rounds` closes them, on worker threads, never on gRPC
+threads.
 
 Round policy (Decoupled DiLoCo): a round may close once it holds K contributions (K = quorum,
 capped by the live learners; quorum 0 = every live learner, i.e. synchronous DiLoCo). It closes
@@ -29,7 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from protos import codec
 from protos import diloco_pb2 as pb
+from synchronizer.bounds import PushBounds
 from synchronizer.buffers import BufferPool, HeldBudget
 from synchronizer.config import SynchronizerConfig
 from synchronizer.goodput import Goodput, Share
@@ -85,6 +88,7 @@ class Verdict:
     current_version: int
     staleness: int
     weight: float
+    message: str = ""  # why it was not accepted, and what to do
 
 
 class Admission:
@@ -98,7 +102,9 @@ class Admission:
         new_accumulator: Callable[[], Accumulator],
         pool: BufferPool,
         held: HeldBudget,
+        fid: int,
     ) -> None:
+        self.fid = fid
         self.cfg = cfg
         self.metrics = metrics
         self.goodput = goodput
@@ -109,6 +115,7 @@ class Admission:
         self.round: Round | None = None
         self.pending_version = 0  # version after every round already handed to the closers
         self.spare: Accumulator | None = None  # the previous round's buffer, reset after its step
+        self.bounds = PushBounds(cfg.max_norm_ratio, cfg.max_weight_ratio)
 
     def reset(self, version: int) -> None:
         with self.lock:
@@ -136,42 +143,99 @@ class Admission:
         to the round, whose outer step decodes and adds it; otherwise it is added now, after the
         pushes held before it. The caller has validated the base version (not ahead of the
         fragment's) and the values (`codec.check`: finite, right size).
+
+        A push whose norm is above the bound of `self.bounds` is refused (PUSH_REFUSED_NORM),
+        and its token weight is capped there, before anything enters the round.
         """
+        # One read pass over the payload, outside the lock (pushes to the fragment go on).
+        norm = codec.l2_norm(*payload) if self.bounds.judges_norms else 0.0
         spent: list[torch.Tensor] = []
+        rnd: Round | None = None
         with self.lock:
-            start = self.round.start_version if self.round is not None else self.pending_version
-            staleness = start - base_version
-            self.metrics.staleness.observe(staleness)
-            if staleness > self.cfg.max_staleness:
-                self.goodput.discarded(learner_id, share)
-                return Verdict(
-                    pb.PUSH_DROPPED_STALE, start + 1, current_version, staleness, 0.0
-                ), None
-            weight = token_weight(self.cfg.token_weight, tokens, steps) * staleness_factor(
-                self.cfg.staleness_weight,
-                staleness,
-                self.cfg.staleness_alpha,
-                self.cfg.staleness_hinge,
+            verdict, claimed, capped = self._judge(
+                learner_id, base_version, tokens, steps, current_version, norm
             )
-            if self.round is None:
-                if self.spare is not None:
-                    acc, self.spare = self.spare, None
-                else:
-                    acc = self.new_accumulator()
-                self.round = Round(start, acc)
-            rnd = self.round
-            if hold:
-                rnd.held.append((payload[0], payload[1], weight))
+            if verdict.outcome != pb.PUSH_ACCEPTED:
+                self.goodput.discarded(learner_id, share)
             else:
-                spent = rnd.add_held()  # first, to keep arrival order
-                self.held.release(sum(buf.numel() for buf in spent))
-                rnd.acc.add_payload(payload[0], payload[1], weight)
-            rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
-            self.goodput.accepted(learner_id, share)
-            verdict = Verdict(pb.PUSH_ACCEPTED, start + 1, current_version, staleness, weight)
+                if self.round is None:
+                    if self.spare is not None:
+                        acc, self.spare = self.spare, None
+                    else:
+                        acc = self.new_accumulator()
+                    self.round = Round(verdict.round_version - 1, acc)
+                rnd = self.round
+                if hold:
+                    rnd.held.append((payload[0], payload[1], verdict.weight))
+                else:
+                    spent = rnd.add_held()  # first, to keep arrival order
+                    self.held.release(sum(buf.numel() for buf in spent))
+                    rnd.acc.add_payload(payload[0], payload[1], verdict.weight)
+                rnd.contributions.append(
+                    Contribution(learner_id, base_version, verdict.weight, share)
+                )
+                self.bounds.accepted(learner_id, norm, capped)
+                self.goodput.accepted(learner_id, share)
         for buf in spent:
             self.pool.give(buf)
+        if verdict.outcome == pb.PUSH_REFUSED_NORM:
+            logger.warning(
+                "learner=%s fragment=%d push refused: %s", learner_id, self.fid, verdict.message
+            )
+        elif capped < claimed:
+            self.metrics.weights_capped.inc()
+            logger.warning(
+                "learner=%s fragment=%d token weight %.4g capped at %.4g (tokens=%d steps=%d): "
+                "max_weight_ratio %g x the median of other learners' recent pushes",
+                learner_id,
+                self.fid,
+                claimed,
+                capped,
+                tokens,
+                steps,
+                self.cfg.max_weight_ratio,
+            )
         return verdict, rnd
+
+    def _judge(
+        self,
+        learner_id: str,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        current_version: int,
+        norm: float,
+    ) -> tuple[Verdict, float, float]:
+        """The verdict on a push into the open round (lock held), the token weight its counts
+        claim and the token weight it gets (both 0 unless accepted)."""
+        start = self.round.start_version if self.round is not None else self.pending_version
+        staleness = start - base_version
+        self.metrics.staleness.observe(staleness)
+
+        def refused(outcome: pb.PushOutcome, message: str) -> tuple[Verdict, float, float]:
+            return Verdict(outcome, start + 1, current_version, staleness, 0.0, message), 0.0, 0.0
+
+        if staleness > self.cfg.max_staleness:
+            return refused(
+                pb.PUSH_DROPPED_STALE,
+                f"staleness {staleness} > max_staleness {self.cfg.max_staleness}: re-pull "
+                f"fragment {self.fid}",
+            )
+        limit = self.bounds.norm_bound(learner_id)
+        if limit is not None and norm > limit.bound:
+            return refused(
+                pb.PUSH_REFUSED_NORM,
+                f"norm {norm:.4g} > bound {limit.bound:.4g} (max_norm_ratio "
+                f"{self.cfg.max_norm_ratio:g} x median {limit.median:.4g} of {limit.known} recent "
+                f"accepted pushes by other learners): nothing applied; re-pull fragment {self.fid}",
+            )
+        claimed = token_weight(self.cfg.token_weight, tokens, steps)
+        capped = self.bounds.capped_weight(learner_id, claimed)
+        weight = capped * staleness_factor(
+            self.cfg.staleness_weight, staleness, self.cfg.staleness_alpha, self.cfg.staleness_hinge
+        )
+        verdict = Verdict(pb.PUSH_ACCEPTED, start + 1, current_version, staleness, weight)
+        return verdict, claimed, capped
 
     def closability(self, live: set[str], version: int) -> tuple[Round | None, bool, bool]:
         """(open round, close it now, quorum reached), judged together under the round lock."""

@@ -151,7 +151,7 @@ def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningSer
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.max_concurrent_streams", cfg.max_concurrent_streams * 2),
+            ("grpc.max_concurrent_streams", cfg.max_workers),  # per connection
         ],
     )
     handlers = SynchronizerService(core).handlers()

@@ -20,8 +20,13 @@ from protos import diloco_pb2 as pb
 from synchronizer import wire
 from synchronizer.core import Synchronizer
 from synchronizer.errors import Rejected
+from synchronizer.streams import Call
 
 logger = logging.getLogger(__name__)
+
+
+def _call(context: grpc.ServicerContext) -> Call:
+    return Call(cancel=context.cancel, on_end=context.add_callback)
 
 
 class SynchronizerService:
@@ -63,11 +68,14 @@ class SynchronizerService:
         return None
 
     def unary(
-        self, method: str, call: Callable[[Any], Any]
+        self, method: str, call: Callable[..., Any], with_call: bool = False
     ) -> Callable[[Any, grpc.ServicerContext], Any]:
+        """The handler of a unary-reply method; `with_call` also hands the core the `Call`
+        (cancel it, hear when it ends)."""
+
         def handler(request: Any, context: grpc.ServicerContext) -> Any:
             try:
-                reply = call(request)
+                reply = call(request, _call(context)) if with_call else call(request)
             except BaseException as e:  # noqa: BLE001 - re-raised or aborted by _finish
                 self._finish(method, context, e)
             self._finish(method, context, None)
@@ -76,11 +84,11 @@ class SynchronizerService:
         return handler
 
     def streaming(
-        self, method: str, call: Callable[[Any], Iterator[Any]]
+        self, method: str, call: Callable[[Any, Call], Iterator[Any]]
     ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
         def handler(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
-                yield from call(request)
+                yield from call(request, _call(context))
             except BaseException as e:  # noqa: BLE001 - re-raised or aborted by _finish
                 self._finish(method, context, e)
             self._finish(method, context, None)
@@ -107,7 +115,7 @@ class SynchronizerService:
                 pb.HeartbeatReply.SerializeToString,
             ),
             "PushFragment": grpc.stream_unary_rpc_method_handler(
-                self.unary("PushFragment", core.push),
+                self.unary("PushFragment", core.push, with_call=True),
                 wire.parse_push_request,
                 pb.PushReply.SerializeToString,
             ),

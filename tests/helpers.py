@@ -52,6 +52,7 @@ class Client:
         self.name = name
         self.md = list(metadata)
         self.learner_id = ""
+        self.session = ""
         self.seq = 0
 
     def close(self) -> None:
@@ -60,18 +61,21 @@ class Client:
     def join(self, learner_id: str = "") -> pb.JoinReply:
         reply = self.stub.Join(
             pb.JoinRequest(
-                learner_name=self.name, spec=self.spec.to_proto(), learner_id=learner_id
+                learner_name=self.name,
+                spec=self.spec.to_proto(),
+                learner_id=learner_id,
+                session=self.session if learner_id else "",
             ),
             timeout=TIMEOUT,
             metadata=self.md,
         )
-        self.learner_id = reply.learner_id
+        self.learner_id, self.session = reply.learner_id, reply.session
         self.seq = reply.next_seq - 1
         return reply
 
     def init(self, flats: Sequence[torch.Tensor]) -> pb.InitModelReply:
         messages = init_model_requests(
-            self.learner_id, self.spec.spec_hash, flats, chunk_bytes=1000
+            self.learner_id, self.session, self.spec.spec_hash, flats, chunk_bytes=1000
         )
         return self.stub.InitModel(messages, timeout=TIMEOUT, metadata=self.md)
 
@@ -91,6 +95,7 @@ class Client:
         buf = codec.encode(delta, codec_id)
         h = pb.PushHeader(
             learner_id=self.learner_id,
+            session=self.session,
             seq=seq,
             spec_hash=self.spec.spec_hash,
             fragment_id=fragment,
@@ -125,6 +130,7 @@ class Client:
         replies = self.stub.PullFragment(
             pb.PullRequest(
                 learner_id=self.learner_id,
+                session=self.session,
                 fragment_id=fragment,
                 min_version=min_version,
                 wait_s=wait_s,
@@ -151,6 +157,7 @@ class Client:
         counters = pb.LearnerCounters(steps=steps, tokens=tokens, compute_s=compute_s)
         request = pb.HeartbeatRequest(
             learner_id=self.learner_id,
+            session=self.session,
             counters=counters,
             step_time_s=step_time_s,
             overlap_steps=overlap_steps,
@@ -159,7 +166,9 @@ class Client:
 
     def leave(self) -> None:
         self.stub.Leave(
-            pb.LeaveRequest(learner_id=self.learner_id), timeout=TIMEOUT, metadata=self.md
+            pb.LeaveRequest(learner_id=self.learner_id, session=self.session),
+            timeout=TIMEOUT,
+            metadata=self.md,
         )
 
     def status(self) -> pb.StatusReply:

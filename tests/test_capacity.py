@@ -18,7 +18,7 @@ SPEC = small_spec(fragments=1)
 
 def test_default_capacity_settings_keep_workers_for_unary_rpcs():
     cfg = SynchronizerConfig()
-    assert cfg.max_workers >= cfg.max_concurrent_streams + RESERVED_WORKERS
+    assert cfg.max_workers == cfg.max_concurrent_streams + cfg.max_waiting_pulls + RESERVED_WORKERS
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,10 @@ def test_default_capacity_settings_keep_workers_for_unary_rpcs():
             {"max_workers": "32", "max_concurrent_streams": "64"},
             ["max_workers (32)", "max_concurrent_streams (64)"],
         ),
-        ({"max_workers": "10", "max_concurrent_streams": "4"}, ["max_workers (10)"]),
+        (
+            {"max_workers": "20", "max_concurrent_streams": "4", "max_waiting_pulls": "10"},
+            ["max_workers (20)", "max_waiting_pulls (10)"],
+        ),
         ({"max_message_bytes": str(MIN_MESSAGE_BYTES - 1)}, ["max_message_bytes"]),
     ],
 )
@@ -39,35 +42,32 @@ def test_contradicting_capacity_settings_are_refused_naming_them(settings, words
         assert word in str(e.value)
 
 
-def test_streams_at_their_limit_leave_heartbeats_and_health_answering(make_server):
-    streams = 4
+def test_waiting_pulls_at_their_limit_leave_heartbeats_and_health_answering(make_server):
+    waiting = 4
     srv = make_server(
-        max_concurrent_streams=streams,
-        max_workers=streams + RESERVED_WORKERS,
+        max_concurrent_streams=2,
+        max_waiting_pulls=waiting,
+        max_workers=2 + waiting + RESERVED_WORKERS,
         quorum=1,
         grace="none",
         max_pull_wait_s=60,
     )
-    c = Client(srv.address, SPEC, "waiter")
-    c.join()
+    clients = [Client(srv.address, SPEC, f"waiter-{i}") for i in range(waiting + 1)]
+    for c in clients:
+        c.join()
+    c = clients[-1]
     c.init([torch.zeros(SPEC.fragments[0].numel)])
     answered: list[int] = []
 
-    def long_poll() -> None:
-        answered.append(c.pull(0, min_version=1, wait_s=60)[0])
+    def long_poll(x: Client) -> None:
+        answered.append(x.pull(0, min_version=1, wait_s=60)[0])
 
-    pollers = [threading.Thread(target=long_poll) for _ in range(streams)]
+    pollers = [threading.Thread(target=long_poll, args=(x,)) for x in clients[:waiting]]
     for t in pollers:
         t.start()
-
-    def slots_full() -> bool:
-        try:
-            c.pull(0)
-        except grpc.RpcError as e:
-            return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        return False
-
-    assert wait_until(slots_full, TIMEOUT)  # every stream slot is held by a waiting pull
+    registry = srv.synchronizer.metrics.registry
+    assert wait_until(lambda: registry.get_sample_value("diloco_pulls_waiting") == waiting)
+    assert c.pull(0, min_version=1, wait_s=60)[0] == 0  # no waiting slot: answered at once
     assert c.heartbeat(steps=1).server_epoch
     with grpc.insecure_channel(srv.address) as ch:
         health = health_pb2_grpc.HealthStub(ch).Check(
@@ -78,4 +78,4 @@ def test_streams_at_their_limit_leave_heartbeats_and_health_answering(make_serve
     srv.synchronizer.close()
     for t in pollers:
         t.join(TIMEOUT)
-    assert answered == [0] * streams and not any(t.is_alive() for t in pollers)
+    assert answered == [0] * waiting and not any(t.is_alive() for t in pollers)

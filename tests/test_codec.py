@@ -628,3 +628,46 @@ def test_values_is_the_payload_itself_for_fp32_and_a_decode_otherwise():
     buf8 = C.encode(x, INT8)
     scratch = torch.empty(100)
     assert C.values(buf8, L.make_header(INT8, 100), scratch) is scratch
+
+
+# ---------------------------------------------------------------------------------------------
+# l2_norm: the norm of a payload without decoding it whole
+
+
+@pytest.mark.parametrize("scale_dtype", SCALES, ids=["fp32scale", "fp16scale"])
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
+@pytest.mark.parametrize(("n", "bs"), [(1, 2), (7, 4), (1001, 64), (256 * 4099 + 100, 256)])
+def test_l2_norm_is_the_norm_of_the_decoded_payload(n, bs, codec, scale_dtype):
+    x = mixed_magnitudes(n)
+    buf, header = C.encode(x, codec, bs, scale_dtype), L.make_header(codec, n, bs, scale_dtype)
+    expected = C.decode(buf, header, torch.empty(n)).double().norm().item()
+    assert C.l2_norm(buf, header) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
+def test_l2_norm_walks_runs_and_never_decodes_whole(codec, monkeypatch):
+    x = gaussian(10_001)
+    buf, header = C.encode(x, codec, 64), L.make_header(codec, x.numel(), 64)
+    whole = C.l2_norm(buf, header)
+    monkeypatch.setattr(C, "_RUN_ELEMS", 200)  # several runs, the last one short
+    assert C.l2_norm(buf, header) == pytest.approx(whole, rel=1e-6)
+    decodes: list[int] = []
+    monkeypatch.setattr(C, "decode", lambda *a, **k: decodes.append(1))
+    C.l2_norm(buf, header)
+    assert not decodes
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=L.codec_name)
+def test_l2_norm_of_huge_values_is_finite_and_exact(codec):
+    # Squares of 1e30 overflow float32; the norm of what check accepts must not.
+    x = torch.full((1000,), 1e30)
+    x[::2] = -1e30
+    buf, header = C.encode(x, codec), L.make_header(codec, 1000)
+    C.check(buf, header)
+    rel = 2**-7 if codec == BF16 else 1e-6
+    assert C.l2_norm(buf, header) == pytest.approx(1e30 * math.sqrt(1000), rel=rel)
+
+
+def test_l2_norm_of_nothing_is_zero():
+    for codec in ALL_CODECS:
+        assert C.l2_norm(C.encode(torch.empty(0), codec), L.make_header(codec, 0)) == 0.0

@@ -17,7 +17,13 @@ def _delta_pull(
 ) -> tuple[pb.PullHeader, torch.Tensor, int]:
     """Reconstructs the fragment from `base` at `have`; returns header, params, wire bytes."""
     stream = c.stub.PullFragment(
-        pb.PullRequest(learner_id=c.learner_id, fragment_id=0, delta_ok=True, have_version=have),
+        pb.PullRequest(
+            learner_id=c.learner_id,
+            session=c.session,
+            fragment_id=0,
+            delta_ok=True,
+            have_version=have,
+        ),
         timeout=10,
     )
     header = next(stream).header

@@ -148,7 +148,9 @@ def test_a_pull_cancelled_mid_stream_is_counted_and_not_logged_as_a_failure(make
     c.init([torch.zeros(numel)])
     caplog.set_level(logging.WARNING, logger="synchronizer")
     replies = c.stub.PullFragment(
-        pb.PullRequest(learner_id=c.learner_id, fragment_id=0), timeout=TIMEOUT, metadata=c.md
+        pb.PullRequest(learner_id=c.learner_id, session=c.session, fragment_id=0),
+        timeout=TIMEOUT,
+        metadata=c.md,
     )
     assert next(replies).WhichOneof("kind") == "header"
     replies.cancel()

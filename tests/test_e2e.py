@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from demo.procs import Procs, read_json
+from demo.procs import Procs, read_json, rejoin_args
 from demo.procs import start_synchronizer as procs_start_synchronizer
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
@@ -211,7 +211,15 @@ def test_a_killed_learner_does_not_stall_the_others_and_rejoins(procs: Procs):
     assert all(p.poll() is None for p, _ in survivors), "the survivors must still be training"
 
     restarted, restarted_out = start_learner(
-        procs, address, 2, 3, 300, "--start-step", str(killed_at), "--learner-id", victim_id, run=1
+        procs,
+        address,
+        2,
+        3,
+        300,
+        "--start-step",
+        str(killed_at),
+        *rejoin_args(read_json(victim_out)),  # its id and session
+        run=1,
     )
     wait_until(
         lambda: victim_state() == "alive",

@@ -364,7 +364,8 @@ def test_restarted_learner_comes_back_under_its_id_and_serves_metrics(tmp_path):
             overlap_steps=0,
         )
         train(first, model, opt, 4, seed=0)
-        old_id = first.learner_id
+        assert first.client is not None
+        old_id, old_session = first.learner_id, first.client.session
         first.close()  # as if killed: no Leave
         model = mlp(1)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -375,6 +376,7 @@ def test_restarted_learner_comes_back_under_its_id_and_serves_metrics(tmp_path):
             sync_every=2,
             fragments=2,
             learner_id=old_id,
+            learner_session=old_session,
             strict_overlap=True,
             overlap_steps=0,
             metrics_port=0,

@@ -2,8 +2,9 @@
 
 A finite, validated push whose round cannot be applied is refused and the model stays healthy:
 INT8 codes of 127 with a scale of 2.6e36 pass every wire check (127 * 2.6e36 is finite) but
-would overflow Nesterov's momentum; an all-zero payload claiming 2^64 - 1 tokens makes the
-round's weighted sum NaN. Either round is refused before it touches any state: the version
+would overflow Nesterov's momentum (an all-zero payload claiming 2^64 - 1 tokens, which made the
+round's weighted sum NaN, is now refused at the door: tests/test_hostile.py). Such a round is
+refused before it touches any state: the version
 advances by an empty update, the parameters and outer state stay as they were, the fragment
 keeps serving, and the next honest round applies as usual. Names and ids are bounded, and
 learners that are gone hold neither a slot nor a record forever, and a stalled InitModel upload
@@ -20,8 +21,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import codec, layout
 from protos import diloco_pb2 as pb
+from protos import layout
 from protos.initmodel import init_model_requests
 from synchronizer.leases import MAX_ID_CHARS, MAX_NAME_CHARS, RECORDS_PER_SLOT
 from tests.helpers import TIMEOUT, Client, push_messages, small_spec, wait_until
@@ -38,16 +39,8 @@ def _huge_scale_int8() -> tuple[pb.PayloadHeader, torch.Tensor]:
     return header, torch.cat([codes, scales])
 
 
-def _zeros_fp32() -> tuple[pb.PayloadHeader, torch.Tensor]:
-    return layout.make_header(pb.CODEC_FP32, N), codec.encode(torch.zeros(N), pb.CODEC_FP32)
-
-
 @pytest.mark.parametrize("update_history", [16, 0], ids=["update-chain", "exact-fp32"])
-@pytest.mark.parametrize(
-    "attack, tokens",
-    [(_huge_scale_int8, 100), (_zeros_fp32, 2**64 - 1)],
-    ids=["int8-scale-2.6e36", "zeros-claiming-2^64-tokens"],
-)
+@pytest.mark.parametrize("attack, tokens", [(_huge_scale_int8, 100)], ids=["int8-scale-2.6e36"])
 def test_a_round_that_would_overflow_is_refused_and_the_fragment_stays_healthy(
     make_server, update_history, attack, tokens
 ):
@@ -65,6 +58,7 @@ def test_a_round_that_would_overflow_is_refused_and_the_fragment_stays_healthy(
     c.seq += 1
     push = pb.PushHeader(
         learner_id=c.learner_id,
+        session=c.session,
         seq=c.seq,
         spec_hash=SPEC.spec_hash,
         fragment_id=0,
@@ -149,7 +143,9 @@ def test_a_stalled_initmodel_is_taken_over_and_its_late_end_changes_nothing(make
     release, stalled_now = threading.Event(), threading.Event()
 
     def stalling_upload() -> Iterator[pb.InitModelRequest]:
-        msgs = list(init_model_requests(a.learner_id, SPEC.spec_hash, zeros, chunk_bytes=256))
+        msgs = list(
+            init_model_requests(a.learner_id, a.session, SPEC.spec_hash, zeros, chunk_bytes=256)
+        )
         yield from msgs[:3]  # start, the fragment's header, one chunk
         stalled_now.set()
         release.wait(TIMEOUT)

@@ -141,6 +141,7 @@ def test_restart_from_checkpoint_resumes_versions_parameters_and_optimizer_state
     srv.synchronizer.close()  # what SIGTERM does: merge what is open, checkpoint
     again = make_server(**cfg)
     c2 = Client(again.address, spec, "again")
+    c2.session = c.session  # the session survives the restart
     joined = c2.join(c.learner_id)
     assert joined.server_epoch != epoch and not joined.needs_init
     assert [v.version for v in joined.versions] == [3, 0]

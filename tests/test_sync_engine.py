@@ -3,6 +3,7 @@ sleeps. Every wait is on an event or a condition, bounded by a generous deadline
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -358,16 +359,28 @@ def test_unavailable_is_retried_with_backoff_and_never_raised_into_the_caller(fa
     assert all(t.is_alive() for t in engine.threads)
 
 
-def test_a_push_dropped_as_stale_leads_to_a_repull_of_its_fragment(fake, started):
+@pytest.mark.parametrize(
+    ("outcome", "label", "level"),
+    [
+        (pb.PUSH_DROPPED_STALE, "dropped_stale", logging.INFO),
+        (pb.PUSH_REFUSED_NORM, "refused_norm", logging.WARNING),
+    ],
+    ids=["dropped-stale", "refused-norm"],
+)
+def test_a_push_dropped_or_refused_leads_to_a_repull_of_its_fragment(
+    fake, started, caplog, outcome, label, level
+):
     engine = started(fake)
-    fake.outcomes.append(pb.PUSH_DROPPED_STALE)
-    assert engine.submit(job(1))
-    a = arrival(engine)
+    fake.outcomes.append(outcome)
+    with caplog.at_level(logging.DEBUG, logger="learner.sync"):
+        assert engine.submit(job(1))
+        a = arrival(engine)
     assert (a.fragment, a.version, a.job) == (1, 0, None)  # a re-sync at the current version
     assert fake.calls_of("pull")[-1][:2] == (1, 0)
     assert fake.applied == []
-    assert engine.counts()[0] == {"dropped_stale": 1}
+    assert engine.counts()[0] == {label: 1}
     assert engine.in_flight() == 0
+    assert [r.levelno for r in caplog.records if f"push {label}" in r.getMessage()] == [level]
 
 
 def test_a_push_rejected_as_invalid_is_dropped_and_the_fragment_freed(fake, started):
