@@ -671,3 +671,20 @@ def test_l2_norm_of_huge_values_is_finite_and_exact(codec):
 def test_l2_norm_of_nothing_is_zero():
     for codec in ALL_CODECS:
         assert C.l2_norm(C.encode(torch.empty(0), codec), L.make_header(codec, 0)) == 0.0
+
+
+@pytest.mark.parametrize("codec", [INT8, INT4, FP4], ids=L.codec_name)
+def test_norm_estimate_is_close_and_its_bound_holds_for_any_codes(codec):
+    g = torch.Generator().manual_seed(5)
+    n = 64 * 1000 + 17
+    x = torch.randn(n, generator=g) * torch.linspace(0.01, 4.0, n)  # tensors of unlike scales
+    buf = C.encode(x, codec, block_size=64)
+    header = L.make_header(codec, n, block_size=64)
+    exact = C.l2_norm(buf, header)
+    estimate, upper = C.norm_estimate(buf, header)
+    assert abs(estimate - exact) / exact < 0.1 and exact <= upper
+    # The bound comes from the scales alone: codes all at their extreme cannot pass it.
+    code_bytes = L.code_bytes(codec, n)
+    buf[:code_bytes] = 0x80 if codec == INT8 else 0x77 if codec == FP4 else 0x11
+    worst = C.l2_norm(buf, header)
+    assert worst <= C.norm_estimate(buf, header)[1] * (1 + 1e-9)
