@@ -14,6 +14,7 @@ Full mode: 100M parameters, 1/4/8 clients, FP32/BF16/INT8/INT4 (about 10 minutes
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import gc
@@ -205,7 +206,13 @@ def service_threads() -> Iterator[None]:
 
 
 def measure_ingest(
-    params: int, fragments: int, clients: int, codec_name: str, seconds: float, quorum: int
+    params: int,
+    fragments: int,
+    clients: int,
+    codec_name: str,
+    seconds: float,
+    quorum: int,
+    wal: bool = True,
 ) -> dict[str, Any]:
     codec_id = layout.parse_codec(codec_name)
     sink, sink_address = start_sink()
@@ -226,6 +233,7 @@ def measure_ingest(
             checkpoint_interval_s=0,
             max_concurrent_streams=24,
             shutdown_grace_s=1,
+            wal=wal,
         )
         with service_threads(), serving(cfg, Metrics()) as srv:
             init_synchronizer(srv.address, params, fragments)
@@ -313,6 +321,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--quorum", type=int, default=1, help="Synchronizer quorum K (default 1: asynchronous)"
     )
+    p.add_argument(
+        "--wal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the Synchronizer's write-ahead log (default on, as the service's default)",
+    )
     args = p.parse_args(argv)
     mode: dict[str, Any]
     if args.smoke:
@@ -331,7 +345,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     codecs = args.codecs.split(",") if args.codecs else mode["codecs"]
     seconds = args.seconds or mode["seconds"]
     rows = [
-        measure_ingest(params, 4, n, name, seconds, args.quorum) for name in codecs for n in clients
+        measure_ingest(params, 4, n, name, seconds, args.quorum, args.wal)
+        for name in codecs
+        for n in clients
     ]
     print(
         table(

@@ -52,6 +52,9 @@ def backoff_s(failures: int, initial_s: float, max_s: float) -> float:
     return d * (0.5 + 0.5 * random.random())
 
 
+SERVED_KEPT = 100_000  # (epoch, fragment, version) checksums remembered
+
+
 class SyncClient:
     """A thread-safe client of the Synchronizer; `learner_id`/`spec_hash` are set by `join`."""
 
@@ -83,7 +86,15 @@ class SyncClient:
             tls_cert=tls_cert,
             tls_key=tls_key,
             tls_server_name=tls_server_name,
-            options=[("grpc.enable_retries", 0)],  # retries are ours, with idempotency keys
+            options=[
+                ("grpc.enable_retries", 0),  # retries are ours, with idempotency keys
+                # Reconnect no slower than our own retries: gRPC's default backoff grows to
+                # 120 s, and a learner that met a restarting Synchronizer a few times in a row
+                # would fail fast for minutes after it was back.
+                ("grpc.initial_reconnect_backoff_ms", max(50, int(retry_initial_s * 1000))),
+                ("grpc.min_reconnect_backoff_ms", max(50, int(retry_initial_s * 1000))),
+                ("grpc.max_reconnect_backoff_ms", max(100, int(retry_max_s * 1000))),
+            ],
         )
         self.stub = pb_grpc.SynchronizerStub(self.channel)
         self.closed = threading.Event()
@@ -92,6 +103,10 @@ class SyncClient:
         self.bytes_received = 0
         self.learner_id = ""
         self.session = ""  # the secret Join gave learner_id: sent with every later call
+        # (epoch, fragment, version) -> the checksum the server served it with: one version
+        # served with two contents within an epoch is a Synchronizer bug, counted and logged.
+        self.served: dict[tuple[str, int, int], int] = {}
+        self.version_conflicts = 0
         self.spec_hash = ""
 
     # Plumbing --------------------------------------------------------------------------------
@@ -286,6 +301,7 @@ class SyncClient:
             )
         self._count(received=first.ByteSize())
         h = first.header
+        self._note_served(h)
         n = out.numel() if out is not None else numel
         if h.HasField("payload"):  # the whole fragment
             n = h.payload.numel if n is None else n
@@ -350,6 +366,26 @@ class SyncClient:
                 f"fragment {fragment_id} version {h.version}: checksum mismatch after the delta"
             )
         return h.version, h.server_epoch, target
+
+    def _note_served(self, h: pb.PullHeader) -> None:
+        if not h.checksum:
+            return
+        key = (h.server_epoch, h.fragment_id, h.version)
+        with self._lock:
+            seen = self.served.setdefault(key, h.checksum)
+            if len(self.served) > SERVED_KEPT:
+                del self.served[next(iter(self.served))]
+            if seen == h.checksum:
+                return
+            self.version_conflicts += 1
+        logger.error(
+            "fragment %d version %d was served with checksum %08x, earlier with %08x (epoch %s)",
+            h.fragment_id,
+            h.version,
+            h.checksum,
+            seen,
+            h.server_epoch,
+        )
 
     def leave(self, counters: pb.LearnerCounters) -> None:
         self._unary(

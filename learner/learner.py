@@ -73,6 +73,8 @@ class LearnerStats:
     fragment_versions: tuple[int, ...]
     sync_every: int
     sync_state: str  # "idle", "syncing 2/4", "reconnecting"
+    versions_checked: int = 0  # (epoch, fragment, version)s pulled, with their checksums
+    version_conflicts: int = 0  # of those, served again with another checksum (a server bug)
 
 
 def _island() -> tuple[int, int]:
@@ -538,4 +540,6 @@ class Learner:
             fragment_versions=tuple(self.versions),
             sync_every=self.sync_every,
             sync_state=("closed" if self.closed else e.sync_state()) if e else "island member",
+            versions_checked=len(self.client.served) if self.client else 0,
+            version_conflicts=self.client.version_conflicts if self.client else 0,
         )

@@ -40,7 +40,7 @@ class SynchronizerConfig(BaseModel):
     )
     state_dir: Path = Field(
         Path("diloco-state"),
-        description="Directory for checkpoints; the newest complete one is restored on start",
+        description="Directory for checkpoints and the write-ahead log; on start the newest complete checkpoint is restored and the log replayed",
     )
 
     # Rounds
@@ -215,6 +215,20 @@ class SynchronizerConfig(BaseModel):
         description="Seconds between periodic checkpoints; 0 checkpoints only on shutdown",
     )
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept in state_dir")
+    wal: bool = Field(
+        True,
+        description="Acknowledge a push only once it is in the write-ahead log in state_dir (fsynced, group commit): a crash, even kill -9, loses nothing acknowledged, and a restart serves every version it served before with the same contents",
+    )
+    wal_wait_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest a push waits for its write-ahead log record to reach the disk before it is answered UNAVAILABLE (the record stays queued)",
+    )
+    wal_segment_bytes: int = Field(
+        64 << 20,
+        ge=1 << 20,
+        description="Write-ahead log segment size; segments a checkpoint covers are deleted",
+    )
     shutdown_grace_s: float = Field(
         10.0, ge=0, description="On SIGTERM: seconds in-flight RPCs get to finish"
     )

@@ -20,7 +20,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -35,11 +34,13 @@ from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
 from synchronizer.goodput import Goodput
 from synchronizer.grace import GraceWindow
+from synchronizer.journal import Journal, load_epoch
 from synchronizer.leases import LearnerRecord, Registry
 from synchronizer.metrics import Metrics
 from synchronizer.model import FragmentFailed
 from synchronizer.rounds import Rounds
 from synchronizer.streams import SLOT_PATIENCE_S, Call, Stream, Streams
+from synchronizer.wal import Disk
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +68,15 @@ class InitClaim:
 
 
 class Synchronizer:
-    def __init__(self, cfg: SynchronizerConfig, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, cfg: SynchronizerConfig, metrics: Metrics | None = None, disk: Disk | None = None
+    ) -> None:
+        """`disk`: the write-ahead log's file operations (tests inject faults there)."""
         self.cfg = cfg
         self.metrics = metrics or Metrics()
-        self.epoch = uuid.uuid4().hex[:16]
+        self.journal = Journal(cfg, self.metrics, disk)
+        # A history of versions starts with the checkpoint an initialisation writes.
+        self.epoch = load_epoch(cfg, bool(checkpoint.list_checkpoints(cfg.state_dir)))
         self.registry = Registry(cfg.lease_s, cfg.max_learners, cfg.forget_after_s)
         self.goodput = Goodput(self.metrics, cfg.goodput_window_s)
         self.grace = GraceWindow(cfg)
@@ -89,6 +95,7 @@ class Synchronizer:
         self.stopping = threading.Event()
         self.checkpoint_lock = threading.Lock()
         self._restore()
+        self._replay()
         self.housekeeper = threading.Thread(
             target=self._housekeeping, name="housekeeping", daemon=True
         )
@@ -110,7 +117,10 @@ class Synchronizer:
             self.registry.live_ids,
             self.cfg.apply_threads,
             self._fragment_failed,
+            self.journal.durable,
         )
+        for frag in self.fragments:
+            frag.admission.journal = self.journal.round_journal(frag)
 
     def versions(self) -> list[pb.FragmentVersion]:
         return [pb.FragmentVersion(fragment_id=f.fid, version=f.version) for f in self.fragments]
@@ -151,6 +161,8 @@ class Synchronizer:
         problems = [f"fragment {fid}: {why}" for fid, why in sorted(self.failures.items())]
         if self.checkpoint_failure is not None:
             problems.append(f"checkpoints failing: {self.checkpoint_failure}")
+        if self.journal.failure is not None:
+            problems.append(f"write-ahead log failing (pushes refused): {self.journal.failure}")
         return "; ".join(problems) or None
 
     def _fragment_failed(self, frag: Fragment, reason: str) -> None:
@@ -206,6 +218,7 @@ class Synchronizer:
             request.learner_name, request.learner_id, request.session
         )
         rec.spec_hash = spec.spec_hash
+        self.journal.joined(self.registry, rec)
         if needs_init:
             with self.model_lock:
                 self.proposed[spec.spec_hash] = spec
@@ -392,6 +405,7 @@ class Synchronizer:
             raise invalid("bad_stream", "PushFragment must start with a PushHeader")
         h = first.header
         rec = self.registry.alive(h.learner_id, h.session)
+        self.journal.refuse_if_failing()
         held.enter_context(self.streams.claimed(rec.learner_id))
         stream.learner_id = rec.learner_id
         self._require_initialized()
@@ -405,7 +419,7 @@ class Synchronizer:
         if seen is not None:
             for _ in messages:  # drain: the client may still be streaming the repeat
                 pass
-            return self._duplicate(seen), None
+            return self._duplicate(rec, h.seq, seen), None
         receive.validate_payload(h.payload, frag.numel, PUSH_CODECS)
         nbytes = int(h.payload.total_bytes)
         received = frag.pool.take(nbytes)
@@ -421,7 +435,7 @@ class Synchronizer:
                     rec, h.seq
                 )  # a concurrent retry may have won the race
                 if seen is not None:
-                    return self._duplicate(seen), None
+                    return self._duplicate(rec, h.seq, seen), None
                 verdict, rnd = frag.submit(
                     rec.learner_id,
                     h.base_version,
@@ -430,6 +444,7 @@ class Synchronizer:
                     h.compute_s,
                     (received, header),
                     hold=reserved,
+                    journal=self.journal.push_journal(frag, h, received),
                 )
                 kept = reserved and verdict.outcome == pb.PUSH_ACCEPTED  # the round owns it now
                 reply = pb.PushReply(
@@ -440,7 +455,15 @@ class Synchronizer:
                     weight=verdict.weight,
                     message=verdict.message,
                 )
-                self.registry.record_reply(rec, h.seq, reply)
+                self.registry.record_reply(rec, h.seq, reply, verdict.ticket)
+                try:  # acknowledged only once durable
+                    self.journal.wait(verdict.ticket)
+                except Rejected:
+                    if not kept:  # its log record still reads the buffer: never reuse it
+                        kept = True
+                        if reserved:
+                            frag.held.release(nbytes)
+                    raise
         finally:
             if not kept:
                 frag.pool.give(received)
@@ -448,7 +471,9 @@ class Synchronizer:
                     frag.held.release(nbytes)
         return reply, frag if rnd is not None else None
 
-    def _duplicate(self, seen: pb.PushReply) -> pb.PushReply:
+    def _duplicate(self, rec: LearnerRecord, seq: int, seen: pb.PushReply) -> pb.PushReply:
+        """The reply to a repeated seq, once what it repeats is durable."""
+        self.journal.wait(self.registry.ticket_of(rec, seq))
         reply = pb.PushReply()
         reply.CopyFrom(seen)
         if reply.outcome == pb.PUSH_ACCEPTED:
@@ -631,6 +656,7 @@ class Synchronizer:
     def _write_checkpoint(self, spec: ModelSpec) -> None:
         t0 = time.perf_counter()
         with self.checkpoint_lock:
+            sealed = self.journal.seal()  # the log from here on is not in this checkpoint
             tensors: dict[str, torch.Tensor] = {}
             frag_meta = []
             for frag in self.fragments:
@@ -644,6 +670,10 @@ class Synchronizer:
                 "learners": self.registry.snapshot(),
             }
             path = checkpoint.save(self.cfg.state_dir, tensors, meta, self.cfg.keep_checkpoints)
+            self.journal.release(
+                sealed,
+                {f.fid: int(m["version"]) for f, m in zip(self.fragments, frag_meta, strict=True)},
+            )
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
         logger.info(
@@ -664,6 +694,23 @@ class Synchronizer:
         self.registry.restore(meta.get("learners", []))
         logger.info("restored %s: versions %s", path, [f.version for f in self.fragments])
 
+    def _replay(self) -> None:
+        """Repeats what the write-ahead log holds beyond the checkpoint, then starts the log."""
+        pushes, rounds = self.journal.replay(
+            self.fragments, self.registry, self.goodput, self._fragment_failed
+        )
+        for frag in self.fragments:
+            frag.settled()
+        if pushes or rounds:
+            logger.info(
+                "replayed the write-ahead log: %d pushes, %d rounds; versions %s (epoch %s)",
+                pushes,
+                rounds,
+                [f.version for f in self.fragments],
+                self.epoch,
+            )
+        self.journal.start()
+
     def close(self) -> bool:
         """Stops housekeeping, answers waiting pulls, merges every acknowledged contribution,
         writes a final checkpoint; False if that checkpoint could not be written."""
@@ -676,4 +723,6 @@ class Synchronizer:
         if self.rounds is not None:
             self.rounds.flush()
             self.rounds.shutdown()
-        return self.save_checkpoint()
+        saved = self.save_checkpoint()
+        self.journal.close()
+        return saved

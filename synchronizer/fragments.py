@@ -12,6 +12,7 @@ fragments never wait for each other.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,13 +76,13 @@ class Fragment:
 
     def initialize(self, params: torch.Tensor, version: int = 0) -> None:
         self.model.initialize(params, version)
-        self._settled()
+        self.settled()
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         self.model.restore(tensors, meta)
-        self._settled()
+        self.settled()
 
-    def _settled(self) -> None:
+    def settled(self) -> None:
         """Rounds and the version gauge follow parameters set from outside (init, restore)."""
         self.admission.reset(self.model.version)
         self.metrics.fragment_version.labels(str(self.fid)).set(self.model.version)
@@ -95,12 +96,24 @@ class Fragment:
         compute_s: float,
         payload: tuple[torch.Tensor, pb.PayloadHeader],
         hold: bool = False,
+        journal: Callable[[Verdict], int] | None = None,
     ) -> tuple[Verdict, Round | None]:
         """Judges one push into the open round (see `Admission.submit`)."""
-        share = Share(tokens * self.share, compute_s * self.share)
         return self.admission.submit(
-            learner_id, base_version, tokens, steps, share, self.model.version, payload, hold
+            learner_id,
+            base_version,
+            tokens,
+            steps,
+            self.share_of(tokens, compute_s),
+            self.model.version,
+            payload,
+            hold,
+            journal,
         )
+
+    def share_of(self, tokens: int, compute_s: float) -> Share:
+        """The part of a push's tokens and compute seconds this fragment accounts for."""
+        return Share(tokens * self.share, compute_s * self.share)
 
     def apply(self, rnd: Round) -> tuple[float, str | None]:
         """Decodes a taken round's held pushes, merges them and applies the outer step, in

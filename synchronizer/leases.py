@@ -57,6 +57,7 @@ class LearnerRecord:
     first_joined: float = field(default_factory=time.time)  # wall clock, kept across restarts
     forgotten_up_to: int = 0  # replies up to this seq are no longer remembered
     replies: dict[int, pb.PushReply] = field(default_factory=dict)
+    tickets: dict[int, int] = field(default_factory=dict)  # seq -> write-ahead log ticket
     push_lock: threading.Lock = field(default_factory=threading.Lock)  # judge one seq at a time
 
     def check_counts(self, what: str, tokens: float, steps: float, seconds: float) -> None:
@@ -296,14 +297,49 @@ class Registry:
                 )
             return None
 
-    def record_reply(self, rec: LearnerRecord, seq: int, reply: pb.PushReply) -> None:
+    def record_reply(
+        self, rec: LearnerRecord, seq: int, reply: pb.PushReply, ticket: int = 0
+    ) -> None:
+        """Remembers the reply to (learner, seq), and the log ticket a repeat must wait for."""
         with self.lock:
             rec.replies[seq] = reply
+            if ticket:
+                rec.tickets[seq] = ticket
             rec.max_seq = max(rec.max_seq, seq)
             while len(rec.replies) > REPLIES_KEPT:
                 oldest = min(rec.replies)
                 del rec.replies[oldest]
+                rec.tickets.pop(oldest, None)
                 rec.forgotten_up_to = max(rec.forgotten_up_to, oldest)
+
+    def ticket_of(self, rec: LearnerRecord, seq: int) -> int:
+        with self.lock:
+            return rec.tickets.get(seq, 0)
+
+    def joined_record(self, d: dict[str, Any]) -> LearnerRecord:
+        """A learner from a write-ahead log JOIN record: kept as it is if known (its session
+        bound), otherwise added as dead (it re-joins under its id)."""
+        now = time.monotonic()
+        with self.lock:
+            rec = self.learners.get(d["learner_id"])
+            if rec is None:
+                rec = LearnerRecord(d["learner_id"], d["name"], "dead", now, now, died_at=now)
+                self.learners[rec.learner_id] = rec
+            rec.session_hash = rec.session_hash or str(d.get("session_hash", ""))
+            rec.first_joined = min(rec.first_joined, float(d.get("first_joined", now)))
+            rec.spec_hash = str(d.get("spec_hash", rec.spec_hash))
+            return rec
+
+    def journal_of(self, rec: LearnerRecord) -> dict[str, Any]:
+        """What a JOIN record keeps of a learner."""
+        with self.lock:
+            return {
+                "learner_id": rec.learner_id,
+                "name": rec.name,
+                "session_hash": rec.session_hash,
+                "first_joined": rec.first_joined,
+                "spec_hash": rec.spec_hash,
+            }
 
     # Dynamic Local Updates -------------------------------------------------------------------
 

@@ -122,6 +122,8 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        for kind in ("push", "pull"):
+            self.streams_cut.labels(kind)  # exported at 0 from the start
         self.rounds_refused = Counter(
             "diloco_rounds_refused_total",
             "Rounds whose merged update was not applied (not finite, or beyond the bound); the fragment skipped the version and its contributions count as discarded.",
@@ -153,6 +155,17 @@ class Metrics:
             "diloco_checkpoint_seconds",
             "Seconds to write one checkpoint.",
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30),
+            registry=r,
+        )
+        self.wal_fsync = Histogram(
+            "diloco_wal_fsync_seconds",
+            "Seconds of one write-ahead log group commit's fsync (it acknowledges every push written with it).",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1),
+            registry=r,
+        )
+        self.wal_failing = Gauge(
+            "diloco_wal_failing",
+            "1 while the write-ahead log cannot be written (pushes are refused, pulls served).",
             registry=r,
         )
         for state in LEARNER_STATES:

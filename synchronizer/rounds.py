@@ -64,6 +64,7 @@ class Round:
     timer: threading.Timer | None = None
     expired: bool = False  # the grace window ran out
     closing: bool = False
+    ticket: int = 0  # its write-ahead log record; the outer step waits until it is durable
     # Accepted pushes not yet added to `acc`: (payload bytes, header, weight), already validated.
     # The outer-step worker decodes and adds them, so acknowledging a push costs no decode.
     held: list[tuple[torch.Tensor, pb.PayloadHeader, float]] = field(default_factory=list)
@@ -89,6 +90,7 @@ class Verdict:
     staleness: int
     weight: float
     message: str = ""  # why it was not accepted, and what to do
+    ticket: int = 0  # its write-ahead log record (accepted pushes, with a log)
 
 
 class Admission:
@@ -116,6 +118,7 @@ class Admission:
         self.pending_version = 0  # version after every round already handed to the closers
         self.spare: Accumulator | None = None  # the previous round's buffer, reset after its step
         self.bounds = PushBounds(cfg.max_norm_ratio, cfg.max_weight_ratio)
+        self.journal: Callable[[int], int] | None = None  # logs a round closing into a version
 
     def reset(self, version: int) -> None:
         with self.lock:
@@ -135,9 +138,11 @@ class Admission:
         current_version: int,
         payload: tuple[torch.Tensor, pb.PayloadHeader],
         hold: bool,
+        journal: Callable[[Verdict], int] | None = None,
     ) -> tuple[Verdict, Round | None]:
         """Judges one push (its encoded bytes and header) and adds it to the open round; returns
-        the verdict and its round.
+        the verdict and its round. An accepted push is given to `journal` (the write-ahead log)
+        in the order it enters its round, and the verdict carries the ticket it returns.
 
         With `hold` (room reserved in the held budget by the caller) an accepted payload belongs
         to the round, whose outer step decodes and adds it; otherwise it is added now, after the
@@ -147,8 +152,7 @@ class Admission:
         A push whose norm is above the bound of `self.bounds` is refused (PUSH_REFUSED_NORM),
         and its token weight is capped there, before anything enters the round.
         """
-        # One read pass over the payload, outside the lock (pushes to the fragment go on).
-        norm = codec.l2_norm(*payload) if self.bounds.judges_norms else 0.0
+        norm = self._norm(learner_id, payload) if self.bounds.judges_norms else 0.0
         spent: list[torch.Tensor] = []
         rnd: Round | None = None
         with self.lock:
@@ -174,6 +178,8 @@ class Admission:
                 rnd.contributions.append(
                     Contribution(learner_id, base_version, verdict.weight, share)
                 )
+                if journal is not None:
+                    verdict.ticket = journal(verdict)
                 self.bounds.accepted(learner_id, norm, capped)
                 self.goodput.accepted(learner_id, share)
         for buf in spent:
@@ -196,6 +202,18 @@ class Admission:
                 self.cfg.max_weight_ratio,
             )
         return verdict, rnd
+
+    def _norm(self, learner_id: str, payload: tuple[torch.Tensor, pb.PayloadHeader]) -> float:
+        """The push's norm as far as judging needs it, outside the lock (pushes to the fragment
+        go on): a sampled estimate when the upper bound from its scales is already within the
+        norm bound (the usual case: a small fraction of a decode), the exact norm (one read
+        pass) otherwise."""
+        estimate, upper = codec.norm_estimate(*payload)
+        with self.lock:
+            limit = self.bounds.norm_bound(learner_id)
+        if limit is None or upper <= limit.bound:
+            return estimate
+        return codec.l2_norm(*payload)
 
     def _judge(
         self,
@@ -258,11 +276,39 @@ class Admission:
             # collecting (a busy Synchronizer batches pushes instead of queueing outer steps).
             return rnd, ready and not busy, True
 
+    def replayed(
+        self,
+        learner_id: str,
+        base_version: int,
+        weight: float,
+        share: Share,
+        payload: tuple[torch.Tensor, pb.PayloadHeader],
+        round_version: int,
+    ) -> Round:
+        """Adds a push from the write-ahead log to the round it went into, with the weight it
+        was judged to have: the same additions in the same order as before the restart."""
+        with self.lock:
+            if self.round is None:
+                acc = self.spare or self.new_accumulator()
+                self.spare = None
+                self.round = Round(round_version - 1, acc)
+            rnd = self.round
+            if rnd.start_version != round_version - 1:
+                raise ValueError(
+                    f"fragment {self.fid}: a logged push for version {round_version} meets the open round to {rnd.start_version + 1}"
+                )
+            rnd.acc.add_payload(payload[0], payload[1], weight)
+            rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
+            return rnd
+
     def take(self, rnd: Round) -> bool:
-        """Marks the round as closing and opens the way for the next; False if already taken."""
+        """Marks the round as closing and opens the way for the next; False if already taken.
+        With a `journal`, the close is logged (in order with the round's pushes)."""
         with self.lock:
             if self.round is not rnd or rnd.closing:
                 return False
+            if self.journal is not None:
+                rnd.ticket = self.journal(rnd.start_version + 1)
             rnd.closing = True
             self.round = None
             self.pending_version = rnd.start_version + 1
@@ -288,6 +334,7 @@ class Rounds:
         live: Callable[[], set[str]],
         threads: int,
         on_failure: Callable[[Fragment, str], None],
+        durable: Callable[[int], None] = lambda _ticket: None,
     ) -> None:
         self.fragments = fragments
         self.grace = grace
@@ -295,6 +342,7 @@ class Rounds:
         self.goodput = goodput
         self.live = live
         self.on_failure = on_failure
+        self.durable = durable  # waits until a write-ahead log ticket is on disk
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="outer-step")
 
     def check(self, frag: Fragment) -> None:
@@ -337,6 +385,8 @@ class Rounds:
 
     def _apply(self, frag: Fragment, rnd: Round) -> None:
         try:
+            if rnd.ticket:  # nothing is served that a restart could not repeat
+                self.durable(rnd.ticket)
             seconds, refused = frag.apply(rnd)
         except Exception as e:  # noqa: BLE001 - the failure becomes the fragment's state
             if frag.model.failure is None:

@@ -28,6 +28,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.metrics import Metrics
 from synchronizer.service import SynchronizerService
+from synchronizer.wal import Disk
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +136,13 @@ def _not_serving(servicer: health.HealthServicer, reason: str) -> None:
         servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def start(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> RunningServer:
-    """Starts the service; raises OSError if a port cannot be bound."""
+def start(
+    cfg: SynchronizerConfig, metrics: Metrics | None = None, disk: Disk | None = None
+) -> RunningServer:
+    """Starts the service; raises OSError if a port cannot be bound. `disk`: the write-ahead
+    log's file operations (tests inject faults there)."""
     metrics = metrics or Metrics()
-    core = Synchronizer(cfg, metrics)
+    core = Synchronizer(cfg, metrics, disk)
     interceptors = (
         [BearerTokenInterceptor(cfg.auth_token, cfg.admin_token)]
         if cfg.auth_token or cfg.admin_token

@@ -27,6 +27,7 @@ SMOKES = [
     ("wan", ["--net", "proxy"], ["wan_speedup"]),
     ("goodput", [], ["goodput", "goodput_sync", "goodput_lockstep"]),
     ("overlap", [], ["overlap_ratio"]),
+    ("durability", [], ["wal_ratio", "fsync_p50_ms", "restart_s"]),
 ]
 
 

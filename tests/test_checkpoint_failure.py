@@ -43,7 +43,7 @@ def test_a_checkpoint_that_cannot_be_written_is_loud_and_the_service_keeps_servi
     assert any("No space left on device" in m and "ckpt-0000000001" in m for m in errors), errors
     assert core.metrics.registry.get_sample_value("diloco_checkpoint_failures_total") == 1.0
     assert "checkpoints failing" in c.status().unhealthy
-    assert [p.name for p in state.iterdir()] == [
+    assert sorted(p.name for p in state.iterdir() if "ckpt" in p.name) == [
         "ckpt-0000000001.safetensors"
     ]  # no half-written file
     # Still serving: health SERVING, the round merged, pulls answered.

@@ -192,7 +192,8 @@ def test_container_trains_a_host_learner_checkpoints_on_docker_stop_and_restores
     print(
         f"status before stop: {json.dumps(before['fragments'])}; after restore: {json.dumps(after['fragments'])}"
     )
-    assert after["initialized"] and after["server_epoch"] != before["server_epoch"]
+    # The write-ahead log kept the history of versions: the same epoch, learners keep theirs.
+    assert after["initialized"] and after["server_epoch"] == before["server_epoch"]
     assert after["fragments"] == before["fragments"], (
         "the new container did not restore the checkpointed versions"
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -289,7 +290,8 @@ def test_learners_ride_out_a_synchronizer_crash_and_restart(procs: Procs):
         port=port,
         name="synchronizer-restarted",
     )
-    assert restarted["address"] == address and restarted["epoch"] != sync["epoch"]
+    # The write-ahead log kept every acknowledged push and served version: the same epoch.
+    assert restarted["address"] == address and restarted["epoch"] == sync["epoch"]
     restored = versions(address)
     assert min(restored) >= 1, "the restarted Synchronizer resumed from its checkpoint"
     wait_until(
@@ -302,6 +304,75 @@ def test_learners_ride_out_a_synchronizer_crash_and_restart(procs: Procs):
         r = finish_ok(procs, p, out)
         assert r["eval_loss_end"] < r["eval_loss_start"] - 0.5, r
     assert sum(x.state == "left" for x in status(address).learners) == 2
+
+
+CHAOS_KILLS = [
+    3,
+    pytest.param(
+        20,
+        marks=pytest.mark.skipif(
+            os.environ.get("DILOCO_CHAOS") != "full", reason="20 kills: set DILOCO_CHAOS=full"
+        ),
+    ),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kills", CHAOS_KILLS, ids=lambda k: f"{k}-kills")
+def test_kill_9_chaos_loses_no_served_version_and_serves_none_twice(procs: Procs, kills: int):
+    """The Synchronizer SIGKILLed at random moments (mid-push, mid-round, mid-checkpoint: the
+    learners never stop pushing) and restarted on the same port and state directory: versions
+    never go back, no learner ever sees one version with two checksums, and the learners
+    finish as trained as ever."""
+    rng = random.Random(kills)
+    flags = ("--quorum", "2", "--lease-s", "5", "--checkpoint-interval-s", "1")
+    sync = start_synchronizer(procs, *flags)
+    address, port, epoch = sync["address"], sync["port"], sync["epoch"]
+    runs = [start_learner(procs, address, i, 3, 600 + 300 * kills, "--slow", "3") for i in range(3)]
+    wait_until(
+        lambda: all(read_json(out).get("step", 0) > 0 for _, out in runs),
+        90,
+        "every learner training",
+        procs,
+    )
+    checked = 0
+    for k in range(kills):
+        target = sum(versions(address)) + rng.randint(1, 4)
+
+        def rounds_closed(target: int = target) -> bool:
+            return sum(versions(address)) >= target
+
+        wait_until(
+            rounds_closed,
+            60,
+            f"rounds to close before kill {k + 1}",
+            procs,
+        )
+        time.sleep(rng.uniform(0.0, 0.5))  # a random moment: pushes, rounds, checkpoints go on
+        seen = versions(address)
+        os.killpg(sync["proc"].pid, signal.SIGKILL)
+        sync["proc"].wait()
+        sync = start_synchronizer(procs, *flags, port=port, name=f"synchronizer-{k + 1}")
+        assert sync["epoch"] == epoch, "the log kept the history: the same epoch"
+        back = versions(address)
+        assert all(b >= s for b, s in zip(back, seen, strict=True)), (
+            f"kill {k + 1}: served versions {seen} came back as {back}"
+        )
+        checked += len(seen)
+    results = [finish_ok(procs, p, out, timeout_s=300) for p, out in runs]
+    for r in results:
+        assert r["eval_loss_end"] < r["eval_loss_start"] - 0.5, r
+        assert r["learner"]["versions_checked"] > 0
+        assert r["learner"]["version_conflicts"] == 0, "a version was served with two contents"
+        assert r["learner"]["pushes"].get("accepted", 0) >= 10, r["learner"]  # none left behind
+    learned = [r["learner"] for r in results]
+    print(
+        f"{kills} kills; {checked} fragment versions checked across restarts; learners pulled "
+        f"{sum(x['versions_checked'] for x in learned)} versions with checksums "
+        f"({sum(x['version_conflicts'] for x in learned)} conflicts); pushes acknowledged "
+        f"{sum(x['pushes'].get('accepted', 0) for x in learned)}; eval loss "
+        f"{[round(r['eval_loss_end'], 4) for r in results]}"
+    )
 
 
 def processes_mentioning(text: str) -> list[str]:

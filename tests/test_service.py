@@ -143,7 +143,7 @@ def test_restart_from_checkpoint_resumes_versions_parameters_and_optimizer_state
     c2 = Client(again.address, spec, "again")
     c2.session = c.session  # the session survives the restart
     joined = c2.join(c.learner_id)
-    assert joined.server_epoch != epoch and not joined.needs_init
+    assert joined.server_epoch == epoch and not joined.needs_init  # the same history
     assert [v.version for v in joined.versions] == [3, 0]
     assert joined.next_seq == c.seq + 1  # duplicate detection survives the restart
     version, after = c2.pull(0)

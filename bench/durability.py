@@ -1,0 +1,262 @@
+"""Durability: what the write-ahead log costs, how fast it commits, and how fast a restart replays it.
+
+Three measurements, each against a baseline taken in the same run:
+
+- `wal_ratio`: push throughput of a real Synchronizer (INT4, 4 clients, quorum 1, loopback; the
+  ingest benchmark's cell) with the log on, over the same with it off (goal >= 0.8);
+- fsync latency p50/p99 of the log's group commits and push-acknowledgement latency p50/p99,
+  with 4 threads appending pushes of one fragment's INT4 size;
+- `restart_s`: a Synchronizer process killed with SIGKILL after its log grew to the given size
+  (no checkpoint since the model was initialised), restarted on the same state directory, until
+  it is SERVING again (its ready file), with the versions it served before checked to come back.
+
+    python -m bench.durability [--quick | --smoke] [--json PATH]
+Full mode: 25M parameters, 8 s per throughput cell, a 1 GB log (several minutes here).
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from bench.common import machine, parser, table, write_json
+from bench.ingest import GRPC_OPTIONS, measure_ingest, model_spec
+from protos import codec, framing, layout
+from protos import diloco_pb2 as pb
+from protos import diloco_pb2_grpc as pb_grpc
+from protos.initmodel import init_model_requests
+from synchronizer.wal import PUSH, Record, Wal
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def throughput(params: int, seconds: float) -> dict[str, Any]:
+    off = measure_ingest(params, 4, 4, "int4", seconds, 1, wal=False)
+    on = measure_ingest(params, 4, 4, "int4", seconds, 1, wal=True)
+    return {
+        "wal_off_MBps": off["sync_MBps"],
+        "wal_on_MBps": on["sync_MBps"],
+        "wal_ratio": on["sync_MBps"] / off["sync_MBps"],
+    }
+
+
+def commit_latency(record_bytes: int, seconds: float, threads: int = 4) -> dict[str, Any]:
+    fsyncs: list[float] = []
+    acks: list[float] = []
+    lock = threading.Lock()
+    payload = bytes(record_bytes)
+    with tempfile.TemporaryDirectory(dir=REPO) as d:
+        wal = Wal(Path(d) / "wal", 64 << 20, on_fsync=fsyncs.append)
+        wal.start()
+        stop = time.monotonic() + seconds
+
+        def pusher() -> None:
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 1}, payload)), 60)
+                with lock:
+                    acks.append(time.perf_counter() - t0)
+
+        workers = [threading.Thread(target=pusher) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wal.close()
+
+    def pct(xs: list[float], q: int) -> float:
+        return statistics.quantiles(xs, n=100)[q - 1] * 1e3 if len(xs) > 1 else xs[0] * 1e3
+
+    return {
+        "record_bytes": record_bytes,
+        "pushes": len(acks),
+        "fsyncs": len(fsyncs),
+        "pushes_per_fsync": len(acks) / max(1, len(fsyncs)),
+        "fsync_p50_ms": pct(fsyncs, 50),
+        "fsync_p99_ms": pct(fsyncs, 99),
+        "ack_p50_ms": pct(acks, 50),
+        "ack_p99_ms": pct(acks, 99),
+    }
+
+
+def _serve(state: Path, ready: Path) -> subprocess.Popen:
+    ready.unlink(missing_ok=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "synchronizer",
+            "serve",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--state-dir",
+            str(state),
+            "--ready-file",
+            str(ready),
+            "--quorum",
+            "1",
+            "--grace",
+            "none",
+            "--checkpoint-interval-s",
+            "0",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _ready(proc: subprocess.Popen, ready: Path, timeout_s: float = 600) -> dict[str, Any]:
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the Synchronizer did not become ready")
+        time.sleep(0.01)  # another process's file: nothing to await
+    return json.loads(ready.read_text())
+
+
+def restart_time(params: int, log_bytes: int) -> dict[str, Any]:
+    spec = model_spec(params, 4)
+    with tempfile.TemporaryDirectory(dir=REPO) as d:
+        state, ready = Path(d) / "state", Path(d) / "ready.json"
+        proc = _serve(state, ready)
+        try:
+            info = _ready(proc, ready)
+            channel = grpc.insecure_channel(info["address"], options=GRPC_OPTIONS)
+            stub = pb_grpc.SynchronizerStub(channel)
+            joined = stub.Join(
+                pb.JoinRequest(learner_name="bench", spec=spec.to_proto()), timeout=60
+            )
+            zeros = (torch.zeros(f.numel) for f in spec.fragments)
+            stub.InitModel(
+                init_model_requests(joined.learner_id, joined.session, spec.spec_hash, zeros),
+                timeout=300,
+            )
+            g = torch.Generator().manual_seed(0)
+            payloads = []
+            for f in spec.fragments:
+                header = layout.make_header(pb.CODEC_INT4, f.numel)
+                buf = codec.encode(torch.randn(f.numel, generator=g) * 1e-3, pb.CODEC_INT4)
+                payloads.append(
+                    (
+                        f.fragment_id,
+                        header,
+                        [pb.PushRequest(chunk=c) for c in framing.iter_chunks(buf)],
+                    )
+                )
+            logged, seq, versions = 0, 0, {f.fragment_id: 0 for f in spec.fragments}
+            while logged < log_bytes:
+                for fid, header, chunks in payloads:
+                    seq += 1
+                    h = pb.PushHeader(
+                        learner_id=joined.learner_id,
+                        session=joined.session,
+                        seq=seq,
+                        spec_hash=spec.spec_hash,
+                        fragment_id=fid,
+                        base_version=versions[fid],
+                        tokens=1000,
+                        steps=10,
+                        compute_s=1.0,
+                        payload=header,
+                    )
+                    reply = stub.PushFragment(
+                        iter([pb.PushRequest(header=h), *chunks]), timeout=120
+                    )
+                    versions[fid] = reply.current_version
+                    logged += header.total_bytes
+            status = stub.Status(pb.StatusRequest(), timeout=60)
+            before = {v.fragment_id: v.version for v in status.versions}
+            channel.close()
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(60)
+            wal_bytes = sum(p.stat().st_size for p in (state / "wal").glob("wal-*.log"))
+            t0 = time.perf_counter()
+            proc = _serve(state, ready)
+            again = _ready(proc, ready)
+            restart_s = time.perf_counter() - t0
+            channel = grpc.insecure_channel(again["address"], options=GRPC_OPTIONS)
+            status = pb_grpc.SynchronizerStub(channel).Status(pb.StatusRequest(), timeout=60)
+            after = {v.fragment_id: v.version for v in status.versions}
+            channel.close()
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(60)
+    return {
+        "log_bytes": wal_bytes,
+        "pushes": seq,
+        "restart_s": restart_s,
+        "log_MBps_replayed": wal_bytes / restart_s / 1e6,
+        "versions_back": after == before and again["epoch"] == info["epoch"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0])
+    args = p.parse_args(argv)
+    if args.smoke:
+        params, seconds, log_bytes, latency_s = 1_000_000, 1.0, 4 << 20, 1.0
+    elif args.quick:
+        params, seconds, log_bytes, latency_s = 25_000_000, 4.0, 128 << 20, 3.0
+    else:
+        params, seconds, log_bytes, latency_s = 25_000_000, 8.0, 1 << 30, 8.0
+    ingest = throughput(params, seconds)
+    print(table([ingest], ["wal_off_MBps", "wal_on_MBps", "wal_ratio"]))
+    record = layout.encoded_nbytes(pb.CODEC_INT4, params // 4)
+    latency = commit_latency(record, latency_s)
+    print(
+        table(
+            [latency],
+            [
+                "record_bytes",
+                "pushes",
+                "pushes_per_fsync",
+                "fsync_p50_ms",
+                "fsync_p99_ms",
+                "ack_p50_ms",
+                "ack_p99_ms",
+            ],
+        )
+    )
+    restart = restart_time(params, log_bytes)
+    print(
+        table([restart], ["log_bytes", "pushes", "restart_s", "log_MBps_replayed", "versions_back"])
+    )
+    result = {
+        "machine": machine(),
+        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+        "wal_ratio": ingest["wal_ratio"],
+        "fsync_p50_ms": latency["fsync_p50_ms"],
+        "fsync_p99_ms": latency["fsync_p99_ms"],
+        "restart_s": restart["restart_s"],
+        "throughput": ingest,
+        "commit": latency,
+        "restart": restart,
+    }
+    print(
+        f"\nwal_ratio = {ingest['wal_ratio']:.3f}   fsync p50/p99 = {latency['fsync_p50_ms']:.2f}/"
+        f"{latency['fsync_p99_ms']:.2f} ms   restart with a {restart['log_bytes'] / 1e6:.0f} MB log = "
+        f"{restart['restart_s']:.2f} s (versions back: {restart['versions_back']})"
+    )
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

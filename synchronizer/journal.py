@@ -1,0 +1,284 @@
+"""The Synchronizer's side of the write-ahead log: which decisions are logged, how a restart
+replays them, and what the server epoch means.
+
+Logged, each before it is acknowledged: a Join (the learner, its session hash), an accepted
+push (payload as received, learner, seq, base version, counts, the weight it was merged with, the
+version of its round) and a round closing into a version (`synchronizer.wal`). The outer step of
+a round waits until its ROUND record is durable, so no version is ever served that a restart
+could not compute again.
+
+Restart = checkpoint + replay: pushes and rounds the checkpoint already holds are skipped; every
+other logged push is added to its round in the logged order with its logged weight, and every
+logged round is applied, so each version comes back with the same contents (outer steps are
+deterministic for fixed settings: the codec and `compute_threads`, which are kept in
+`state_dir/epoch.json`). Pushes of a round that was still open stay in it, acknowledged, and the
+duplicate table answers their retries with PUSH_DUPLICATE.
+
+The epoch names a history of versions: it changes only when that history is lost (a new state
+directory, the log turned off, or replay settings that differ from the ones it was written
+with). Learners that see the same epoch after a restart keep what they hold.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from protos import diloco_pb2 as pb
+from synchronizer.config import SynchronizerConfig
+from synchronizer.errors import Code, Rejected
+from synchronizer.leases import LearnerRecord, Registry
+from synchronizer.metrics import Metrics
+from synchronizer.rounds import Verdict
+from synchronizer.wal import JOIN, PUSH, ROUND, Disk, Record, Wal, WalError
+
+if TYPE_CHECKING:
+    from synchronizer.fragments import Fragment
+    from synchronizer.goodput import Goodput
+
+logger = logging.getLogger(__name__)
+
+EPOCH_FILE = "epoch.json"
+
+
+def replay_settings(cfg: SynchronizerConfig) -> dict[str, Any]:
+    """The settings outer-step arithmetic depends on: a replay under others could differ."""
+    return {"compute_threads": cfg.compute_threads}
+
+
+def load_epoch(cfg: SynchronizerConfig, has_state: bool) -> str:
+    """The epoch to serve under: the stored one while the history it names is intact."""
+    path = cfg.state_dir / EPOCH_FILE
+    stored: dict[str, Any] = {}
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    epoch = stored.get("epoch")
+    if cfg.wal and has_state and isinstance(epoch, str) and epoch:
+        if stored.get("settings") == replay_settings(cfg):
+            return epoch
+        logger.warning(
+            "replay settings changed (%s, were %s): serving under a new epoch, learners re-pull",
+            replay_settings(cfg),
+            stored.get("settings"),
+        )
+    epoch = uuid.uuid4().hex[:16]
+    if cfg.wal:
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"epoch": epoch, "settings": replay_settings(cfg)}))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return epoch
+
+
+class Journal:
+    """Logs the Synchronizer's decisions and replays them; a no-op without a log."""
+
+    def __init__(self, cfg: SynchronizerConfig, metrics: Metrics, disk: Disk | None = None) -> None:
+        self.cfg = cfg
+        self.wal = (
+            Wal(cfg.state_dir / "wal", cfg.wal_segment_bytes, disk, metrics.wal_fsync.observe)
+            if cfg.wal
+            else None
+        )
+        metrics.wal_failing.set_function(lambda: 0.0 if self.failure is None else 1.0)
+
+    # Logging -------------------------------------------------------------------------------
+
+    def refuse_if_failing(self) -> None:
+        """Refuses a push up front while the log cannot be written: nothing is admitted that
+        could not be made durable."""
+        if self.wal is None or self.wal.failure is None:
+            return
+        raise Rejected(
+            Code.RESOURCE_EXHAUSTED if self.wal.disk_full else Code.UNAVAILABLE,
+            "wal_failing",
+            f"the write-ahead log cannot be written ({self.wal.failure}): pushes are refused until it can; pulls are served; retry with backoff",
+        )
+
+    def joined(self, registry: Registry, rec: LearnerRecord) -> None:
+        """Logs a learner record and waits until it is durable."""
+        if self.wal is not None:
+            self.wait(self.wal.append(Record(JOIN, registry.journal_of(rec))))
+
+    def push_journal(
+        self,
+        frag: Fragment,
+        h: pb.PushHeader,
+        payload: torch.Tensor,
+    ) -> Callable[[Verdict], int] | None:
+        """What `Fragment.submit` calls with an accepted push's verdict (in round order)."""
+        wal = self.wal
+        if wal is None:
+            return None
+        header = base64.b64encode(h.payload.SerializeToString()).decode()
+
+        def log(verdict: Verdict) -> int:
+            meta = {
+                "fid": frag.fid,
+                "version": verdict.round_version,
+                "learner_id": h.learner_id,
+                "seq": h.seq,
+                "base_version": h.base_version,
+                "tokens": h.tokens,
+                "steps": h.steps,
+                "compute_s": h.compute_s,
+                "weight": verdict.weight,
+                "current_version": verdict.current_version,
+                "staleness": verdict.staleness,
+                "header": header,
+            }
+            return wal.append(Record(PUSH, meta, memoryview(payload.numpy().data)))
+
+        return log
+
+    def round_journal(self, frag: Fragment) -> Callable[[int], int] | None:
+        wal = self.wal
+        if wal is None:
+            return None
+        return lambda version: wal.append(Record(ROUND, {"fid": frag.fid, "version": version}))
+
+    def wait(self, ticket: int) -> None:
+        """Until the ticket's record is durable; Rejected (UNAVAILABLE, or RESOURCE_EXHAUSTED
+        on a full disk) when it is not within `wal_wait_s`."""
+        if self.wal is None or not ticket:
+            return
+        try:
+            self.wal.wait(ticket, self.cfg.wal_wait_s)
+        except WalError as e:
+            raise Rejected(
+                Code.RESOURCE_EXHAUSTED if e.disk_full else Code.UNAVAILABLE,
+                "wal_failing",
+                f"{e}: not yet durable, so not acknowledged; retry with the same seq",
+            ) from None
+
+    def durable(self, ticket: int) -> None:
+        """For an outer step: waits as long as it takes (the log retries a failing disk)."""
+        if self.wal is None:
+            return
+        while True:
+            try:
+                self.wal.wait(ticket, 60.0)
+                return
+            except WalError:
+                if self.wal.closing:
+                    raise
+                logger.warning("an outer step waits for the write-ahead log (%s)", self.wal.failure)
+
+    # Replay --------------------------------------------------------------------------------
+
+    def replay(
+        self,
+        fragments: list[Fragment],
+        registry: Registry,
+        goodput: Goodput,
+        on_failure: Callable[[Fragment, str], None],
+    ) -> tuple[int, int]:
+        """Replays the log on top of the restored checkpoint; returns (pushes, rounds) replayed.
+        A round whose outer step raises fails its fragment (`on_failure`), as it did when it
+        was first applied; the other fragments replay on. Call before `start`."""
+        if self.wal is None:
+            return 0, 0
+        pushes = rounds = 0
+        for record in self.wal.replay():
+            meta = record.meta
+            if record.kind == JOIN:
+                registry.joined_record(meta)
+                continue
+            if not fragments:
+                continue  # logged before a model existed (an initialisation never saved)
+            frag = fragments[int(meta["fid"])]
+            version = int(meta["version"])
+            if version <= frag.version or frag.model.failure is not None:
+                continue  # the checkpoint holds it, or its fragment failed
+            if record.kind == PUSH:
+                if not self._close_before(frag, version, goodput, on_failure):
+                    continue
+                header = pb.PayloadHeader.FromString(base64.b64decode(meta["header"]))
+                buf = torch.frombuffer(bytearray(record.payload), dtype=torch.uint8)
+                share = frag.share_of(int(meta["tokens"]), float(meta["compute_s"]))
+                rec = registry.joined_record(
+                    {"learner_id": meta["learner_id"], "name": meta["learner_id"]}
+                )
+                frag.admission.replayed(
+                    rec.learner_id,
+                    int(meta["base_version"]),
+                    float(meta["weight"]),
+                    share,
+                    (buf, header),
+                    version,
+                )
+                goodput.accepted(rec.learner_id, share)
+                reply = pb.PushReply(
+                    outcome=pb.PUSH_ACCEPTED,
+                    round_version=version,
+                    current_version=int(meta["current_version"]),
+                    staleness=int(meta["staleness"]),
+                    weight=float(meta["weight"]),
+                )
+                registry.record_reply(rec, int(meta["seq"]), reply)
+                pushes += 1
+            elif record.kind == ROUND:
+                if self._close_before(frag, version + 1, goodput, on_failure):
+                    rounds += 1
+        return pushes, rounds
+
+    def _close_before(
+        self,
+        frag: Fragment,
+        version: int,
+        goodput: Goodput,
+        on_failure: Callable[[Fragment, str], None],
+    ) -> bool:
+        """Applies the open round if it produces a version below `version` (its ROUND record
+        may be missing: a close that was never served); False if its outer step raised."""
+        rnd = frag.admission.round
+        if rnd is None or rnd.start_version + 1 >= version:
+            return True
+        journal, frag.admission.journal = frag.admission.journal, None
+        try:
+            frag.admission.take(rnd)
+        finally:
+            frag.admission.journal = journal
+        try:
+            _, refused = frag.apply(rnd)
+        except Exception as e:  # noqa: BLE001 - the failure becomes the fragment's state
+            on_failure(
+                frag,
+                f"replaying the outer step to version {rnd.start_version + 1} raised {type(e).__name__}: {e}",
+            )
+            return False
+        if refused is None:
+            goodput.merged([c.share for c in rnd.contributions])
+        else:
+            goodput.refused([c.share for c in rnd.contributions])
+        return True
+
+    def start(self) -> None:
+        if self.wal is not None:
+            self.wal.start()
+
+    def seal(self) -> int:
+        return self.wal.seal() if self.wal is not None else 0
+
+    def release(self, upto_segment: int, versions: dict[int, int]) -> None:
+        if self.wal is not None and upto_segment:
+            self.wal.release(upto_segment, versions)
+
+    def close(self) -> None:
+        if self.wal is not None:
+            self.wal.close()
+
+    @property
+    def failure(self) -> str | None:
+        return self.wal.failure if self.wal is not None else None

@@ -1,0 +1,389 @@
+"""The write-ahead log: what the Synchronizer acknowledged, on disk before it says so.
+
+Three kinds of record, appended in the order the Synchronizer decided them:
+
+- JOIN: a learner record (id, name, session hash, when it first joined);
+- PUSH: an accepted push as received (its payload still encoded, so the log costs what the wire
+  costs) with everything its judgement decided: learner, seq, base version, counts, the weight
+  it was merged with and the version of the round it went into;
+- ROUND: a fragment's round closed into a version.
+
+A push's reply, a Join's reply and a round's outer step each wait until their record is durable
+(`wait`): a writer thread writes whatever was appended meanwhile and fsyncs once for all of it
+(group commit), so many pushes share one fsync. Replay (`replay`) repeats the same arithmetic:
+the pushes of each round in the order they were added, then its outer step.
+
+On disk: `wal/wal-NNNNNNNNNN.log` segments, each a sequence of records `<length u32><crc32 u32>
+<kind u8><body>`, the body a JSON document (length-prefixed) followed by the payload bytes. A
+record whose length or checksum does not hold ends its segment (a torn tail: only a record that
+was never acknowledged can be torn) and is cut off. A checkpoint seals the current segment
+(`seal`), and once written, `release` deletes the sealed segments it covers: every round they
+mention is at or below the checkpoint's versions. Disk use stays bounded by what the checkpoint
+interval lets accumulate.
+
+A write or fsync that fails (a full disk, an I/O error) keeps the records in memory and retries
+every `RETRY_S`; meanwhile `failure` says why, new pushes are refused by the caller, and nothing
+acknowledged is lost. File operations go through `Disk`, so tests can inject faults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+JOIN, PUSH, ROUND = 1, 2, 3
+KINDS = {JOIN: "join", PUSH: "push", ROUND: "round"}
+_HEAD = struct.Struct("<IIB")  # body length, crc32 of kind + body, kind
+_META = struct.Struct("<I")  # JSON length, at the start of the body
+NAME = re.compile(r"^wal-(\d{10})\.log$")
+RETRY_S = 1.0  # a failed write is retried this often
+MAX_RECORD_BYTES = 1 << 31
+
+
+class WalError(Exception):
+    """A record could not be made durable in time (the message says why)."""
+
+    def __init__(self, message: str, disk_full: bool) -> None:
+        super().__init__(message)
+        self.disk_full = disk_full
+
+
+class Disk:
+    """The file operations the log uses; a test replaces it to inject faults."""
+
+    def open(self, path: Path) -> int:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def truncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+
+@dataclass
+class Record:
+    kind: int
+    meta: dict[str, Any]
+    payload: bytes | memoryview = b""
+
+
+def encode(record: Record) -> list[bytes | memoryview]:
+    meta = json.dumps(record.meta, separators=(",", ":")).encode()
+    body_head = _META.pack(len(meta)) + meta
+    kind = bytes([record.kind])
+    crc = zlib.crc32(record.payload, zlib.crc32(body_head, zlib.crc32(kind)))
+    length = len(body_head) + len(record.payload)
+    return [_HEAD.pack(length, crc, record.kind) + body_head, record.payload]
+
+
+@dataclass
+class _Segment:
+    number: int
+    path: Path
+    # fragment id -> the highest version a record of this segment names (a push's round, a
+    # round's version): the segment is covered once a checkpoint holds every one of them.
+    versions: dict[int, int] = field(default_factory=dict)
+    sealed: bool = False
+
+    def note(self, record: Record) -> None:
+        fid = record.meta.get("fid")
+        if fid is not None:
+            v = int(record.meta["version"])
+            self.versions[fid] = max(self.versions.get(fid, 0), v)
+
+
+def list_segments(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))]
+    return sorted(found)
+
+
+def read_segment(path: Path) -> Iterator[Record]:
+    """The records of one segment up to its first torn or damaged one."""
+    data = path.read_bytes()
+    view = memoryview(data)
+    at = 0
+    while at + _HEAD.size <= len(data):
+        length, crc, kind = _HEAD.unpack_from(data, at)
+        end = at + _HEAD.size + length
+        if kind not in KINDS or end > len(data) or length < _META.size:
+            return
+        body = view[at + _HEAD.size : end]
+        if zlib.crc32(body, zlib.crc32(bytes([kind]))) != crc:
+            return
+        (meta_len,) = _META.unpack_from(body, 0)
+        if _META.size + meta_len > length:
+            return
+        try:
+            meta = json.loads(bytes(body[_META.size : _META.size + meta_len]))
+        except ValueError:
+            return
+        yield Record(kind, meta, body[_META.size + meta_len :])
+        at = end
+
+
+class Wal:
+    def __init__(
+        self,
+        directory: Path,
+        segment_bytes: int,
+        disk: Disk | None = None,
+        on_fsync: Callable[[float], None] = lambda _seconds: None,
+    ) -> None:
+        self.directory = directory
+        self.on_fsync = on_fsync
+        self.segment_bytes = segment_bytes
+        self.disk = disk or Disk()
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.queue: list[tuple[int, Record]] = []
+        self.appended = 0  # tickets handed out
+        self.durable = 0  # every ticket up to this one is on disk
+        self.failure: str | None = None  # why the last write failed, until one succeeds
+        self.disk_full = False
+        self.closing = False
+        self.segments: list[_Segment] = []
+        self.fd: int | None = None
+        self.size = 0
+        self.seal_wanted = False
+        self.sealed_upto = 0
+        self.writer: threading.Thread | None = None
+
+    # Start ---------------------------------------------------------------------------------
+
+    def replay(self) -> Iterator[Record]:
+        """Every intact record on disk, oldest first. A damaged record ends its segment (the
+        rest of that segment is cut off); call before `start`."""
+        for number, path in list_segments(self.directory):
+            seg = _Segment(number, path, sealed=True)
+            count = 0
+            for record in read_segment(path):
+                seg.note(record)
+                count += 1
+                yield record
+            self.segments.append(seg)
+            logger.debug("replayed %d records of %s", count, path.name)
+
+    def start(self) -> None:
+        """Opens a fresh segment after the replayed ones and starts the writer."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._open_segment()
+        self.writer = threading.Thread(target=self._write_loop, name="wal-writer", daemon=True)
+        self.writer.start()
+
+    def _open_segment(self) -> None:
+        number = self.segments[-1].number + 1 if self.segments else 1
+        path = self.directory / f"wal-{number:010d}.log"
+        self.fd = self.disk.open(path)
+        self.size = 0
+        with self.lock:
+            self.segments.append(_Segment(number, path))
+        _fsync_dir(self.directory)
+
+    # Appending -----------------------------------------------------------------------------
+
+    def append(self, record: Record) -> int:
+        """Queues a record; returns its ticket for `wait`. Cheap: the writer thread writes."""
+        with self.cv:
+            self.appended += 1
+            self.queue.append((self.appended, record))
+            self.cv.notify_all()
+            return self.appended
+
+    def wait(self, ticket: int, timeout_s: float) -> None:
+        """Returns once the ticket's record is durable; WalError if it is not within
+        `timeout_s` (the record stays queued and may become durable later)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while self.durable < ticket:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closing:
+                    raise WalError(
+                        f"the write-ahead log in {self.directory} is not writable ({self.failure})"
+                        if self.failure
+                        else f"the write-ahead log in {self.directory} took more than {timeout_s:g} s",
+                        self.disk_full,
+                    )
+                self.cv.wait(left)
+
+    def is_durable(self, ticket: int) -> bool:
+        with self.lock:
+            return self.durable >= ticket
+
+    # Writing -------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        """The writer: every file operation happens on this thread."""
+        while True:
+            with self.cv:
+                while not self.queue and not self.closing and not self.seal_wanted:
+                    self.cv.wait()
+                if not self.queue and self.closing:
+                    return
+                batch = list(self.queue)
+            if not batch:  # a seal asked for while nothing is queued
+                self._seal_now()
+                continue
+            try:
+                self._write(batch)
+            except OSError as e:
+                with self.cv:
+                    if self.failure is None:
+                        logger.error(
+                            "write-ahead log write failed (%s); pushes are refused until it can be written again, nothing acknowledged is lost",
+                            e,
+                        )
+                    self.failure = f"{type(e).__name__}: {e}"
+                    self.disk_full = e.errno == 28  # ENOSPC
+                    self.cv.notify_all()
+                    if self.closing:
+                        return
+                    self.cv.wait(RETRY_S)
+                continue
+            with self.cv:
+                del self.queue[: len(batch)]
+                self.durable = batch[-1][0]
+                if self.failure is not None:
+                    logger.warning("write-ahead log writable again (was: %s)", self.failure)
+                self.failure = None
+                self.disk_full = False
+                self.cv.notify_all()
+            if self.size >= self.segment_bytes:
+                self._rotate()
+
+    def _write(self, batch: list[tuple[int, Record]]) -> None:
+        assert self.fd is not None
+        start = self.size
+        try:
+            for _, record in batch:
+                for part in encode(record):
+                    view = memoryview(part).cast("B")
+                    while view:
+                        n = self.disk.write(self.fd, view)
+                        view = view[n:]
+                        self.size += n
+            t0 = time.perf_counter()
+            self.disk.fsync(self.fd)
+            self.on_fsync(time.perf_counter() - t0)
+        except OSError:
+            try:  # cut what this batch wrote, so the retry appends to an intact log
+                self.disk.truncate(self.fd, start)
+                self.size = start
+            except OSError:  # cannot even truncate: go on in a fresh segment
+                self._rotate()
+            raise
+        with self.lock:
+            for _, record in batch:
+                self.segments[-1].note(record)
+
+    def _rotate(self) -> None:
+        assert self.fd is not None
+        try:
+            self.disk.close(self.fd)
+        except OSError:
+            pass
+        with self.lock:
+            self.segments[-1].sealed = True
+        self._open_segment()
+
+    def _seal_now(self) -> None:
+        if self.size > 0:
+            self._rotate()
+        with self.cv:
+            self.seal_wanted = False
+            sealed = [s.number for s in self.segments if s.sealed]
+            self.sealed_upto = sealed[-1] if sealed else 0
+            self.cv.notify_all()
+
+    # Checkpoints ---------------------------------------------------------------------------
+
+    def seal(self, timeout_s: float = 10.0) -> int:
+        """Once everything appended so far is written, starts a new segment (before a
+        checkpoint collects its state); returns the number of the last sealed segment, 0 when
+        that did not happen in time."""
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            target = self.appended
+            while self.durable < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closing:
+                    return 0
+                self.cv.wait(left)
+            self.seal_wanted = True
+            self.sealed_upto = -1
+            self.cv.notify_all()
+            while self.sealed_upto < 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closing:
+                    return 0
+                self.cv.wait(left)
+            return self.sealed_upto
+
+    def release(self, upto_segment: int, versions: dict[int, int]) -> int:
+        """Deletes sealed segments up to `upto_segment` whose every record is covered by a
+        checkpoint holding `versions` (fragment id -> version); returns how many."""
+        with self.cv:
+            gone = [
+                s
+                for s in self.segments
+                if s.sealed
+                and s.number <= upto_segment
+                and all(v <= versions.get(fid, -1) for fid, v in s.versions.items())
+            ]
+            for s in gone:
+                self.segments.remove(s)
+        for s in gone:
+            s.path.unlink(missing_ok=True)
+        if gone:
+            _fsync_dir(self.directory)
+        return len(gone)
+
+    def bytes_on_disk(self) -> int:
+        with self.lock:
+            return sum(s.path.stat().st_size for s in self.segments if s.path.exists())
+
+    def close(self) -> None:
+        """Writes what is queued (as far as the disk lets it) and stops the writer."""
+        with self.cv:
+            target = self.appended
+            deadline = time.monotonic() + 5.0
+            while self.durable < target and time.monotonic() < deadline and self.failure is None:
+                self.cv.wait(0.5)
+            self.closing = True
+            self.cv.notify_all()
+        if self.writer is not None:
+            self.writer.join(timeout=5)
+        if self.fd is not None:
+            try:
+                self.disk.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

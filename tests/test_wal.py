@@ -1,0 +1,202 @@
+"""Acknowledged means durable: the write-ahead log, replay after kill -9, and a failing disk."""
+
+from __future__ import annotations
+
+import errno
+import signal
+import sys
+import threading
+
+import grpc
+import pytest
+import torch
+
+from protos import diloco_pb2 as pb
+from synchronizer.config import SynchronizerConfig
+from synchronizer.metrics import Metrics
+from synchronizer.server import start, stop
+from synchronizer.wal import JOIN, PUSH, ROUND, Disk, Record, Wal, WalError, list_segments
+from tests.helpers import TIMEOUT, Client, poll, serve_process, small_spec
+
+SPEC = small_spec(fragments=2)
+N0 = SPEC.fragments[0].numel
+
+
+# The log itself -------------------------------------------------------------------------------
+
+
+def _records(wal: Wal) -> list[tuple[int, dict, bytes]]:
+    return [(r.kind, r.meta, bytes(r.payload)) for r in wal.replay()]
+
+
+def test_records_come_back_in_order_and_one_fsync_covers_a_batch(tmp_path):
+    fsyncs: list[float] = []
+    wal = Wal(tmp_path / "wal", 1 << 20, on_fsync=fsyncs.append)
+    wal.start()
+    tickets = [
+        wal.append(Record(PUSH, {"fid": 0, "version": 1, "i": i}, bytes([i]) * 100))
+        for i in range(50)
+    ]
+    tickets.append(wal.append(Record(ROUND, {"fid": 0, "version": 1})))
+    wal.wait(tickets[-1], TIMEOUT)
+    assert all(wal.is_durable(t) for t in tickets)
+    assert len(fsyncs) < len(tickets)  # group commit: fewer fsyncs than records
+    wal.close()
+    again = _records(Wal(tmp_path / "wal", 1 << 20))
+    assert [m.get("i") for k, m, _ in again if k == PUSH] == list(range(50))
+    assert again[-1][0] == ROUND and again[3][2] == bytes([3]) * 100
+
+
+def test_a_torn_or_damaged_tail_is_cut_and_what_precedes_it_kept(tmp_path):
+    wal = Wal(tmp_path / "wal", 1 << 20)
+    wal.start()
+    for i in range(3):
+        wal.wait(wal.append(Record(JOIN, {"learner_id": f"l{i}"})), TIMEOUT)
+    wal.close()
+    (_, path), *_ = list_segments(tmp_path / "wal")
+    data = path.read_bytes()
+    path.write_bytes(data[:-5])  # the last record torn mid-way
+    assert [m["learner_id"] for _, m, _ in _records(Wal(tmp_path / "wal", 1 << 20))] == [
+        "l0",
+        "l1",
+    ]
+    damaged = bytearray(data)
+    damaged[len(data) // 2] ^= 0xFF  # a flipped bit in the second record
+    path.write_bytes(bytes(damaged))
+    assert len(_records(Wal(tmp_path / "wal", 1 << 20))) == 1
+
+
+class FlakyDisk(Disk):
+    """Writes fail with ENOSPC while `full` is set, as on a full filesystem."""
+
+    def __init__(self) -> None:
+        self.full = threading.Event()
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        if self.full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(fd, data)
+
+
+def test_a_full_disk_keeps_records_queued_until_space_comes_back(tmp_path):
+    disk = FlakyDisk()
+    wal = Wal(tmp_path / "wal", 1 << 20, disk)
+    wal.start()
+    disk.full.set()
+    ticket = wal.append(Record(PUSH, {"fid": 0, "version": 1}, b"x" * 1000))
+    with pytest.raises(WalError) as e:
+        wal.wait(ticket, 0.5)
+    assert e.value.disk_full and wal.failure is not None
+    disk.full.clear()  # space again: the queued record is written by the next retry
+    wal.wait(ticket, TIMEOUT)
+    assert wal.failure is None
+    wal.close()
+    assert [bytes(r.payload) for r in Wal(tmp_path / "wal", 1 << 20).replay()] == [b"x" * 1000]
+
+
+# The Synchronizer over the log -------------------------------------------------------------
+
+
+def _pull_all(c: Client) -> dict[int, tuple[int, torch.Tensor]]:
+    return {f: c.pull(f) for f in range(len(SPEC.fragments))}
+
+
+def test_kill_9_loses_nothing_acknowledged_and_serves_every_version_again(tmp_path):
+    """Quorum 2 of 2 learners: rounds close only when both pushed, so the last round is open
+    (one acknowledged push in it) when the Synchronizer is killed."""
+    state, ready = tmp_path / "state", tmp_path / "ready.json"
+    command = [sys.executable, "-m", "synchronizer"]
+    flags = (
+        "--quorum",
+        "2",
+        "--grace",
+        "none",
+        "--outer",
+        "nesterov",
+        "--checkpoint-interval-s",
+        "0",
+    )
+    proc, info = serve_process(command, state, ready, *flags)
+    try:
+        a, b = Client(info["address"], SPEC, "a"), Client(info["address"], SPEC, "b")
+        a.join()
+        b.join()
+        g = torch.Generator().manual_seed(0)
+        a.init([torch.randn(f.numel, generator=g) for f in SPEC.fragments])
+        served: dict[tuple[int, int], torch.Tensor] = {}
+        for r in range(3):
+            for c in (a, b):
+                for f, frag in enumerate(SPEC.fragments):
+                    delta = torch.randn(frag.numel, generator=g) * 0.1
+                    assert c.push(f, delta, base=r).outcome == pb.PUSH_ACCEPTED
+            for f in range(len(SPEC.fragments)):
+                version, params = a.pull(f, min_version=r + 1, wait_s=TIMEOUT)
+                served[(f, version)] = params
+        open_push = a.push(0, torch.ones(N0), base=3)  # acknowledged; its round stays open
+        assert open_push.outcome == pb.PUSH_ACCEPTED and open_push.round_version == 4
+        proc.send_signal(signal.SIGKILL)  # no final checkpoint: only the log and the init one
+        proc.wait(TIMEOUT)
+    finally:
+        proc.kill()
+    proc, again = serve_process(command, state, ready, *flags)
+    try:
+        assert again["epoch"] == info["epoch"]  # the same history of versions
+        a2, b2 = Client(again["address"], SPEC, "a"), Client(again["address"], SPEC, "b")
+        a2.session, b2.session = a.session, b.session
+        assert a2.join(a.learner_id).server_epoch == info["epoch"]
+        b2.join(b.learner_id)
+        a2.seq, b2.seq = a.seq, b.seq
+        for (f, version), params in served.items():
+            now = a2.pull(f)
+            assert now[0] == 3 and (version < 3 or torch.equal(now[1], params))
+        # The acknowledged push is in its round: a retry is a duplicate, and b's push closes it.
+        retry = a2.push(0, torch.ones(N0), base=3, seq=a.seq)
+        assert retry.outcome == pb.PUSH_DUPLICATE
+        assert b2.push(0, torch.zeros(N0), base=3).outcome == pb.PUSH_ACCEPTED
+        version, _ = a2.pull(0, min_version=4, wait_s=TIMEOUT)
+        assert version == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(TIMEOUT)
+
+
+def test_a_failing_log_refuses_pushes_keeps_serving_pulls_and_recovers(tmp_path):
+    disk = FlakyDisk()
+    cfg = SynchronizerConfig(
+        port=0, metrics_port=-1, state_dir=tmp_path / "s", quorum=1, grace="none", wal_wait_s=0.5
+    )
+    metrics = Metrics()
+    srv = start(cfg, metrics, disk=disk)
+    try:
+        c = Client(srv.address, SPEC, "l0")
+        c.join()
+        c.init([torch.zeros(f.numel) for f in SPEC.fragments])
+        assert c.push(0, torch.ones(N0)).outcome == pb.PUSH_ACCEPTED
+        assert c.pull(0, min_version=1, wait_s=TIMEOUT)[0] == 1  # its round applied
+        disk.full.set()
+        with pytest.raises(grpc.RpcError) as e:  # admitted, but not durable: not acknowledged
+            c.push(0, torch.ones(N0), base=1)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        unacknowledged = c.seq
+        assert metrics.registry.get_sample_value("diloco_wal_failing") == 1.0
+        assert "write-ahead log failing" in c.status().unhealthy
+        with pytest.raises(grpc.RpcError) as e:  # refused up front now: nothing admitted
+            c.push(0, torch.ones(N0), base=1)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "write-ahead log" in (e.value.details() or "")
+        assert c.pull(1)[0] == 0  # pulls are served meanwhile
+        disk.full.clear()  # space again: the queued record is written, the retry answered
+
+        def retried() -> pb.PushReply | None:
+            try:
+                return c.push(0, torch.ones(N0), base=1, seq=unacknowledged)
+            except grpc.RpcError:
+                return None
+
+        reply = poll(retried, TIMEOUT, "the log to be writable again")
+        assert reply.outcome == pb.PUSH_DUPLICATE  # it was in its round all along, once
+        assert c.pull(0, min_version=2, wait_s=TIMEOUT)[0] == 2
+        assert c.status().unhealthy == ""
+        assert metrics.registry.get_sample_value("diloco_wal_failing") == 0.0
+    finally:
+        stop(srv, 1.0)
