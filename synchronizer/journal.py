@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import uuid
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,8 @@ class Journal:
         if wal is None:
             return None
         header = base64.b64encode(h.payload.SerializeToString()).decode()
+        data = memoryview(payload.numpy().data)
+        crc = zlib.crc32(data)  # here, on the pushing thread, not on the writer's
 
         def log(verdict: Verdict) -> int:
             meta = {
@@ -138,7 +141,7 @@ class Journal:
                 "staleness": verdict.staleness,
                 "header": header,
             }
-            return wal.append(Record(PUSH, meta, memoryview(payload.numpy().data)))
+            return wal.append(Record(PUSH, meta, data, crc))
 
         return log
 

@@ -14,7 +14,9 @@ A push's reply, a Join's reply and a round's outer step each wait until their re
 the pushes of each round in the order they were added, then its outer step.
 
 On disk: `wal/wal-NNNNNNNNNN.log` segments, each a sequence of records `<length u32><crc32 u32>
-<kind u8><body>`, the body a JSON document (length-prefixed) followed by the payload bytes. A
+<kind u8><body>`, the body a JSON document (length-prefixed) followed by the payload bytes; the
+checksum runs over the payload, then the kind and the JSON part (so the payload's part can be
+computed by the pushing thread, outside the writer). A
 record whose length or checksum does not hold ends its segment (a torn tail: only a record that
 was never acknowledged can be torn) and is cut off. A checkpoint seals the current segment
 (`seal`), and once written, `release` deletes the sealed segments it covers: every round they
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 JOIN, PUSH, ROUND = 1, 2, 3
 KINDS = {JOIN: "join", PUSH: "push", ROUND: "round"}
-_HEAD = struct.Struct("<IIB")  # body length, crc32 of kind + body, kind
+_HEAD = struct.Struct("<IIB")  # body length, crc32 of payload + kind + JSON part, kind
 _META = struct.Struct("<I")  # JSON length, at the start of the body
 NAME = re.compile(r"^wal-(\d{10})\.log$")
 RETRY_S = 1.0  # a failed write is retried this often
@@ -70,7 +72,7 @@ class Disk:
         return os.write(fd, data)
 
     def fsync(self, fd: int) -> None:
-        os.fsync(fd)
+        os.fdatasync(fd)
 
     def truncate(self, fd: int, size: int) -> None:
         os.ftruncate(fd, size)
@@ -84,13 +86,17 @@ class Record:
     kind: int
     meta: dict[str, Any]
     payload: bytes | memoryview = b""
+    payload_crc: int | None = None  # crc32 of the payload, when the caller computed it
+
+    def __post_init__(self) -> None:
+        if self.payload_crc is None:
+            self.payload_crc = zlib.crc32(self.payload)
 
 
 def encode(record: Record) -> list[bytes | memoryview]:
     meta = json.dumps(record.meta, separators=(",", ":")).encode()
     body_head = _META.pack(len(meta)) + meta
-    kind = bytes([record.kind])
-    crc = zlib.crc32(record.payload, zlib.crc32(body_head, zlib.crc32(kind)))
+    crc = zlib.crc32(body_head, zlib.crc32(bytes([record.kind]), record.payload_crc or 0))
     length = len(body_head) + len(record.payload)
     return [_HEAD.pack(length, crc, record.kind) + body_head, record.payload]
 
@@ -129,16 +135,17 @@ def read_segment(path: Path) -> Iterator[Record]:
         if kind not in KINDS or end > len(data) or length < _META.size:
             return
         body = view[at + _HEAD.size : end]
-        if zlib.crc32(body, zlib.crc32(bytes([kind]))) != crc:
-            return
         (meta_len,) = _META.unpack_from(body, 0)
         if _META.size + meta_len > length:
+            return
+        head, payload = body[: _META.size + meta_len], body[_META.size + meta_len :]
+        if zlib.crc32(head, zlib.crc32(bytes([kind]), zlib.crc32(payload))) != crc:
             return
         try:
             meta = json.loads(bytes(body[_META.size : _META.size + meta_len]))
         except ValueError:
             return
-        yield Record(kind, meta, body[_META.size + meta_len :])
+        yield Record(kind, meta, payload)
         at = end
 
 
@@ -283,7 +290,7 @@ class Wal:
                         view = view[n:]
                         self.size += n
             t0 = time.perf_counter()
-            self.disk.fsync(self.fd)
+            self.disk.fsync(self.fd)  # fdatasync: the data and the file's new length
             self.on_fsync(time.perf_counter() - t0)
         except OSError:
             try:  # cut what this batch wrote, so the retry appends to an intact log
