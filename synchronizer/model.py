@@ -67,6 +67,7 @@ class FragmentModel:
         self.cv = threading.Condition()
         self.params: torch.Tensor | None = None
         self.version = 0
+        self.merged = 0  # contributions merged into applied rounds, ever (checkpointed)
         self.failure: str | None = None
         self.stopping = False  # shutting down: pulls stop waiting for new versions
         self.outer = make_outer(cfg.outer, numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
@@ -121,6 +122,8 @@ class FragmentModel:
             else:
                 self.outer.step(self.params, merged)
             self.version = start_version + 1
+            if refused is None:
+                self.merged += len(contributions)
             self.downlink.changed()
             self.cv.notify_all()
             return time.perf_counter() - t0, refused
@@ -214,7 +217,13 @@ class FragmentModel:
             )
             chain_tensors, chain = self.downlink.state(p)
             tensors.update(chain_tensors)
-            return tensors, {"version": self.version, "outer": self.cfg.outer, "chain": chain}
+            meta = {
+                "version": self.version,
+                "outer": self.cfg.outer,
+                "chain": chain,
+                "merged": self.merged,
+            }
+            return tensors, meta
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         p = f"frag.{self.fid}."
@@ -236,4 +245,5 @@ class FragmentModel:
                 self.cfg.outer,
             )
         with self.cv:
+            self.merged = int(meta.get("merged", 0))
             self.downlink.restore(tensors, meta.get("chain", []), p)

@@ -366,11 +366,22 @@ def test_kill_9_chaos_loses_no_served_version_and_serves_none_twice(procs: Procs
         assert r["learner"]["version_conflicts"] == 0, "a version was served with two contents"
         assert r["learner"]["pushes"].get("accepted", 0) >= 10, r["learner"]  # none left behind
     learned = [r["learner"] for r in results]
+    # Every acknowledged push was merged exactly once, across all the restarts: the final
+    # checkpoint (SIGTERM merges what is open) counts the contributions its rounds merged.
+    os.killpg(sync["proc"].pid, signal.SIGTERM)
+    assert sync["proc"].wait(60) == 0, procs.tails()
+    found = checkpoint.load_latest(procs.root / "state")
+    assert found is not None
+    merged = sum(int(f["merged"]) for f in found[1]["fragments"])
+    acknowledged = sum(
+        x["pushes"].get("accepted", 0) + x["pushes"].get("duplicate", 0) for x in learned
+    )
+    assert merged == acknowledged, (merged, acknowledged, [x["pushes"] for x in learned])
     print(
         f"{kills} kills; {checked} fragment versions checked across restarts; learners pulled "
         f"{sum(x['versions_checked'] for x in learned)} versions with checksums "
         f"({sum(x['version_conflicts'] for x in learned)} conflicts); pushes acknowledged "
-        f"{sum(x['pushes'].get('accepted', 0) for x in learned)}; eval loss "
+        f"{acknowledged}, merged {merged}, lost {acknowledged - merged}; eval loss "
         f"{[round(r['eval_loss_end'], 4) for r in results]}"
     )
 
