@@ -200,3 +200,18 @@ def test_a_failing_log_refuses_pushes_keeps_serving_pulls_and_recovers(tmp_path)
         assert metrics.registry.get_sample_value("diloco_wal_failing") == 0.0
     finally:
         stop(srv, 1.0)
+
+
+@pytest.mark.parametrize("wal", [True, False], ids=["wal", "no-wal"])
+def test_the_epoch_survives_a_restart_only_with_the_log(make_server, wal):
+    srv = make_server(quorum=1, grace="none", wal=wal)
+    c = Client(srv.address, SPEC, "l0")
+    epoch = c.join().server_epoch
+    c.init([torch.zeros(f.numel) for f in SPEC.fragments])
+    srv.server.stop(0).wait()
+    srv.synchronizer.close()
+    again = make_server(quorum=1, grace="none", wal=wal)
+    c2 = Client(again.address, SPEC, "l0")
+    c2.session = c.session
+    assert (c2.join(c.learner_id).server_epoch == epoch) is wal
+    assert (srv.synchronizer.cfg.state_dir / "wal").is_dir() is wal
