@@ -2,8 +2,9 @@
 
 Three measurements, each against a baseline taken in the same run:
 
-- `wal_ratio`: push throughput of a real Synchronizer (INT4, 4 clients, quorum 1, loopback; the
-  ingest benchmark's cell) with the log on, over the same with it off (goal >= 0.8);
+- `wal_ratio`: push throughput of a real Synchronizer (INT4, 4 clients (1 in smoke mode), quorum
+  1, loopback; the ingest benchmark's cell) with the log on, over the same with it off (goal
+  >= 0.8);
 - fsync latency p50/p99 of the log's group commits and push-acknowledgement latency p50/p99,
   with 4 threads appending pushes of one fragment's INT4 size;
 - `restart_s`: a Synchronizer process killed with SIGKILL after its log grew to the given size
@@ -40,9 +41,9 @@ from synchronizer.wal import PUSH, Record, Wal
 REPO = Path(__file__).resolve().parents[1]
 
 
-def throughput(params: int, seconds: float) -> dict[str, Any]:
-    off = measure_ingest(params, 4, 4, "int4", seconds, 1, wal=False)
-    on = measure_ingest(params, 4, 4, "int4", seconds, 1, wal=True)
+def throughput(params: int, seconds: float, clients: int) -> dict[str, Any]:
+    off = measure_ingest(params, 4, clients, "int4", seconds, 1, wal=False)
+    on = measure_ingest(params, 4, clients, "int4", seconds, 1, wal=True)
     return {
         "wal_off_MBps": off["sync_MBps"],
         "wal_on_MBps": on["sync_MBps"],
@@ -213,12 +214,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__.splitlines()[0])
     args = p.parse_args(argv)
     if args.smoke:
-        params, seconds, log_bytes, latency_s = 1_000_000, 1.0, 4 << 20, 1.0
+        params, clients, seconds, log_bytes, latency_s = 1_000_000, 1, 0.5, 2 << 20, 0.5
     elif args.quick:
-        params, seconds, log_bytes, latency_s = 25_000_000, 4.0, 128 << 20, 3.0
+        params, clients, seconds, log_bytes, latency_s = 25_000_000, 4, 4.0, 128 << 20, 3.0
     else:
-        params, seconds, log_bytes, latency_s = 25_000_000, 8.0, 1 << 30, 8.0
-    ingest = throughput(params, seconds)
+        params, clients, seconds, log_bytes, latency_s = 25_000_000, 4, 8.0, 1 << 30, 8.0
+    ingest = throughput(params, seconds, clients)
     print(table([ingest], ["wal_off_MBps", "wal_on_MBps", "wal_ratio"]))
     record = layout.encoded_nbytes(pb.CODEC_INT4, params // 4)
     latency = commit_latency(record, latency_s)
