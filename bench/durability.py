@@ -20,7 +20,6 @@ from __future__ import annotations
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,6 +31,7 @@ import torch
 
 from bench.common import machine, parser, table, write_json
 from bench.ingest import GRPC_OPTIONS, measure_ingest, model_spec
+from demo.procs import Procs, start_synchronizer
 from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
@@ -90,55 +90,19 @@ def commit_latency(record_bytes: int, seconds: float, threads: int = 4) -> dict[
     }
 
 
-def _serve(state: Path, ready: Path) -> subprocess.Popen:
-    ready.unlink(missing_ok=True)
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "synchronizer",
-            "serve",
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            "--state-dir",
-            str(state),
-            "--ready-file",
-            str(ready),
-            "--quorum",
-            "1",
-            "--grace",
-            "none",
-            "--checkpoint-interval-s",
-            "0",
-            "--log-level",
-            "WARNING",
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+SERVE_FLAGS = ["--quorum", "1", "--grace", "none", "--checkpoint-interval-s", "0"]
 
 
-def _ready(proc: subprocess.Popen, ready: Path, timeout_s: float = 600) -> dict[str, Any]:
-    import json
-
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the Synchronizer did not become ready")
-        time.sleep(0.01)  # another process's file: nothing to await
-    return json.loads(ready.read_text())
+def _serve(procs: Procs, state: Path, name: str) -> tuple[subprocess.Popen, dict[str, Any]]:
+    return start_synchronizer(procs, SERVE_FLAGS, state_dir=state, name=name, timeout_s=600)
 
 
 def restart_time(params: int, log_bytes: int) -> dict[str, Any]:
     spec = model_spec(params, 4)
     with tempfile.TemporaryDirectory(dir=REPO) as d:
-        state, ready = Path(d) / "state", Path(d) / "ready.json"
-        proc = _serve(state, ready)
+        procs, state = Procs(Path(d)), Path(d) / "state"
+        proc, info = _serve(procs, state, "synchronizer")
         try:
-            info = _ready(proc, ready)
             channel = grpc.insecure_channel(info["address"], options=GRPC_OPTIONS)
             stub = pb_grpc.SynchronizerStub(channel)
             joined = stub.Join(
@@ -189,16 +153,14 @@ def restart_time(params: int, log_bytes: int) -> dict[str, Any]:
             proc.wait(60)
             wal_bytes = sum(p.stat().st_size for p in (state / "wal").glob("wal-*.log"))
             t0 = time.perf_counter()
-            proc = _serve(state, ready)
-            again = _ready(proc, ready)
+            proc, again = _serve(procs, state, "synchronizer-restarted")
             restart_s = time.perf_counter() - t0
             channel = grpc.insecure_channel(again["address"], options=GRPC_OPTIONS)
             status = pb_grpc.SynchronizerStub(channel).Status(pb.StatusRequest(), timeout=60)
             after = {v.fragment_id: v.version for v in status.versions}
             channel.close()
         finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(60)
+            procs.stop_all(grace_s=0)
     return {
         "log_bytes": wal_bytes,
         "pushes": seq,

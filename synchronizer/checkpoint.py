@@ -26,7 +26,8 @@ NAME = re.compile(r"^ckpt-(\d{10})\.safetensors$")
 META_KEY = "diloco"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes a directory's entries (a rename, a new or deleted file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -67,7 +68,7 @@ def save(
     except BaseException:
         tmp.unlink(missing_ok=True)  # a half-written file must not fill the disk further
         raise
-    _fsync_dir(state_dir)
+    fsync_dir(state_dir)
     for _, old in list_checkpoints(state_dir)[:-keep]:
         old.unlink(missing_ok=True)
     for stray in state_dir.glob(".tmp-ckpt-*"):

@@ -67,6 +67,15 @@ class InitClaim:
         self.progress_at = time.monotonic()
 
 
+def _known_fragment(fragment_id: int, count: int) -> None:
+    if fragment_id >= count:
+        raise Rejected(
+            Code.NOT_FOUND,
+            "unknown_fragment",
+            f"fragment {fragment_id} does not exist; the model has fragments 0..{count - 1}",
+        )
+
+
 class Synchronizer:
     def __init__(
         self, cfg: SynchronizerConfig, metrics: Metrics | None = None, disk: Disk | None = None
@@ -126,12 +135,7 @@ class Synchronizer:
         return [pb.FragmentVersion(fragment_id=f.fid, version=f.version) for f in self.fragments]
 
     def fragment(self, fragment_id: int) -> Fragment:
-        if fragment_id >= len(self.fragments):
-            raise Rejected(
-                Code.NOT_FOUND,
-                "unknown_fragment",
-                f"fragment {fragment_id} does not exist; the model has fragments 0..{len(self.fragments) - 1}",
-            )
+        _known_fragment(fragment_id, len(self.fragments))
         return self.fragments[fragment_id]
 
     def _require_initialized(self) -> None:
@@ -347,16 +351,9 @@ class Synchronizer:
             self.init_claim = claim
         try:
             numels = [f.numel for f in spec.fragments]
-
-            def known(fid: int) -> None:
-                if fid >= len(numels):
-                    raise Rejected(
-                        Code.NOT_FOUND,
-                        "unknown_fragment",
-                        f"fragment {fid} does not exist; the model has fragments 0..{len(numels) - 1}",
-                    )
-
-            received = receive.init_fragments(messages, known, numels, claim.touch)
+            received = receive.init_fragments(
+                messages, lambda fid: _known_fragment(fid, len(numels)), numels, claim.touch
+            )
             with self.model_lock:
                 if self.init_claim is not claim:
                     raise Rejected(
@@ -505,13 +502,7 @@ class Synchronizer:
             stream.learner_id = rec.learner_id
             self._require_initialized()
             frag = self.fragment(request.fragment_id)
-            assert self.spec is not None
-            if rec.spec_hash != self.spec.spec_hash:
-                raise Rejected(
-                    Code.FAILED_PRECONDITION,
-                    "spec_mismatch",
-                    "this learner joined with another model spec than the one the Synchronizer was initialised with; re-join with the served model's spec",
-                )
+            self._check_spec_hash(rec.spec_hash)  # the spec this learner joined with
             try:
                 snap, links, version, checksum = frag.model.served(
                     codec_id, request.have_version if request.delta_ok else None

@@ -245,24 +245,19 @@ class Registry:
             logger.warning("learner %s (%s) lease lapsed: now dead", rec.learner_id, rec.name)
         return died
 
-    def live_ids(self) -> set[str]:
+    def _live(self) -> list[LearnerRecord]:
         now = time.monotonic()
         with self.lock:
-            return {
-                r.learner_id
-                for r in self.learners.values()
-                if r.state == "alive" and now <= r.lease_deadline
-            }
+            return [
+                r for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline
+            ]
+
+    def live_ids(self) -> set[str]:
+        return {r.learner_id for r in self._live()}
 
     def live_specs(self) -> set[str]:
         """Spec hashes the live learners joined with."""
-        now = time.monotonic()
-        with self.lock:
-            return {
-                r.spec_hash
-                for r in self.learners.values()
-                if r.state == "alive" and now <= r.lease_deadline
-            }
+        return {r.spec_hash for r in self._live()}
 
     def counts(self) -> dict[str, int]:
         with self.lock:

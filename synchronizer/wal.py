@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from synchronizer.checkpoint import fsync_dir
+
 logger = logging.getLogger(__name__)
 
 JOIN, PUSH, ROUND = 1, 2, 3
@@ -51,7 +53,6 @@ _HEAD = struct.Struct("<IIB")  # body length, crc32 of payload + kind + JSON par
 _META = struct.Struct("<I")  # JSON length, at the start of the body
 NAME = re.compile(r"^wal-(\d{10})\.log$")
 RETRY_S = 1.0  # a failed write is retried this often
-MAX_RECORD_BYTES = 1 << 31
 
 
 class WalError(Exception):
@@ -205,7 +206,7 @@ class Wal:
         self.size = 0
         with self.lock:
             self.segments.append(_Segment(number, path))
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     # Appending -----------------------------------------------------------------------------
 
@@ -362,12 +363,8 @@ class Wal:
         for s in gone:
             s.path.unlink(missing_ok=True)
         if gone:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return len(gone)
-
-    def bytes_on_disk(self) -> int:
-        with self.lock:
-            return sum(s.path.stat().st_size for s in self.segments if s.path.exists())
 
     def close(self) -> None:
         """Writes what is queued (as far as the disk lets it) and stops the writer."""
@@ -386,11 +383,3 @@ class Wal:
             except OSError:
                 pass
             self.fd = None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
