@@ -24,7 +24,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture
 def make_server(tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
-    """Starts servers with the given settings (port 0, metrics off unless asked); stops them all."""
+    """Starts servers with the given settings (port 0, metrics off unless asked); stops them all.
+
+    Leases last 120 s unless a test sets `lease_s`: a test's learner that joins and then pushes
+    without heartbeating must not lapse between the two on a busy machine (the default 10 s did,
+    once, in CI). Tests of lapsing set their own short lease."""
     stack: list[Any] = []
 
     def start(**overrides: Any) -> RunningServer:
@@ -33,6 +37,7 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
             "metrics_port": -1,
             "state_dir": tmp_path / "state",
             "shutdown_grace_s": 1.0,
+            "lease_s": 120.0,
         }
         settings.update(overrides)
         cm = serving(SynchronizerConfig(**settings), Metrics())
