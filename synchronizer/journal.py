@@ -49,9 +49,25 @@ logger = logging.getLogger(__name__)
 EPOCH_FILE = "epoch.json"
 
 
+# The settings the arithmetic of a logged round depends on (its weights are logged): replayed
+# under others, a version served before could come back with other contents, so a change of any
+# of them (a new default after an upgrade included) starts a new epoch and learners re-pull.
+REPLAY_SETTINGS = (
+    "compute_threads",
+    "merge",
+    "anchor",
+    "outer",
+    "outer_lr",
+    "outer_momentum",
+    "outer_delay",
+    "update_codec",
+    "update_history",
+)
+
+
 def replay_settings(cfg: SynchronizerConfig) -> dict[str, Any]:
     """The settings outer-step arithmetic depends on: a replay under others could differ."""
-    return {"compute_threads": cfg.compute_threads}
+    return {name: getattr(cfg, name) for name in REPLAY_SETTINGS}
 
 
 def load_epoch(cfg: SynchronizerConfig, has_state: bool) -> str:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
 from protos import diloco_pb2 as pb
+from synchronizer import wal as wal_module
 from synchronizer.config import SynchronizerConfig
 from synchronizer.metrics import Metrics
 from synchronizer.server import start, stop
@@ -160,6 +163,82 @@ def test_kill_9_loses_nothing_acknowledged_and_serves_every_version_again(tmp_pa
         proc.wait(TIMEOUT)
 
 
+class Killed(BaseException):
+    """What SIGKILL does to a replay: it stops where it is, and nothing handles it."""
+
+
+def _files(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_kill_during_replay_changes_nothing_on_disk_and_the_next_start_serves_it_all(
+    tmp_path, monkeypatch
+):
+    """Replay only reads: killed part-way through (here after a few records of each segment),
+    the state directory is byte for byte what it was, and the next start replays it all."""
+    state, ready = tmp_path / "state", tmp_path / "ready.json"
+    command = [sys.executable, "-m", "synchronizer"]
+    flags = (
+        "--quorum",
+        "1",
+        "--grace",
+        "none",
+        "--outer",
+        "nesterov",
+        "--checkpoint-interval-s",
+        "0",
+    )
+    proc, info = serve_process(command, state, ready, *flags)
+    try:
+        a = Client(info["address"], SPEC, "a")
+        a.join()
+        g = torch.Generator().manual_seed(1)
+        a.init([torch.randn(f.numel, generator=g) for f in SPEC.fragments])
+        served: dict[int, tuple[int, torch.Tensor]] = {}
+        for r in range(3):
+            for f, frag in enumerate(SPEC.fragments):
+                delta = torch.randn(frag.numel, generator=g) * 0.1
+                assert a.push(f, delta, base=r).outcome == pb.PUSH_ACCEPTED
+                served[f] = a.pull(f, min_version=r + 1, wait_s=TIMEOUT)
+        proc.send_signal(signal.SIGKILL)  # only the init checkpoint and the log
+        proc.wait(TIMEOUT)
+    finally:
+        proc.kill()
+    before = _files(state)
+    assert any(name.startswith("wal/") for name in before)
+    intact = wal_module.read_segment
+
+    def killed_part_way(path: Path):
+        for i, record in enumerate(intact(path)):
+            if i == 4:
+                raise Killed
+            yield record
+
+    monkeypatch.setattr(wal_module, "read_segment", killed_part_way)
+    cfg = SynchronizerConfig(
+        port=0, metrics_port=-1, state_dir=state, quorum=1, grace="none", outer="nesterov"
+    )
+    with pytest.raises(Killed):
+        start(cfg, Metrics())
+    assert _files(state) == before
+    monkeypatch.undo()
+    proc, again = serve_process(command, state, ready, *flags)
+    try:
+        assert again["epoch"] == info["epoch"]
+        b = Client(again["address"], SPEC, "b")
+        b.join()
+        for f, (version, params) in served.items():
+            now = b.pull(f)
+            assert now[0] == version == 3 and torch.equal(now[1], params)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(TIMEOUT)
+
+
 def test_a_failing_log_refuses_pushes_keeps_serving_pulls_and_recovers(tmp_path):
     disk = FlakyDisk()
     cfg = SynchronizerConfig(
@@ -215,3 +294,31 @@ def test_the_epoch_survives_a_restart_only_with_the_log(make_server, wal):
     c2.session = c.session
     assert (c2.join(c.learner_id).server_epoch == epoch) is wal
     assert (srv.synchronizer.cfg.state_dir / "wal").is_dir() is wal
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"outer": "delayed_nesterov"},
+        {"outer_lr": 0.5},
+        {"compute_threads": 2},
+        {"merge": "radial", "anchor": "base"},
+    ],
+    ids=["outer", "outer_lr", "compute_threads", "merge"],
+)
+def test_a_restart_under_other_outer_step_arithmetic_starts_a_new_epoch(make_server, changed):
+    """Logged rounds replayed under another outer optimizer (a new default after an upgrade
+    included) would serve known versions with other contents: learners must re-pull."""
+    settings = {"quorum": 1, "grace": "none", "outer": "nesterov"}
+    srv = make_server(**settings)
+    c = Client(srv.address, SPEC, "l0")
+    epoch = c.join().server_epoch
+    c.init([torch.zeros(f.numel) for f in SPEC.fragments])
+    assert c.push(0, torch.ones(N0)).outcome == pb.PUSH_ACCEPTED
+    srv.server.stop(0).wait()
+    srv.synchronizer.close()
+    again = make_server(**(settings | changed))
+    c2 = Client(again.address, SPEC, "l0")
+    c2.session = c.session
+    assert c2.join(c.learner_id).server_epoch != epoch
+    assert again.synchronizer.fragments[0].version >= 1  # the acknowledged push was not lost
