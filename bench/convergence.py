@@ -7,6 +7,7 @@ every one trains `steps` inner steps of the same batch, so tokens are equal):
   dp              (a) gradients all-reduced every step (torch.distributed, gloo)
   diloco_sync     (b) synchronous DiLoCo: quorum = every live learner, FP32, P = 1, each learner
                       blocks one step after a push until the round is back (strict overlap)
+  default             what a user gets with no flags, Synchronizer and learners, at the same H
   decoupled_fp32  (c) Decoupled DiLoCo: quorum 1 + adaptive grace, token weights, FP32, P = 1
   decoupled_int4  (c) the same with INT4 pushes (error feedback)
   streaming_int4  (d) (c) INT4 with P = 4 streaming fragments
@@ -29,11 +30,12 @@ model and final pull included).
 Headline, for the best Decoupled configuration (the lowest eval loss among (c) and (d) that
 reach 500x fewer bytes than data parallel, or the lowest eval loss if none does):
 `bandwidth_ratio` = (a)'s steady bytes per step over its; `loss_gap` = its eval loss over (a)'s,
-minus 1; `m1_gain` = (e)'s eval loss over its, minus 1.
+minus 1; `m1_gain` = (e)'s eval loss over its, minus 1. For the defaults: `default_vs_sync` =
+the default arm's eval loss over (b)'s, `default_vs_best` = over the lowest of the DiLoCo arms'.
 
     python -m bench.convergence [--quick | --smoke] [--json PATH] [--steps S] [--sync-every H]
         [--only dp,streaming_int4,...] [--set field=value ...] [--net auto|netns|proxy]
-Modes: --smoke a tiny model, 2 learners, 100 steps; --quick 300 steps (under 4 minutes here); full
+Modes: --smoke a tiny model, 2 learners, 100 steps, without (c); --quick 300 steps (under 4 minutes here); full
 3000 steps (18 minutes in the recorded run; up to about 27 when the machine is busier).
 """
 
@@ -60,13 +62,23 @@ BEST = DECOUPLED.with_(name="streaming_int4", fragments=4)  # what wan and goodp
 def configs(base: Decoupled) -> dict[str, Decoupled]:
     return {
         "diloco_sync": base.with_(name="diloco_sync", quorum=0, codec="fp32", strict_overlap=True),
+        "default": Decoupled.with_defaults("default", base.sync_every),
         "decoupled_fp32": base.with_(name="decoupled_fp32", codec="fp32"),
         "decoupled_int4": base.with_(name="decoupled_int4"),
         "streaming_int4": base.with_(name="streaming_int4", fragments=4),
     }
 
 
-ORDER = ["dp", "diloco_sync", "decoupled_fp32", "decoupled_int4", "streaming_int4", "alone"]
+ORDER = [
+    "dp",
+    "diloco_sync",
+    "default",
+    "decoupled_fp32",
+    "decoupled_int4",
+    "streaming_int4",
+    "alone",
+]
+SMOKE_ORDER = [n for n in ORDER if n not in ("decoupled_fp32", "decoupled_int4")]
 CANDIDATES = ("decoupled_fp32", "decoupled_int4", "streaming_int4")
 
 
@@ -105,14 +117,22 @@ def headline(rows: dict[str, dict]) -> dict[str, Any]:
             )
         if dp and r is not dp:
             r["gap_to_dp"] = r["eval_loss"] / dp["eval_loss"] - 1
+    out: dict[str, Any] = {}
+    if "default" in rows:
+        diloco = [r for n, r in rows.items() if n not in ("dp", "alone")]
+        best_arm = min(diloco, key=lambda r: r["eval_loss"])
+        if "diloco_sync" in rows:
+            out["default_vs_sync"] = rows["default"]["eval_loss"] / rows["diloco_sync"]["eval_loss"]
+        out["default_vs_best"] = rows["default"]["eval_loss"] / best_arm["eval_loss"]
+        out["default_best_arm"] = best_arm["name"]
     candidates = [rows[n] for n in CANDIDATES if n in rows]
     if not candidates:
-        return {}
+        return out
     eligible = [
         r for r in candidates if (r.get("dp_over_bytes") or 0) >= TARGET_RATIO
     ] or candidates
     best = min(eligible, key=lambda r: r["eval_loss"])
-    out: dict[str, Any] = {"best": best["name"], "best_config": best["config"]}
+    out.update(best=best["name"], best_config=best["config"])
     if dp:
         out["bandwidth_ratio"] = best.get("dp_over_bytes")
         out["bandwidth_ratio_total"] = best.get("dp_over_bytes_total")
@@ -151,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sync_every:
         base = base.with_(sync_every=args.sync_every)
     base = parse_set(args.set, base)
-    names = args.only.split(",") if args.only else ORDER
+    # The smoke leaves out (c) FP32 and INT4 with P = 1: (d) runs the same code with P = 4.
+    names = args.only.split(",") if args.only else SMOKE_ORDER if args.smoke else ORDER
     unknown = set(names) - set(ORDER)
     if unknown:
         raise SystemExit(f"--only: unknown {sorted(unknown)}; choose from {ORDER}")

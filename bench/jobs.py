@@ -32,8 +32,10 @@ from bench.net import Links
 from demo.procs import Procs, metric, read_json, scrape, start_synchronizer
 from demo.train import TrainOptions, build
 from learner.client import SyncClient
+from learner.config import LearnerConfig
 from learner.fragments import FragmentPlan
 from protos import diloco_pb2 as pb
+from synchronizer.config import SynchronizerConfig
 
 
 @dataclass
@@ -53,6 +55,15 @@ class Workload:
     eval_windows: int = 256
     seed: int = 0
     log_every: int = 10
+    slow_learner: int = -1  # this learner runs slow_factor times slower and trains
+    slow_factor: float = 1.0  # steps / slow_factor steps (the others' wall time); -1: none
+
+    def steps_of(self, index: int) -> int:
+        """Inner steps learner `index` trains: the slow one as many as it reaches in the
+        time the others take for all of theirs."""
+        if index == self.slow_learner and self.slow_factor > 1:
+            return max(1, round(self.steps / self.slow_factor))
+        return self.steps
 
     def train_flags(self) -> list[str]:
         return [
@@ -144,10 +155,43 @@ class Decoupled:
     outer_lr: float = 1.0
     outer_momentum: float = 0.9
     lease_s: float = 10.0
+    # True: the Synchronizer and the learners get none of the settings above but H (what a user
+    # who passes no flags gets, at the benchmark's H); see `with_defaults`
+    defaults: bool = False
     synchronizer_args: list[str] = field(default_factory=list)
     train_args: list[str] = field(default_factory=list)
 
+    @classmethod
+    def with_defaults(cls, name: str, sync_every: int, **changes: Any) -> Decoupled:
+        """The configuration no flags give, at H = `sync_every`: the fields read from the
+        Synchronizer's and the learner's defaults (for `describe` and the evaluator), no setting
+        flags passed (`synchronizer_args` / `train_args` may still add some)."""
+        s, lc = SynchronizerConfig.model_fields, LearnerConfig.model_fields
+        return cls(
+            name=name,
+            defaults=True,
+            sync_every=sync_every,
+            quorum=s["quorum"].default,
+            grace=s["grace"].default,
+            grace_max_s=s["grace_max_s"].default,
+            grace_tau=s["overlap_steps"].default,
+            fragments=lc["fragments"].default,
+            codec=lc["codec"].default,
+            merge=lc["merge"].default,
+            alpha=lc["alpha"].default,
+            strict_overlap=lc["strict_overlap"].default,
+            token_weight=s["token_weight"].default,
+            outer=s["outer"].default,
+            outer_lr=s["outer_lr"].default,
+            outer_momentum=s["outer_momentum"].default,
+            lease_s=s["lease_s"].default,
+            **changes,
+        )
+
     def describe(self) -> str:
+        if self.defaults:
+            extra = " ".join([*self.synchronizer_args, *self.train_args])
+            return f"defaults H={self.sync_every}" + (f" {extra}" if extra else "")
         k = "all" if self.quorum == 0 else str(self.quorum)
         s = f"K={k} H={self.sync_every} P={self.fragments} {self.codec} {self.merge}"
         if self.merge == "mix":
@@ -166,9 +210,22 @@ class Decoupled:
 
     def synchronizer_flags(self, host: str = "127.0.0.1") -> list[str]:
         """`synchronizer serve` flags of this configuration (bound to host, quiet logs)."""
-        return [
+        run = [
             "--host",
             host,
+            "--goodput-window-s",
+            "3600",
+            "--checkpoint-interval-s",
+            "0",
+            "--shutdown-grace-s",
+            "1",
+            "--log-level",
+            "WARNING",
+        ]
+        if self.defaults:
+            return [*run, *self.synchronizer_args]
+        return [
+            *run,
             "--quorum",
             str(self.quorum),
             "--grace",
@@ -181,8 +238,6 @@ class Decoupled:
             str(self.lease_s),
             "--forget-after-s",
             str(max(10.0, 3 * self.lease_s)),
-            "--goodput-window-s",
-            "3600",
             "--token-weight",
             self.token_weight,
             "--outer",
@@ -191,12 +246,6 @@ class Decoupled:
             str(self.outer_lr),
             "--outer-momentum",
             str(self.outer_momentum),
-            "--checkpoint-interval-s",
-            "0",
-            "--shutdown-grace-s",
-            "1",
-            "--log-level",
-            "WARNING",
             *self.synchronizer_args,
         ]
 
@@ -230,35 +279,35 @@ def learner_cmd(
         "--learners",
         str(w.learners),
         "--steps",
-        str(w.steps),
+        str(w.steps_of(index)),
         "--start-step",
         str(start_step),
         "--out",
         str(out),
         *w.train_flags(),
     )
+    if index == w.slow_learner and w.slow_factor > 1:
+        cmd += ["--slow", str(w.slow_factor)]
     if c is None:
         return [*cmd, "--no-sync"]
-    cmd += [
-        "--synchronizer",
-        address,
-        "--name",
-        f"l{index}",
-        "--sync-every",
-        str(c.sync_every),
-        "--fragments",
-        str(c.fragments),
-        "--codec",
-        c.codec,
-        "--merge",
-        c.merge,
-        "--alpha",
-        str(c.alpha),
-        "--retry-max-s",
-        "2",
-        *c.train_args,
-    ]
-    if c.strict_overlap:
+    cmd += ["--synchronizer", address, "--name", f"l{index}", "--sync-every", str(c.sync_every)]
+    if c.defaults:
+        cmd += c.train_args
+    else:
+        cmd += [
+            "--fragments",
+            str(c.fragments),
+            "--codec",
+            c.codec,
+            "--merge",
+            c.merge,
+            "--alpha",
+            str(c.alpha),
+            "--retry-max-s",
+            "2",
+            *c.train_args,
+        ]
+    if c.strict_overlap and not c.defaults:
         cmd += ["--strict-overlap"]
     if wait_for:
         cmd += ["--wait-for-learners", str(wait_for)]

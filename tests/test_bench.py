@@ -23,7 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKES = [
     ("ingest", [], ["ingest_ratio", "apply_ratio"]),
     ("dp", [], ["dp_bytes_per_step", "dp_eval_loss"]),
-    ("convergence", [], ["bandwidth_ratio", "loss_gap", "m1_gain"]),
+    (
+        "convergence",
+        [],
+        ["bandwidth_ratio", "loss_gap", "m1_gain", "default_vs_sync", "default_vs_best"],
+    ),
     ("wan", ["--net", "proxy"], ["wan_speedup"]),
     ("goodput", [], ["goodput", "goodput_sync", "goodput_lockstep"]),
     ("overlap", [], ["overlap_ratio"]),

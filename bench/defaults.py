@@ -1,0 +1,221 @@
+"""Choosing the defaults by measurement: candidate Synchronizer settings against synchronous FP32
+DiLoCo in every cell of learners x H x learner speeds, at equal tokens, on the bundled example.
+
+Arms (each a Synchronizer and M learner processes on their own links, see bench/jobs.py):
+
+  sync              synchronous FP32 DiLoCo, the baseline a default must never lose to: quorum =
+                    every live learner, P = 1, FP32 pushes, overwrite merge, outer Nesterov
+                    (0.7, 0.9), no Dynamic Local Updates, each learner blocking one step after a
+                    push until the round is back (what torchft's DiLoCo does with an all-reduce)
+  default           no flags at all but H: whatever the installed defaults are
+  delayed_nesterov  the defaults with `--outer delayed_nesterov --no-dynamic-local-updates`
+                    (momentum every outer_delay rounds: the defaults before this study)
+  nesterov          the defaults with `--outer nesterov --no-dynamic-local-updates`
+  nesterov_lr1      the same with `--outer-lr 1.0`
+  quorum_all        the defaults with `--quorum 0 --outer nesterov` (synchronous rounds, INT4, P=4)
+  nesterov_stale    the defaults with `--outer nesterov --staleness-weight poly`
+  nesterov_dlu      the defaults with `--outer nesterov` and Dynamic Local Updates with the
+                    Synchronizer's H (`--inner-steps H`: every learner's H scaled by its speed)
+
+Cells: M learners (2, 4, 8) x H (50, 100) x speeds: `equal`, or `slow` (the last learner runs 3x
+slower and trains steps/3 steps, what it reaches while the others train theirs). Within a cell
+every arm trains the same steps of the same data shards, so tokens are equal.
+
+For each cell: every arm's eval loss of the global model (pulled after the last learner
+finished), its ratio to the best arm of the cell (`vs_best`) and to `sync` (`vs_sync`). The
+summary names, per arm, the worst `vs_best` and `vs_sync` over the cells; an arm qualifies as a
+default when it is within 1% of the best in every cell and never above `sync`. Top-level keys
+`default_worst_vs_best` and `default_worst_vs_sync` are the `default` arm's.
+
+    python -m bench.defaults [--quick | --smoke] [--json PATH] [--steps S] [--learners 2,4,8]
+        [--sync-every 50,100] [--speeds equal,slow] [--arms sync,default,...] [--repeats R]
+Modes: --smoke a tiny model, 2 learners, 300 steps, H 20, arms sync and default (the suite's
+regression test of the defaults); --quick 2 and 4 learners,
+H 100, equal speeds, 500 steps; full: every cell, 1000 steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine, parser, table, write_json
+from bench.jobs import SMOKE, Decoupled, DilocoJob, Workload
+from bench.net import open_links
+
+SLOW_FACTOR = 3.0
+WITHIN = 0.01  # a default is within 1% of the best arm in every cell
+
+
+def _defaults(name: str, *args: str) -> Callable[[int], Decoupled]:
+    return lambda h: Decoupled.with_defaults(name, h, synchronizer_args=list(args))
+
+
+ARMS: dict[str, Callable[[int], Decoupled]] = {
+    "sync": lambda h: Decoupled(
+        name="sync",
+        quorum=0,
+        sync_every=h,
+        fragments=1,
+        codec="fp32",
+        merge="overwrite",
+        strict_overlap=True,
+        outer="nesterov",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        synchronizer_args=["--no-dynamic-local-updates"],
+    ),
+    "default": _defaults("default"),
+    "delayed_nesterov": _defaults(
+        "delayed_nesterov", "--outer", "delayed_nesterov", "--no-dynamic-local-updates"
+    ),
+    "nesterov": _defaults("nesterov", "--outer", "nesterov", "--no-dynamic-local-updates"),
+    "nesterov_lr1": _defaults(
+        "nesterov_lr1", "--outer", "nesterov", "--outer-lr", "1.0", "--no-dynamic-local-updates"
+    ),
+    "quorum_all": _defaults("quorum_all", "--quorum", "0", "--outer", "nesterov"),
+    "nesterov_stale": _defaults(
+        "nesterov_stale", "--outer", "nesterov", "--staleness-weight", "poly"
+    ),
+    "nesterov_dlu": lambda h: Decoupled.with_defaults(
+        "nesterov_dlu",
+        h,
+        synchronizer_args=[
+            "--outer",
+            "nesterov",
+            "--dynamic-local-updates",
+            "--inner-steps",
+            str(h),
+        ],
+    ),
+}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def summarize(cells: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per arm: the worst ratio to the best arm and to `sync` over the cells, and whether it
+    qualifies as a default (within WITHIN of the best everywhere, never above sync)."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in cells[0]["loss"]:
+        vs_best = [c["vs_best"][arm] for c in cells]
+        vs_sync = [c["vs_sync"][arm] for c in cells if "vs_sync" in c]
+        out[arm] = {
+            "worst_vs_best": max(vs_best),
+            "mean_vs_best": statistics.mean(vs_best),
+            "worst_vs_sync": max(vs_sync) if vs_sync else None,
+            "qualifies": max(vs_best) <= 1 + WITHIN and (not vs_sync or max(vs_sync) <= 1.0),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, help="inner steps per (fast) learner")
+    p.add_argument("--learners", type=_ints, help="comma-separated learner counts M")
+    p.add_argument("--sync-every", type=_ints, help="comma-separated H values")
+    p.add_argument("--speeds", help="comma-separated: equal, slow")
+    p.add_argument("--arms", help=f"comma-separated subset of {','.join(ARMS)}")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each arm per cell (mean)")
+    p.add_argument(
+        "--net", choices=("auto", "netns", "proxy"), default="auto", help="links to learners"
+    )
+    p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
+    args = p.parse_args(argv)
+    if args.smoke:
+        base, learners, hs, speeds = dataclasses.replace(SMOKE, steps=300), [2], [20], ["equal"]
+        arms = ["sync", "default"]
+    elif args.quick:
+        base, learners, hs, speeds = Workload(steps=500), [2, 4], [100], ["equal"]
+        arms = ["sync", "default", "delayed_nesterov", "nesterov"]
+    else:
+        base, learners, hs, speeds = Workload(steps=1000), [2, 4, 8], [50, 100], ["equal", "slow"]
+        arms = ["sync", "default", "delayed_nesterov", "nesterov", "nesterov_lr1"]
+    if args.steps:
+        base.steps = args.steps
+    learners = args.learners or learners
+    hs = args.sync_every or hs
+    speeds = args.speeds.split(",") if args.speeds else speeds
+    arms = args.arms.split(",") if args.arms else arms
+    unknown = sorted(set(arms) - set(ARMS)) + sorted(set(speeds) - {"equal", "slow"})
+    if unknown:
+        raise SystemExit(
+            f"unknown arms or speeds {unknown}; arms: {list(ARMS)}; speeds: equal, slow"
+        )
+
+    cells: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-defaults-") as tmp:
+        root = args.out or Path(tmp)
+        for m in learners:
+            with open_links(args.net, m) as links:
+                for h in hs:
+                    for speed in speeds:
+                        w = dataclasses.replace(
+                            base,
+                            learners=m,
+                            slow_learner=m - 1 if speed == "slow" else -1,
+                            slow_factor=SLOW_FACTOR if speed == "slow" else 1.0,
+                        )
+                        cell: dict[str, Any] = {"learners": m, "H": h, "speed": speed}
+                        losses: dict[str, list[float]] = {}
+                        for arm in arms:
+                            for r in range(args.repeats):
+                                run = DilocoJob(
+                                    ARMS[arm](h), w, links, root / f"m{m}-h{h}-{speed}-{arm}-{r}"
+                                ).run()
+                                losses.setdefault(arm, []).append(run["eval_loss"])
+                                print(
+                                    f"  M={m} H={h} {speed:5s} {arm:16s} eval loss {run['eval_loss']:.4f}  {run['wall_s']:6.1f} s  ({run['config']})",
+                                    flush=True,
+                                )
+                        loss = {a: statistics.mean(v) for a, v in losses.items()}
+                        best = min(loss.values())
+                        cell["loss"] = loss
+                        cell["runs"] = losses
+                        cell["best"] = min(loss, key=loss.__getitem__)
+                        cell["vs_best"] = {a: v / best for a, v in loss.items()}
+                        if "sync" in loss:
+                            cell["vs_sync"] = {a: v / loss["sync"] for a, v in loss.items()}
+                        cells.append(cell)
+    summary = summarize(cells)
+    rows = [
+        {
+            "cell": f"M={c['learners']} H={c['H']} {c['speed']}",
+            **{a: c["loss"][a] for a in arms},
+            "best": c["best"],
+        }
+        for c in cells
+    ]
+    print()
+    print(table(rows, ["cell", *arms, "best"]))
+    print()
+    print(
+        table(
+            [{"arm": a, **s} for a, s in summary.items()],
+            ["arm", "worst_vs_best", "mean_vs_best", "worst_vs_sync", "qualifies"],
+        )
+    )
+    result: dict[str, Any] = {}
+    if "default" in summary:
+        result["default_worst_vs_best"] = summary["default"]["worst_vs_best"]
+        result["default_worst_vs_sync"] = summary["default"]["worst_vs_sync"]
+    result |= {
+        "qualifying": [a for a, s in summary.items() if s["qualifies"]],
+        "summary": summary,
+        "cells": cells,
+        "arms": {a: ARMS[a](hs[0]).describe() for a in arms},
+        "workload": dataclasses.asdict(base),
+        "machine": machine(),
+    }
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
