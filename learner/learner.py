@@ -260,7 +260,7 @@ class Learner:
 
     def _sync_step(self) -> set[int]:
         assert self.engine is not None
-        h = self.engine.session.inner_steps or self.cfg.sync_every
+        h = self.engine.session.sync_every()
         if h != self.sync_every:
             logger.info(
                 "learner=%s sync_every %d -> %d (Dynamic Local Updates)",

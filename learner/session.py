@@ -125,7 +125,8 @@ class Session:
         self.epoch = ""
         self.generation = 0  # bumped by every successful re-join
         self.next_seq = 1
-        self.inner_steps = 0  # Dynamic Local Updates directive; 0 = the learner's own H
+        self.inner_steps = 0  # Dynamic Local Updates directive; 0 = the learner's own H...
+        self.inner_steps_scale = 0.0  # ...scaled by this when in (0, 1)
         self.heartbeat_s = cfg.heartbeat_interval_s or 3.0
         self.healthy = True  # False from a failed RPC until the next successful one
         self.errors = 0
@@ -135,7 +136,7 @@ class Session:
         reply = self.client.join(self.name, self.spec, learner_id)
         self.epoch = reply.server_epoch
         self.next_seq = max(self.next_seq, reply.next_seq)
-        self.inner_steps = reply.inner_steps
+        self.inner_steps, self.inner_steps_scale = reply.inner_steps, reply.inner_steps_scale
         self.heartbeat_s = (
             self.cfg.heartbeat_interval_s or reply.heartbeat_interval_s or reply.lease_s / 3 or 3.0
         )
@@ -273,7 +274,15 @@ class Session:
         its H (the next push of the same fragment), for the Synchronizer's adaptive grace."""
         if self.cfg.strict_overlap:
             return max(1, self.cfg.overlap_steps)
-        return max(1, self.inner_steps or self.cfg.sync_every)
+        return self.sync_every()
+
+    def sync_every(self) -> int:
+        """H now: the configured one, or what Dynamic Local Updates direct."""
+        if self.inner_steps:
+            return self.inner_steps
+        if 0 < self.inner_steps_scale < 1:
+            return max(1, int(self.inner_steps_scale * self.cfg.sync_every))
+        return self.cfg.sync_every
 
     def heartbeat_loop(self) -> None:
         """Renews the lease every heartbeat_s until `stopping`; re-joins when the Synchronizer
@@ -294,7 +303,7 @@ class Session:
                     self.recover(generation, fresh=code == grpc.StatusCode.NOT_FOUND)
                 continue
             self.succeeded()
-            self.inner_steps = reply.inner_steps
+            self.inner_steps, self.inner_steps_scale = reply.inner_steps, reply.inner_steps_scale
             if reply.server_epoch != self.epoch:
                 self.recover(generation)
 

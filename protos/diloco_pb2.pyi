@@ -127,7 +127,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("learner_id", "lease_s", "heartbeat_interval_s", "server_epoch", "versions", "needs_init", "inner_steps", "next_seq", "session")
+    __slots__ = ("learner_id", "lease_s", "heartbeat_interval_s", "server_epoch", "versions", "needs_init", "inner_steps", "next_seq", "session", "inner_steps_scale")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class JoinReply(_message.Message):
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_SCALE_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     lease_s: float
     heartbeat_interval_s: float
@@ -146,7 +147,8 @@ class JoinReply(_message.Message):
     inner_steps: int
     next_seq: int
     session: str
-    def __init__(self, learner_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., server_epoch: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., needs_init: _Optional[bool] = ..., inner_steps: _Optional[int] = ..., next_seq: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    inner_steps_scale: float
+    def __init__(self, learner_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., server_epoch: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., needs_init: _Optional[bool] = ..., inner_steps: _Optional[int] = ..., next_seq: _Optional[int] = ..., session: _Optional[str] = ..., inner_steps_scale: _Optional[float] = ...) -> None: ...
 
 class InitStart(_message.Message):
     __slots__ = ("learner_id", "spec_hash", "session")
@@ -197,16 +199,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., step_time_s: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("server_epoch", "lease_s", "inner_steps", "versions")
+    __slots__ = ("server_epoch", "lease_s", "inner_steps", "versions", "inner_steps_scale")
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_SCALE_FIELD_NUMBER: _ClassVar[int]
     server_epoch: str
     lease_s: float
     inner_steps: int
     versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
-    def __init__(self, server_epoch: _Optional[str] = ..., lease_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ...) -> None: ...
+    inner_steps_scale: float
+    def __init__(self, server_epoch: _Optional[str] = ..., lease_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., inner_steps_scale: _Optional[float] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "seq", "spec_hash", "fragment_id", "base_version", "tokens", "steps", "compute_s", "payload", "session")

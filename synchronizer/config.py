@@ -111,8 +111,8 @@ class SynchronizerConfig(BaseModel):
 
     # Outer optimizer
     outer: Literal["nesterov", "delayed_nesterov", "sgd"] = Field(
-        "delayed_nesterov",
-        description="Outer optimizer applied to each merged round. Delayed Nesterov (momentum every outer_delay rounds) is stable when rounds close on few learners; Nesterov suits synchronous rounds (quorum 0)",
+        "nesterov",
+        description="Outer optimizer applied to each merged round. Nesterov is the default by measurement (docs/performance.md, Defaults chosen by measurement); Delayed Nesterov (momentum every outer_delay rounds) moves too little when each fragment sees only tens of rounds",
     )
     outer_lr: float = Field(0.7, gt=0, le=10, description="Outer learning rate")
     outer_momentum: float = Field(
@@ -137,13 +137,13 @@ class SynchronizerConfig(BaseModel):
         256, ge=1, description="Learners that may be joined at once (alive or dead)"
     )
     dynamic_local_updates: bool = Field(
-        False,
-        description="Tell each learner its inner steps H_m = floor(v_m / v_max * inner_steps) from measured step rates",
+        True,
+        description="Tell each learner its inner steps from measured step rates: H_m = floor(v_m / v_max * inner_steps), or with inner_steps 0 its own H scaled by v_m / v_max when it runs below half the fastest learner's speed",
     )
     inner_steps: int = Field(
         0,
         ge=0,
-        description="H for the fastest learner under Dynamic Local Updates (required when they are on)",
+        description="H for the fastest learner under Dynamic Local Updates; 0: every learner's own H (only slow learners' is scaled)",
     )
 
     # Limits
@@ -269,10 +269,6 @@ class SynchronizerConfig(BaseModel):
             raise ValueError(
                 f"max_workers ({self.max_workers}) must be at least max_concurrent_streams ({self.max_concurrent_streams}) + max_waiting_pulls ({self.max_waiting_pulls}) + {RESERVED_WORKERS}: "
                 "every push, pull or waiting pull holds a gRPC worker, and heartbeats, joins and health checks need workers of their own"
-            )
-        if self.dynamic_local_updates and self.inner_steps < 1:
-            raise ValueError(
-                "dynamic_local_updates needs inner_steps >= 1 (H of the fastest learner)"
             )
         if self.anchor == "current" and self.update_history < self.max_staleness:
             raise ValueError(

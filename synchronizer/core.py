@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ from synchronizer.fragments import Fragment
 from synchronizer.goodput import Goodput
 from synchronizer.grace import GraceWindow
 from synchronizer.journal import Journal, load_epoch
-from synchronizer.leases import LearnerRecord, Registry
+from synchronizer.leases import DLU_RATIO, LearnerRecord, Registry
 from synchronizer.metrics import Metrics
 from synchronizer.model import FragmentFailed
 from synchronizer.rounds import Rounds
@@ -239,15 +240,22 @@ class Synchronizer:
             server_epoch=self.epoch,
             versions=self.versions(),
             needs_init=needs_init,
-            inner_steps=self._inner_steps(rec),
             next_seq=rec.max_seq + 1,
             session=session,
+            **self._inner_steps(rec),
         )
 
-    def _inner_steps(self, rec: LearnerRecord) -> int:
+    def _inner_steps(self, rec: LearnerRecord) -> dict[str, Any]:
+        """The Dynamic Local Updates directive of a Join or Heartbeat reply: H_m when the
+        Synchronizer has an H (`inner_steps`), else the scale of the learner's own H, given
+        only to a learner below DLU_RATIO of the fastest's speed: measured step times of equal
+        learners jitter, and each change of H moves that learner's push schedule."""
         if not self.cfg.dynamic_local_updates:
-            return 0
-        return self.registry.inner_steps_for(rec, self.cfg.inner_steps)
+            return {}
+        if self.cfg.inner_steps:
+            return {"inner_steps": self.registry.inner_steps_for(rec, self.cfg.inner_steps)}
+        ratio = self.registry.speed_ratio(rec)
+        return {"inner_steps_scale": ratio} if ratio < DLU_RATIO else {}
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         rec = self.registry.alive(request.learner_id, request.session)
@@ -256,8 +264,8 @@ class Synchronizer:
         return pb.HeartbeatReply(
             server_epoch=self.epoch,
             lease_s=self.cfg.lease_s,
-            inner_steps=self._inner_steps(rec),
             versions=self.versions(),
+            **self._inner_steps(rec),
         )
 
     def _report(self, rec: LearnerRecord, counters: pb.LearnerCounters, step_time_s: float) -> None:

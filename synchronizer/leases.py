@@ -31,6 +31,7 @@ REPLIES_KEPT = 256  # push replies remembered per learner for duplicate detectio
 MAX_NAME_CHARS = 128  # a learner's name: logged, stored in checkpoints, listed by Status
 MAX_ID_CHARS = 64  # ids handed out are 12 hex digits
 RECORDS_PER_SLOT = 4  # learner records kept (alive, dead or left) per max_learners slot
+DLU_RATIO = 0.5  # Dynamic Local Updates with no H set: scale only learners below this speed ratio
 # Sanity bounds of self-reported counts: no learner has done more than this since it first
 # joined (time counters at most the wall time itself), give or take COUNTS_SLACK_S.
 MAX_TOKENS_PER_S = 1e9
@@ -338,8 +339,8 @@ class Registry:
 
     # Dynamic Local Updates -------------------------------------------------------------------
 
-    def inner_steps_for(self, rec: LearnerRecord, inner_steps: int) -> int:
-        """H_m = floor(v_m / v_max * H) from measured step times (Async Local-SGD DyLU)."""
+    def speed_ratio(self, rec: LearnerRecord) -> float:
+        """v_m / v_max: the fastest live learner's step time over this one's (1.0 until known)."""
         with self.lock:
             times = [
                 r.step_time_s
@@ -347,8 +348,12 @@ class Registry:
                 if r.state == "alive" and r.step_time_s > 0
             ]
             if rec.step_time_s <= 0 or not times:
-                return inner_steps
-            return max(1, int(min(times) / rec.step_time_s * inner_steps))
+                return 1.0
+            return min(1.0, min(times) / rec.step_time_s)
+
+    def inner_steps_for(self, rec: LearnerRecord, inner_steps: int) -> int:
+        """H_m = floor(v_m / v_max * H) from measured step times (Async Local-SGD DyLU)."""
+        return max(1, int(self.speed_ratio(rec) * inner_steps))
 
     # Durability ------------------------------------------------------------------------------
 

@@ -117,7 +117,7 @@ def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path)
     [
         (["--quorum", "-1"], {}, "invalid setting quorum"),
         ([], {"DILOCO_OUTER": "adam"}, "invalid setting outer"),
-        (["--dynamic-local-updates"], {}, "needs inner_steps"),
+        (["--update-history", "4"], {}, "needs update_history"),
         (["--config", "/nonexistent.toml"], {}, "cannot read config file"),
     ],
 )

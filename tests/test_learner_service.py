@@ -348,6 +348,37 @@ def test_dynamic_local_updates_directive_replaces_sync_every(tmp_path):
             lrn.close()
 
 
+def test_dynamic_local_updates_without_an_h_shorten_only_the_slow_learners_own(tmp_path):
+    with running(server_config(tmp_path, dynamic_local_updates=True)) as srv:
+        models = [mlp(0), mlp(0)]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+        fast, slow = (
+            Learner(
+                m,
+                o,
+                synchronizer=srv.address,
+                sync_every=50,
+                fragments=2,
+                heartbeat_interval_s=0.05,
+            )
+            for m, o in zip(models, opts, strict=True)
+        )
+        try:
+            # Enough steps for the step-time averages to forget the first (join and init) step.
+            train(fast, models[0], opts[0], 40, seed=0, delay_s=0.0)
+            train(slow, models[1], opts[1], 40, seed=1, delay_s=0.05)  # over 10x slower
+            session = slow.engine.session if slow.engine else None
+            assert session is not None
+            assert wait_until(lambda: session.inner_steps_scale > 0)
+            train(fast, models[0], opts[0], 1, seed=0, delay_s=0.0)
+            train(slow, models[1], opts[1], 1, seed=1, delay_s=0.05)
+            assert fast.stats.sync_every == 50  # the fastest keeps its own H
+            assert 1 <= slow.stats.sync_every < 50 * 0.8
+        finally:
+            fast.close()
+            slow.close()
+
+
 def test_restarted_learner_comes_back_under_its_id_and_serves_metrics(tmp_path):
     import urllib.request
 

@@ -243,6 +243,17 @@ def test_dynamic_local_updates_give_slow_learners_fewer_steps(make_server):
     assert fast.heartbeat(step_time_s=0.1).inner_steps == 100
 
 
+def test_dynamic_local_updates_without_an_h_scale_only_a_clearly_slower_learners_own(make_server):
+    srv, clients, _ = _setup(make_server, 2, dynamic_local_updates=True)
+    fast, slow = clients
+    assert fast.heartbeat(step_time_s=0.1).inner_steps_scale == 0.0  # 0: its own H
+    reply = slow.heartbeat(step_time_s=0.3)
+    assert reply.inner_steps == 0 and reply.inner_steps_scale == pytest.approx(1 / 3)
+    # Step times of equal learners jitter (by 25% with 8 learners on 2 cores): above half the
+    # fastest's speed, nothing changes.
+    assert slow.heartbeat(step_time_s=0.19).inner_steps_scale == 0.0
+
+
 def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(make_server):
     srv, clients, init = _setup(
         make_server, 1, quorum=1, grace="none", outer="sgd", outer_lr=1.0, token_weight="uniform"
