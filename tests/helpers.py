@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -246,3 +247,20 @@ def poll(fn: Callable[[], Any], deadline_s: float, what: str, every_s: float = 0
                 return last
         time.sleep(every_s)
     pytest.fail(f"{what} within {deadline_s:.0f}s (last: {last!r})")
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_smoke(name: str, out: Path, *extra: str, timeout_s: float = 230) -> dict[str, Any]:
+    """Runs `python -m bench.NAME --smoke --json OUT` as a user would; asserts it exits 0 and
+    returns the JSON it wrote."""
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", "--smoke", "--json", str(out), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())

@@ -6,10 +6,7 @@ through the rate-limiting proxies, the others use namespaces only where they can
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +14,7 @@ import pytest
 from bench.goodput import pushed_fraction, schedule
 from bench.net import Proxies, TokenBucket, socket_bytes
 from bench.wan import reach_time
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import run_smoke
 
 SMOKES = [
     ("ingest", [], ["ingest_ratio", "apply_ratio"]),
@@ -41,16 +37,7 @@ SMOKES = [
 def test_benchmark_smoke_mode_exits_0_and_writes_its_headline_figures(
     tmp_path: Path, name: str, extra: list[str], keys: list[str]
 ) -> None:
-    out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", f"bench.{name}", "--smoke", "--json", str(out), *extra],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_smoke(name, tmp_path / f"{name}.json", *extra)
     for key in keys:
         assert isinstance(result.get(key), float) and math.isfinite(result[key]), (
             key,

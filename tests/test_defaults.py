@@ -11,30 +11,19 @@ below what the old default lost, so this fails on it.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import run_smoke
+
 MARGIN = 0.01
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_no_flags_end_at_least_as_low_as_synchronous_fp32_diloco(tmp_path: Path) -> None:
-    out = tmp_path / "defaults.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.defaults", "--smoke", "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_smoke("defaults", tmp_path / "defaults.json")
     (cell,) = result["cells"]
     assert set(cell["loss"]) == {"sync", "default"}
     assert result["default_worst_vs_sync"] <= 1 + MARGIN, cell["loss"]

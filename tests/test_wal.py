@@ -100,6 +100,18 @@ def test_a_full_disk_keeps_records_queued_until_space_comes_back(tmp_path):
 # The Synchronizer over the log -------------------------------------------------------------
 
 
+SYNCHRONIZER = [sys.executable, "-m", "synchronizer"]
+
+
+def log_only_flags(quorum: int) -> tuple[str, ...]:
+    """`serve` flags for the kill tests: rounds close at `quorum` pushes with no grace, and no
+    checkpoint but the first, so everything after init is only in the log."""
+    return ("--quorum", str(quorum), "--grace", "none", "--outer", "nesterov") + (
+        "--checkpoint-interval-s",
+        "0",
+    )
+
+
 def _pull_all(c: Client) -> dict[int, tuple[int, torch.Tensor]]:
     return {f: c.pull(f) for f in range(len(SPEC.fragments))}
 
@@ -108,17 +120,7 @@ def test_kill_9_loses_nothing_acknowledged_and_serves_every_version_again(tmp_pa
     """Quorum 2 of 2 learners: rounds close only when both pushed, so the last round is open
     (one acknowledged push in it) when the Synchronizer is killed."""
     state, ready = tmp_path / "state", tmp_path / "ready.json"
-    command = [sys.executable, "-m", "synchronizer"]
-    flags = (
-        "--quorum",
-        "2",
-        "--grace",
-        "none",
-        "--outer",
-        "nesterov",
-        "--checkpoint-interval-s",
-        "0",
-    )
+    command, flags = SYNCHRONIZER, log_only_flags(quorum=2)
     proc, info = serve_process(command, state, ready, *flags)
     try:
         a, b = Client(info["address"], SPEC, "a"), Client(info["address"], SPEC, "b")
@@ -181,17 +183,7 @@ def test_a_kill_during_replay_changes_nothing_on_disk_and_the_next_start_serves_
     """Replay only reads: killed part-way through (here after a few records of each segment),
     the state directory is byte for byte what it was, and the next start replays it all."""
     state, ready = tmp_path / "state", tmp_path / "ready.json"
-    command = [sys.executable, "-m", "synchronizer"]
-    flags = (
-        "--quorum",
-        "1",
-        "--grace",
-        "none",
-        "--outer",
-        "nesterov",
-        "--checkpoint-interval-s",
-        "0",
-    )
+    command, flags = SYNCHRONIZER, log_only_flags(quorum=1)
     proc, info = serve_process(command, state, ready, *flags)
     try:
         a = Client(info["address"], SPEC, "a")
