@@ -359,8 +359,13 @@ class Synchronizer:
             self.init_claim = claim
         try:
             numels = [f.numel for f in spec.fragments]
+
+            def progress() -> None:  # an upload longer than a lease keeps it while it moves
+                claim.touch()
+                self.registry.renew(rec)
+
             received = receive.init_fragments(
-                messages, lambda fid: _known_fragment(fid, len(numels)), numels, claim.touch
+                messages, lambda fid: _known_fragment(fid, len(numels)), numels, progress
             )
             with self.model_lock:
                 if self.init_claim is not claim:
@@ -386,7 +391,9 @@ class Synchronizer:
                 if self.init_claim is claim:
                     self.init_claim = None
         logger.info("model initialised by learner %s", first.start.learner_id)
+        self.registry.renew(rec)  # the first checkpoint is the server's time, not the learner's
         self.save_checkpoint()
+        self.registry.renew(rec)
         return pb.InitModelReply(versions=self.versions())
 
     def push(self, messages: PushMessages, call: Call | None = None) -> pb.PushReply:
@@ -412,7 +419,7 @@ class Synchronizer:
         rec = self.registry.alive(h.learner_id, h.session)
         self.journal.refuse_if_failing()
         held.enter_context(self.streams.claimed(rec.learner_id))
-        stream.learner_id = rec.learner_id
+        stream.owned_by(rec.learner_id, lambda: self.registry.renew(rec))
         self._require_initialized()
         self._check_spec_hash(h.spec_hash)
         frag = self.fragment(h.fragment_id)
@@ -507,7 +514,7 @@ class Synchronizer:
                 stream = held.enter_context(
                     self.streams.transfer("pull", call, SLOT_PATIENCE_S if free else 0.0)
                 )
-            stream.learner_id = rec.learner_id
+            stream.owned_by(rec.learner_id, lambda: self.registry.renew(rec))
             self._require_initialized()
             frag = self.fragment(request.fragment_id)
             self._check_spec_hash(rec.spec_hash)  # the spec this learner joined with

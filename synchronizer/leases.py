@@ -1,7 +1,8 @@
 """Learners and their leases: who is joined, who is alive, and what each has reported.
 
-A learner is alive while its lease is fresh (renewed by every heartbeat, push and pull); a lease
-that lapses makes it dead: it no longer counts toward "every live learner" and never holds a round.
+A learner is alive while its lease is fresh (renewed by every heartbeat, push and pull, and by
+each chunk a transfer of its moves, so an upload or a pull longer than a lease keeps it alive
+while its bytes flow); a lease that lapses makes it dead: it no longer counts toward "every live learner" and never holds a round.
 A dead learner may come back by joining again under its id. Join hands each new learner a random
 session secret; every later call under that id (and a re-join under it) must carry it, so one
 learner cannot act as another (PERMISSION_DENIED): only its SHA-256 is kept, and checkpointed, so
@@ -31,6 +32,7 @@ REPLIES_KEPT = 256  # push replies remembered per learner for duplicate detectio
 MAX_NAME_CHARS = 128  # a learner's name: logged, stored in checkpoints, listed by Status
 MAX_ID_CHARS = 64  # ids handed out are 12 hex digits
 RECORDS_PER_SLOT = 4  # learner records kept (alive, dead or left) per max_learners slot
+RENEW_EVERY_S = 0.25  # a transfer renews its learner's lease at most this often
 DLU_RATIO = 0.5  # Dynamic Local Updates with no H set: scale only learners below this speed ratio
 # Sanity bounds of self-reported counts: no learner has done more than this since it first
 # joined (time counters at most the wall time itself), give or take COUNTS_SLACK_S.
@@ -111,6 +113,7 @@ class Registry:
         self.forget_after_s = forget_after_s
         self.lock = threading.Lock()
         self.learners: dict[str, LearnerRecord] = {}
+        self.renew_every_s = min(RENEW_EVERY_S, lease_s / 4)
 
     def join(
         self, name: str, learner_id: str = "", session: str = ""
@@ -195,6 +198,17 @@ class Registry:
             if renew:
                 rec.lease_deadline = now + self.lease_s
             return rec
+
+    def renew(self, rec: LearnerRecord) -> None:
+        """Renews a live learner's lease from its transfer's progress. Cheap enough to call on
+        every chunk: the lock is taken only once the lease is `renew_every_s` older than a fresh
+        one. A lease already lapsed stays lapsed (that learner joins again)."""
+        now = time.monotonic()
+        if rec.lease_deadline - now > self.lease_s - self.renew_every_s:
+            return
+        with self.lock:
+            if rec.state == "alive" and now <= rec.lease_deadline:
+                rec.lease_deadline = now + self.lease_s
 
     def report(
         self, rec: LearnerRecord, counters: pb.LearnerCounters, step_time_s: float = 0.0

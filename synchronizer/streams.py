@@ -8,7 +8,9 @@ Every gRPC worker a stream holds is one of three kinds, and `max_workers` covers
   must make progress (a message received, a chunk taken by the client) at least every
   `stream_idle_s`, and a push must say whose it is within `IDENTIFY_S`, or the watchdog
   cancels the call: a client that opens a stream and sends nothing, or stops reading a pull,
-  holds its slot for at most that long;
+  holds its slot for at most that long. Each move also renews the learner's lease, so a
+  transfer that outlasts a lease keeps its learner alive while it makes progress, and a stalled
+  one does not;
 - a waiting slot (`max_waiting_pulls`): a pull waiting for a version that is not there yet,
   for at most `max_pull_wait_s`, and woken as soon as its client cancels, then for a transfer
   slot for at most `SLOT_PATIENCE_S`. With every waiting slot taken, a pull is answered at
@@ -64,11 +66,18 @@ class Stream:
     kind: str  # "push" or "pull"
     cancel: Callable[[], None]
     learner_id: str = ""
+    keep_alive: Callable[[], None] = _never  # renews the learner's lease; called on every move
     progress_at: float = field(default_factory=time.monotonic)
     cut: bool = False
 
+    def owned_by(self, learner_id: str, keep_alive: Callable[[], None]) -> None:
+        """Names the stream's learner, whose lease every later move renews through
+        `keep_alive`: a transfer longer than a lease keeps it while it makes progress."""
+        self.learner_id, self.keep_alive = learner_id, keep_alive
+
     def touch(self) -> None:
         self.progress_at = time.monotonic()
+        self.keep_alive()
 
     def moving(self, items: Iterable[T]) -> Iterator[T]:
         """`items`, touching the stream for every one that passes."""
