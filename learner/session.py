@@ -146,15 +146,19 @@ class Session:
         self,
         timeout_s: float,
         local_params: Callable[[], list[torch.Tensor]],
-        fetch: Callable[[], tuple[list[int], list[torch.Tensor]]],
+        fetch: Callable[[float], tuple[list[int], list[torch.Tensor]]],
     ) -> tuple[list[int], list[torch.Tensor], bool]:
         """Joins and obtains the global model: (versions, fragments, initialised), where
         `initialised` says the fragments are this learner's own (`local_params()`), uploaded as
-        the global model, and otherwise they were `fetch()`ed. Raises ValueError when the
+        the global model, and otherwise they were `fetch(wait_s)`ed, the pulls waiting up to
+        wait_s for a model that does not exist yet. A learner that finds another one uploading
+        the model says so once and waits for it, in waits shorter than its lease, joining again
+        between them; it starts as soon as the model exists. Raises ValueError when the
         Synchronizer refuses the model, PermissionError on auth failures, TimeoutError when it
-        cannot be reached within timeout_s."""
+        cannot be reached (or the model does not appear) within timeout_s."""
         deadline = time.monotonic() + timeout_s
         failures = 0
+        waiting = False  # for the model that another learner is uploading
         while True:
             try:
                 try:
@@ -168,6 +172,7 @@ class Session:
                             f"the Synchronizer at {self.client.address} refused this model: {e.details()}"
                         ) from None
                     raise
+                wait_s = 0.0
                 if reply.needs_init:
                     try:
                         params = local_params()
@@ -179,23 +184,37 @@ class Session:
                     except grpc.RpcError as e:
                         if e.code() != grpc.StatusCode.ALREADY_EXISTS:
                             raise
-                versions, fetched = fetch()
+                    if not waiting:
+                        waiting = True
+                        logger.info(
+                            "learner=%s waiting for the model to be initialised by another learner",
+                            self.client.learner_id,
+                        )
+                    # Within half a lease: no heartbeat keeps it before the model is here.
+                    wait_s = max(0.0, min(reply.lease_s / 2, deadline - time.monotonic()))
+                versions, fetched = fetch(wait_s)
                 return versions, fetched, False
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                code = e.code()
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise PermissionError(
                         f"the Synchronizer at {self.client.address} refused the credentials: {e.details()}"
                     ) from None
-                wait = backoff_s(failures, self.cfg.retry_initial_s, self.cfg.retry_max_s)
-                failures += 1
+                # Still no model after a wait: join again soon (renewing the lease) and wait on.
+                uploading = waiting and code == grpc.StatusCode.FAILED_PRECONDITION
+                wait = backoff_s(
+                    0 if uploading else failures, self.cfg.retry_initial_s, self.cfg.retry_max_s
+                )
                 if time.monotonic() + wait > deadline:
                     raise TimeoutError(
                         f"could not join the Synchronizer at {self.client.address} within {timeout_s}s: "
-                        f"{e.code().name} {e.details()}"
+                        f"{code.name} {e.details()}"
                     ) from None
-                logger.info(
-                    "joining %s: %s, retrying in %.1fs", self.client.address, e.code().name, wait
-                )
+                if not uploading:
+                    failures += 1
+                    logger.info(
+                        "joining %s: %s, retrying in %.1fs", self.client.address, code.name, wait
+                    )
                 time.sleep(wait)
 
     def recover(self, seen_generation: int, fresh: bool = False) -> None:

@@ -120,8 +120,8 @@ class SyncEngine:
         Synchronizer refuses the model, PermissionError on auth failures, TimeoutError when it
         cannot be reached within timeout_s."""
 
-        def fetch() -> tuple[list[int], list[torch.Tensor]]:
-            fetched = [self.pull(p, exact=True) for p in range(self.num)]
+        def fetch(wait_s: float) -> tuple[list[int], list[torch.Tensor]]:
+            fetched = [self.pull(p, wait_s=wait_s, exact=True) for p in range(self.num)]
             return [v for v, _, _ in fetched], [t for _, _, t in fetched]
 
         versions, params, initialised = self.session.connect(timeout_s, local_params, fetch)

@@ -2,11 +2,13 @@
 
 A learner busy uploading the initial model, pushing or pulling sends no heartbeat of its own
 (the first learner heartbeats only once the model exists), so every chunk a stream moves renews
-its lease; a stream that stalls does not, and its learner dies as any silent one does.
+its lease; a stream that stalls does not, and its learner dies as any silent one does. A learner
+that joins while another uploads the model waits for it (one INFO line) and starts once it exists.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
@@ -14,7 +16,10 @@ from typing import TypeVar
 import grpc
 import pytest
 import torch
+from torch import nn
 
+from learner import Learner
+from learner.fragments import FragmentPlan
 from protos import diloco_pb2 as pb
 from protos.initmodel import init_model_requests
 from tests.helpers import TIMEOUT, Client, push_messages, small_spec, wait_until
@@ -111,3 +116,65 @@ def test_a_stalled_push_does_not_keep_the_lease(make_server):
     with pytest.raises(grpc.RpcError) as e:
         c.heartbeat()
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_learner_joining_during_the_upload_waits_once_and_starts_when_the_model_exists(
+    make_server, caplog
+):
+    caplog.set_level(logging.INFO)
+    srv = make_server(lease_s=LEASE_S)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    spec = FragmentPlan(model, 2).spec
+    first = Client(srv.address, spec, "first")
+    first.join()
+    uploaded = [torch.randn(f.numel) for f in spec.fragments]
+    messages = list(
+        init_model_requests(first.learner_id, first.session, spec.spec_hash, uploaded, CHUNK)
+    )
+    release = threading.Event()
+
+    def upload() -> Iterator[pb.InitModelRequest]:
+        yield from messages[:3]  # under way: the model is not there yet
+        release.wait(TIMEOUT)
+        yield from messages[3:]
+
+    uploader = threading.Thread(target=lambda: first.stub.InitModel(upload(), timeout=TIMEOUT))
+    uploader.start()
+    assert wait_until(lambda: srv.synchronizer.init_claim is not None, TIMEOUT)
+    joined: list[Learner] = []
+    second = threading.Thread(
+        target=lambda: joined.append(
+            Learner(
+                model,
+                None,
+                synchronizer=srv.address,
+                fragments=2,
+                retry_initial_s=0.05,
+                retry_max_s=0.5,
+                join_timeout_s=TIMEOUT,
+            )
+        )
+    )
+    second.start()
+
+    def refusals() -> int:  # the second learner's InitModel attempts, one per wait
+        return sum("InitModel refused (ALREADY_EXISTS)" in r.getMessage() for r in caplog.records)
+
+    assert wait_until(lambda: refusals() >= 2, TIMEOUT)  # it has waited a while, and again
+    assert not joined
+    release.set()
+    uploader.join(TIMEOUT)
+    second.join(TIMEOUT)
+    assert joined, "the second learner did not start once the model existed"
+    try:
+        plan = FragmentPlan(model, 2)
+        for p, params in enumerate(uploaded):
+            assert torch.equal(plan.gather(p, "cpu"), params)
+        lines = [r for r in caplog.records if r.name.startswith("learner.")]
+        waiting = [r for r in lines if "waiting for the model" in r.getMessage()]
+        assert [r.levelno for r in waiting] == [logging.INFO]
+        assert not [r for r in lines if "retrying" in r.getMessage()]
+        assert not [r for r in lines if r.levelno >= logging.WARNING]
+    finally:
+        joined[0].close()
