@@ -1,12 +1,12 @@
 """Learners and their leases: who is joined, who is alive, and what each has reported.
 
-A learner is alive while its lease is fresh (renewed by every heartbeat, push and pull, and by
-each chunk a transfer of its moves, so an upload or a pull longer than a lease keeps it alive
-while its bytes flow); a lease that lapses makes it dead: it no longer counts toward "every live learner" and never holds a round.
-A dead learner may come back by joining again under its id. Join hands each new learner a random
-session secret; every later call under that id (and a re-join under it) must carry it, so one
-learner cannot act as another (PERMISSION_DENIED): only its SHA-256 is kept, and checkpointed, so
-learners keep their sessions across a restart. The registry also keeps each
+A learner is alive while its lease is fresh (renewed by every heartbeat, push and pull, and by each
+chunk a transfer of its moves, so an upload or a pull longer than a lease keeps it alive while its
+bytes flow); a lease that lapses makes it dead: it no longer counts toward "every live learner" and
+never holds a round. A dead learner may come back by joining again under its id. Join hands each new
+learner a random session secret; every later call under that id (and a re-join under it) must carry
+it, so one learner cannot act as another (PERMISSION_DENIED): only its SHA-256 is kept, and
+checkpointed, so learners keep their sessions across a restart. The registry also keeps each
 learner's push replies by sequence number, so a retried push is answered, not applied twice, and
 computes the Dynamic Local Updates directive from measured step times.
 """
