@@ -87,7 +87,7 @@ class LearnerConfig(ClientTLS):
     )
     strict_overlap: bool = Field(
         default=False,
-        description="Block the training loop tau steps after a push until that fragment's fresh parameters are merged",
+        description="Merge each push's result exactly tau steps after the push: block the training loop until it is back when late, hold it when early (a synchronous run is then reproducible)",
     )
     delta_pulls: bool = Field(
         default=True,

@@ -5,7 +5,10 @@ then merges the fresh global fragments that have arrived (after the optimizer st
 forward pass sees them and no gradient is applied to parameters it was not computed at), and on
 a fragment's due step (staggered: fragment p at offset p*H//P) encodes its outer gradient on the
 model's device and hands it to the background. Nothing in `step()` waits on the network unless
-`strict_overlap` is set (then a push's result is waited for, bounded, overlap_steps after it).
+`strict_overlap` is set: then a push's result is merged exactly overlap_steps (tau) after it,
+waited for (bounded) when late and held back when early, so the step at which each result lands
+does not depend on timing (with the Synchronizer's canonical order of a round's pushes, a
+synchronous run is reproducible bit for bit).
 
 The background side is `learner.sync.SyncEngine` (pushes, pulls, retries), within a
 `learner.session.Session` (joins, re-joins, heartbeats); `Learner` uses only their public methods.
@@ -122,6 +125,7 @@ class Learner:
         self.merges = 0
         self.deferred: set[int] = set()  # due while busy: pushed as soon as the fragment is free
         self.strict_waits: dict[int, int] = {}  # fragment -> step of its push (strict_overlap)
+        self.early: dict[int, Arrival] = {}  # results back before their tau (strict_overlap)
         self.since_push = [
             [0, 0, 0.0] for _ in range(self.num_fragments)
         ]  # tokens, steps, compute_s
@@ -338,9 +342,31 @@ class Learner:
         assert self.engine is not None
         merged: set[int] = set()
         while (arrival := self.engine.next_arrival()) is not None:
-            self._merge(arrival)
-            merged.add(arrival.fragment)
+            self._take(arrival, merged)
         return merged
+
+    def _take(self, a: Arrival, merged: set[int]) -> None:
+        """Merges an arrival, or (strict_overlap) holds a round's result that came back before
+        its tau until `_wait_overlap` merges it at exactly tau."""
+        p = a.fragment
+        if (
+            self.cfg.strict_overlap
+            and a.job is not None
+            and p in self.strict_waits
+            and self.clock.step - self.strict_waits[p] < self.cfg.overlap_steps
+        ):
+            self.early[p] = a
+            return
+        if p in self.early:  # a re-sync overtook a held result: that one first
+            self._merge(self.early.pop(p))
+        self._merge(a)
+        merged.add(p)
+
+    def _merge_early(self, fragments: list[int], merged: set[int]) -> None:
+        for p in sorted(fragments):
+            if p in self.early:
+                self._merge(self.early.pop(p))
+                merged.add(p)
 
     @torch.no_grad()
     def _merge(self, a: Arrival) -> None:
@@ -378,8 +404,7 @@ class Learner:
             arrival = self.engine.next_arrival(min(left, 0.1))
             if arrival is None:
                 continue
-            self._merge(arrival)
-            merged.add(arrival.fragment)
+            self._take(arrival, merged)
         return True
 
     def _wait_overlap(self) -> set[int]:
@@ -391,11 +416,13 @@ class Learner:
         ]
         if not late:
             return merged
+        self._merge_early(late, merged)
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.pull_wait_s + self.cfg.rpc_timeout_s
-        session = self.engine.session
+        # Through an outage too (bounded): a Synchronizer restarting keeps what it acknowledged,
+        # and the result lands at the same step as if it had not been down.
         if not self._merge_until(
-            lambda: not session.healthy or not any(p in self.strict_waits for p in late),
+            lambda: not any(p in self.strict_waits for p in late),
             deadline,
             merged,
         ):
@@ -443,7 +470,9 @@ class Learner:
             )
             engine = self.engine
             merged |= self._apply_arrivals()
+            self._merge_early(list(self.early), merged)
             done = self._merge_until(lambda: engine.in_flight() == 0, deadline, merged)
+            self._merge_early(list(self.early), merged)
             if not done:
                 logger.warning(
                     "learner=%s flush: %d syncs still in flight, giving up waiting",

@@ -59,6 +59,11 @@ class HeldBudget:
             self.held_bytes += nbytes
             return True
 
+    def claim(self, nbytes: int) -> None:
+        """Counts a payload held whatever the budget (a replayed round holds what it held)."""
+        with self._lock:
+            self.held_bytes += nbytes
+
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.held_bytes -= nbytes

@@ -456,7 +456,8 @@ class Synchronizer:
                     h.compute_s,
                     (received, header),
                     hold=reserved,
-                    journal=self.journal.push_journal(frag, h, received),
+                    journal=self.journal.push_journal(frag, h, received, rec.name, reserved),
+                    order=(rec.name, rec.learner_id, h.seq),
                 )
                 kept = reserved and verdict.outcome == pb.PUSH_ACCEPTED  # the round owns it now
                 reply = pb.PushReply(

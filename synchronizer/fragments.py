@@ -97,6 +97,7 @@ class Fragment:
         payload: tuple[torch.Tensor, pb.PayloadHeader],
         hold: bool = False,
         journal: Callable[[Verdict], int] | None = None,
+        order: tuple[str, str, int] = ("", "", 0),
     ) -> tuple[Verdict, Round | None]:
         """Judges one push into the open round (see `Admission.submit`)."""
         return self.admission.submit(
@@ -109,6 +110,7 @@ class Fragment:
             payload,
             hold,
             journal,
+            order,
         )
 
     def share_of(self, tokens: int, compute_s: float) -> Share:
@@ -139,9 +141,9 @@ class Fragment:
         if not rnd.held:
             return
         # A decode buffer only where one is needed (radial merge, FP4): the rest add in place.
-        needs_scratch = rnd.acc.radial or any(h.codec == pb.CODEC_FP4_E3M0 for _, h, _ in rnd.held)
+        needs_scratch = rnd.acc.radial or any(h.header.codec == pb.CODEC_FP4_E3M0 for h in rnd.held)
         scratch = self.pool.take() if needs_scratch else None
-        held = [buf for buf, _, _ in rnd.held]
+        held = [h.buf for h in rnd.held]
         try:
             rnd.add_held(scratch)
         finally:

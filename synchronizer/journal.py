@@ -133,8 +133,12 @@ class Journal:
         frag: Fragment,
         h: pb.PushHeader,
         payload: torch.Tensor,
+        name: str,
+        held: bool,
     ) -> Callable[[Verdict], int] | None:
-        """What `Fragment.submit` calls with an accepted push's verdict (in round order)."""
+        """What `Fragment.submit` calls with an accepted push's verdict (in round order). The
+        record says whether the round held the payload for its outer step (added then in its
+        canonical order, by learner `name`, id and seq) or added it at once."""
         wal = self.wal
         if wal is None:
             return None
@@ -147,6 +151,7 @@ class Journal:
                 "fid": frag.fid,
                 "version": verdict.round_version,
                 "learner_id": h.learner_id,
+                "name": name,
                 "seq": h.seq,
                 "base_version": h.base_version,
                 "tokens": h.tokens,
@@ -156,6 +161,7 @@ class Journal:
                 "current_version": verdict.current_version,
                 "staleness": verdict.staleness,
                 "header": header,
+                "held": held,
             }
             return wal.append(Record(PUSH, meta, data, crc))
 
@@ -236,6 +242,8 @@ class Journal:
                     share,
                     (buf, header),
                     version,
+                    (str(meta.get("name", "")), rec.learner_id, int(meta["seq"])),
+                    bool(meta.get("held", False)),  # logs before it was recorded: added at once
                 )
                 goodput.accepted(rec.learner_id, share)
                 reply = pb.PushReply(

@@ -328,12 +328,13 @@ class Registry:
 
     def joined_record(self, d: dict[str, Any]) -> LearnerRecord:
         """A learner from a write-ahead log JOIN record: kept as it is if known (its session
-        bound), otherwise added as dead (it re-joins under its id)."""
+        bound), otherwise added alive with a fresh lease (it joined after the checkpoint, so it
+        was alive a moment ago; see `restore`)."""
         now = time.monotonic()
         with self.lock:
             rec = self.learners.get(d["learner_id"])
             if rec is None:
-                rec = LearnerRecord(d["learner_id"], d["name"], "dead", now, now, died_at=now)
+                rec = LearnerRecord(d["learner_id"], d["name"], "alive", now + self.lease_s, now)
                 self.learners[rec.learner_id] = rec
             rec.session_hash = rec.session_hash or str(d.get("session_hash", ""))
             rec.first_joined = min(rec.first_joined, float(d.get("first_joined", now)))
@@ -378,8 +379,10 @@ class Registry:
                     "learner_id": r.learner_id,
                     "name": r.name,
                     "left": r.state == "left",
+                    "alive": r.state == "alive",
                     "max_seq": r.max_seq,
                     "session_hash": r.session_hash,
+                    "spec_hash": r.spec_hash,
                     "first_joined": r.first_joined,
                     "steps": r.steps,
                     "tokens": r.tokens,
@@ -390,15 +393,24 @@ class Registry:
             ]
 
     def restore(self, records: list[dict[str, Any]]) -> None:
-        """Learners from a checkpoint come back dead: they re-join under their ids."""
+        """Learners from a checkpoint: those alive when it was written come back alive with a
+        fresh lease (they keep their sessions: a restart is not their fault, and a round that
+        waits for every live learner still waits for them); if one does not call within that
+        lease it is dead, as any other. The others come back dead: they re-join under their ids."""
         now = time.monotonic()
         with self.lock:
             for d in records:
                 if d.get("left"):
                     continue
-                rec = LearnerRecord(d["learner_id"], d["name"], "dead", now, now, died_at=now)
+                if d.get("alive"):
+                    rec = LearnerRecord(
+                        d["learner_id"], d["name"], "alive", now + self.lease_s, now
+                    )
+                else:
+                    rec = LearnerRecord(d["learner_id"], d["name"], "dead", now, now, died_at=now)
                 rec.max_seq = rec.forgotten_up_to = int(d["max_seq"])
                 rec.session_hash = str(d.get("session_hash", ""))
+                rec.spec_hash = str(d.get("spec_hash", ""))
                 rec.first_joined = float(d.get("first_joined", rec.first_joined))
                 rec.steps, rec.tokens = int(d["steps"]), int(d["tokens"])
                 rec.compute_s, rec.blocked_s = float(d["compute_s"]), float(d["blocked_s"])

@@ -3,8 +3,11 @@
 Per fragment, `Admission` keeps at most one open round collecting weighted outer gradients: it
 judges each push (staleness bound; norm bound and token-weight cap against the other learners'
 recent pushes, `synchronizer.bounds`; staleness weight), holds its encoded payload for the outer
-step or adds it at once when the held-bytes budget is full (sums stay in arrival order either
-way), and says when the round may close. `Rounds` closes them, on worker threads, never on gRPC
+step or adds it at once when the held-bytes budget is full, and says when the round may close.
+Held pushes are added in a canonical order (learner name, id, seq), not in arrival order: a
+synchronous run (every learner in every round) sums the same numbers in the same order however
+its pushes raced, so it is reproducible bit for bit, and a replay of the write-ahead log repeats
+it (the log says which pushes were held and which were added at once). `Rounds` closes them, on worker threads, never on gRPC
 threads.
 
 Round policy (Decoupled DiLoCo): a round may close once it holds K contributions (K = quorum,
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -65,19 +68,29 @@ class Round:
     expired: bool = False  # the grace window ran out
     closing: bool = False
     ticket: int = 0  # its write-ahead log record; the outer step waits until it is durable
-    # Accepted pushes not yet added to `acc`: (payload bytes, header, weight), already validated.
-    # The outer-step worker decodes and adds them, so acknowledging a push costs no decode.
-    held: list[tuple[torch.Tensor, pb.PayloadHeader, float]] = field(default_factory=list)
+    # Accepted pushes not yet added to `acc`, already validated. The outer-step worker decodes
+    # and adds them, so acknowledging a push costs no decode.
+    held: list[Held] = field(default_factory=list)
 
     def add_held(self, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Adds the held pushes to the accumulator, in arrival order; returns their buffers."""
-        spent = [buf for buf, _, _ in self.held]
+        """Adds the held pushes to the accumulator in their canonical order (`Held.order`);
+        returns their buffers."""
+        spent = [h.buf for h in self.held]
         try:
-            for buf, header, weight in self.held:
-                self.acc.add_payload(buf, header, weight, scratch)
+            for h in sorted(self.held, key=lambda h: h.order):
+                self.acc.add_payload(h.buf, h.header, h.weight, scratch)
         finally:
             self.held.clear()
         return spent
+
+
+class Held(NamedTuple):
+    """An accepted push held for its round's outer step."""
+
+    buf: torch.Tensor  # the encoded payload as received
+    header: pb.PayloadHeader
+    weight: float
+    order: tuple[str, str, int]  # (learner name, learner id, seq): the order it is added in
 
 
 @dataclass
@@ -139,14 +152,15 @@ class Admission:
         payload: tuple[torch.Tensor, pb.PayloadHeader],
         hold: bool,
         journal: Callable[[Verdict], int] | None = None,
+        order: tuple[str, str, int] = ("", "", 0),
     ) -> tuple[Verdict, Round | None]:
         """Judges one push (its encoded bytes and header) and adds it to the open round; returns
         the verdict and its round. An accepted push is given to `journal` (the write-ahead log)
         in the order it enters its round, and the verdict carries the ticket it returns.
 
         With `hold` (room reserved in the held budget by the caller) an accepted payload belongs
-        to the round, whose outer step decodes and adds it; otherwise it is added now, after the
-        pushes held before it. The caller has validated the base version (not ahead of the
+        to the round, whose outer step decodes and adds it in `order` (learner name, id, seq)
+        among the others held; otherwise it is added now, after the pushes held before it. The caller has validated the base version (not ahead of the
         fragment's) and the values (`codec.check`: finite, right size).
 
         A push whose norm is above the bound of `self.bounds` is refused (PUSH_REFUSED_NORM),
@@ -170,7 +184,7 @@ class Admission:
                     self.round = Round(verdict.round_version - 1, acc)
                 rnd = self.round
                 if hold:
-                    rnd.held.append((payload[0], payload[1], verdict.weight))
+                    rnd.held.append(Held(payload[0], payload[1], verdict.weight, order))
                 else:
                     spent = rnd.add_held()  # first, to keep arrival order
                     self.held.release(sum(buf.numel() for buf in spent))
@@ -284,9 +298,13 @@ class Admission:
         share: Share,
         payload: tuple[torch.Tensor, pb.PayloadHeader],
         round_version: int,
+        order: tuple[str, str, int],
+        hold: bool,
     ) -> Round:
         """Adds a push from the write-ahead log to the round it went into, with the weight it
-        was judged to have: the same additions in the same order as before the restart."""
+        was judged to have, held or added at once as it was: the same additions in the same
+        order as before the restart."""
+        spent: list[torch.Tensor] = []
         with self.lock:
             if self.round is None:
                 acc = self.spare or self.new_accumulator()
@@ -297,9 +315,17 @@ class Admission:
                 raise ValueError(
                     f"fragment {self.fid}: a logged push for version {round_version} meets the open round to {rnd.start_version + 1}"
                 )
-            rnd.acc.add_payload(payload[0], payload[1], weight)
+            if hold:
+                self.held.claim(payload[0].numel())
+                rnd.held.append(Held(payload[0], payload[1], weight, order))
+            else:
+                spent = rnd.add_held()
+                self.held.release(sum(buf.numel() for buf in spent))
+                rnd.acc.add_payload(payload[0], payload[1], weight)
             rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
-            return rnd
+        for buf in spent:
+            self.pool.give(buf)
+        return rnd
 
     def take(self, rnd: Round) -> bool:
         """Marks the round as closing and opens the way for the next; False if already taken.

@@ -183,7 +183,9 @@ def test_learner_keeps_training_without_raising_when_the_server_goes_away(tmp_pa
             cm.__exit__(None, None, None)
 
 
-def test_learner_rejoins_and_resyncs_after_the_server_restarts_with_a_new_epoch(tmp_path):
+def test_learner_keeps_its_session_across_a_server_restart_and_syncs_on(tmp_path):
+    # A learner alive at the restart comes back alive, its session and its versions valid: it
+    # carries on without re-joining or re-pulling (a learner whose lease lapsed re-joins).
     cfg = server_config(tmp_path, lease_s=3.0)
     cm = serving(cfg)
     srv = cm.__enter__()
@@ -211,9 +213,12 @@ def test_learner_rejoins_and_resyncs_after_the_server_restarts_with_a_new_epoch(
         cm.__exit__(None, None, None)  # final checkpoint; the restart restores it
         cm = serving(cfg.model_copy(update={"port": port}))
         srv = cm.__enter__()
+        assert [x.state for x in srv.synchronizer.registry.learners.values()] == ["alive"]
+        merges = lrn.stats.merges
         train(lrn, model, opt, 10, seed=2)
-        assert wait_until(lambda: engine.session.generation > first_generation, 20)
+        assert lrn.flush(timeout_s=20) and lrn.stats.merges > merges
         assert engine.session.epoch == first_epoch  # the log kept the history of versions
+        assert engine.session.generation == first_generation  # no re-join was needed
         merges = lrn.stats.merges
         train(lrn, model, opt, 20, seed=3)
         assert lrn.flush(timeout_s=20)

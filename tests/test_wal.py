@@ -16,6 +16,7 @@ import torch
 from protos import diloco_pb2 as pb
 from synchronizer import wal as wal_module
 from synchronizer.config import SynchronizerConfig
+from synchronizer.leases import Registry
 from synchronizer.metrics import Metrics
 from synchronizer.server import start, stop
 from synchronizer.wal import JOIN, PUSH, ROUND, Disk, Record, Wal, WalError, list_segments
@@ -314,3 +315,26 @@ def test_a_restart_under_other_outer_step_arithmetic_starts_a_new_epoch(make_ser
     c2.session = c.session
     assert c2.join(c.learner_id).server_epoch != epoch
     assert again.synchronizer.fragments[0].version >= 1  # the acknowledged push was not lost
+
+
+def test_learners_alive_at_a_checkpoint_come_back_alive_for_one_lease_and_the_others_dead():
+    # A restart is not the learners' doing: those alive keep their sessions (a round waiting
+    # for every live learner still waits for them), and one that never calls lapses as usual.
+    before = Registry(lease_s=60, max_learners=8, forget_after_s=60)
+    alive, _, _ = before.join("alive")
+    dead, _, _ = before.join("dead")
+    gone, _, _ = before.join("gone")
+    dead.lease_deadline = 0.0  # lapsed
+    before.reap()
+    before.leave(gone.learner_id)
+    after = Registry(lease_s=0.2, max_learners=8, forget_after_s=60)
+    after.restore(before.snapshot())
+    states = {r.name: r.state for r in after.learners.values()}
+    assert states == {"alive": "alive", "dead": "dead"}
+    back = after.learners[alive.learner_id]
+    assert (back.session_hash, back.spec_hash) == (alive.session_hash, alive.spec_hash)
+    assert after.live_ids() == {alive.learner_id}
+    assert poll(lambda: after.reap() == [back], 10, "an absent learner to lapse after one lease")
+    # One that joined after the checkpoint (a JOIN record in the log) was alive a moment ago.
+    joined = after.joined_record({"learner_id": "0123456789ab", "name": "late"})
+    assert joined.state == "alive" and after.live_ids() == {"0123456789ab"}
