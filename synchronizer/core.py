@@ -376,7 +376,8 @@ class Synchronizer:
                     )
                 self._set_spec(spec)
                 for frag, params in zip(self.fragments, received, strict=True):
-                    frag.initialize(params)
+                    frag.initialize(params, adopt=True)  # the upload's buffers, not copies
+                received.clear()  # the fragments hold the only references
                 self.initialized = True
                 self.proposed.clear()
                 self.init_cv.notify_all()
