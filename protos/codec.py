@@ -1,8 +1,8 @@
 """The tensor codec of the wire: how a flat FP32 vector becomes payload bytes and back.
 
 This module owns the byte layout of every ``Codec`` in ``diloco.proto`` and the quantization
-itself (``encode``, ``decode``, ``check``, ``accumulate``, ``l2_norm``). How the bytes travel in
-chunks is ``protos.framing``'s job. Encode and decode are vectorised torch code that runs unchanged on CPU
+itself (``encode``, ``decode``, ``decode_runs``, ``check``, ``accumulate``, ``l2_norm``). How
+the bytes travel in chunks is ``protos.framing``'s job. Encode and decode are vectorised torch code that runs unchanged on CPU
 and CUDA; they walk the tensor in runs of whole blocks (about 1M elements) and write into
 preallocated outputs, so temporaries stay small whatever the tensor's size.
 
@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -486,6 +487,57 @@ def accumulate(
         torch.mul(vals, weight, out=out)
     else:
         out.add_(vals, alpha=weight)
+
+
+def run_elems(header: pb.PayloadHeader) -> int:
+    """Elements per run of ``decode_runs`` (whole blocks, about 1M): the scratch it needs."""
+    bs = int(header.block_size) if header.codec in _MAX_CODE else 1
+    return min(int(header.numel), max(1, _RUN_ELEMS // bs) * bs)
+
+
+@torch.no_grad()
+def decode_runs(
+    buf: torch.Tensor, header: pb.PayloadHeader, scratch: torch.Tensor
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``decode`` run by run, for a payload that passed ``check`` (or that ``encode`` made):
+    yields ``(start, values)`` for consecutive runs of whole blocks (``run_elems(header)``
+    elements; the last run may be shorter and ends with the partial block), each decoded into
+    ``scratch`` (FP32, at least ``run_elems(header)`` elements) and valid until the next run.
+    An aligned FP32 payload's own bytes are yielded without a copy. The values are ``decode``'s,
+    element for element, without a decoded copy of the whole payload."""
+    codec, n = header.codec, int(header.numel)
+    if n == 0:
+        return
+    run = run_elems(header)
+    if scratch.dtype != torch.float32 or scratch.numel() < run or not scratch.is_contiguous():
+        raise layout.CodecError(f"scratch must be contiguous FP32 of at least {run} elements")
+    buf = buf.contiguous()
+    if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
+        raw = _aligned(buf, torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16)
+        for start in range(0, n, run):
+            vals = raw[start : start + run]
+            yield start, vals if codec == pb.CODEC_FP32 else scratch[: vals.numel()].copy_(vals)
+        return
+    bs = int(header.block_size)
+    scales = _checked_scales(buf, codec, n, header.scale_dtype)
+    per_byte = 1 if codec == pb.CODEC_INT8 else 2
+    full = (n // bs) * bs
+    idx = torch.empty(run // per_byte, dtype=torch.int32, device=buf.device)
+    for start in range(0, n, run):
+        stop = min(start + run, n)
+        out = scratch[: stop - start]
+        whole = min(stop, full)
+        if whole > start:
+            _decode_run(
+                buf[start // per_byte : whole // per_byte],
+                codec,
+                scales[start // bs : whole // bs],
+                out[: whole - start].view(-1, bs),
+                idx,
+            )
+        if stop > full:
+            out[full - start :] = _decode_tail(buf, codec, bs, n, scales[-1:])
+        yield start, out
 
 
 def values(buf: torch.Tensor, header: pb.PayloadHeader, scratch: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,12 @@ its metadata; never pickle). It is written to a temporary name, fsynced, renamed
 the directory fsynced, so a crash at any moment leaves either the previous set of checkpoints or
 the new one, never a torn file under a final name. The last `keep` are kept; on start the newest
 that loads cleanly wins, and a damaged one is skipped with a warning.
+
+Memory: a `Writer` streams tensors into the file as they are added (safetensors' own `save_file`
+needs every tensor at once), so the Synchronizer copies one fragment's state at a time; the
+header, which safetensors puts first, goes into room reserved before the data and padded with
+spaces as the format allows. `load_latest` reads each tensor into memory of its own when it is
+asked for (`Stored`), so a restore neither maps the whole file nor holds it twice.
 """
 
 from __future__ import annotations
@@ -13,17 +19,35 @@ import json
 import logging
 import os
 import re
+import shutil
+import struct
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
 logger = logging.getLogger(__name__)
 
 NAME = re.compile(r"^ckpt-(\d{10})\.safetensors$")
 META_KEY = "diloco"
+HEADER_ROOM = 64 << 10  # bytes reserved for the header unless the writer is told more
+_WRITE_BYTES = 64 << 20  # tensor bytes per write call
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 def fsync_dir(path: Path) -> None:
@@ -47,44 +71,150 @@ def list_checkpoints(state_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+class Writer:
+    """The next numbered checkpoint, written tensor by tensor: `add` writes tensors' bytes at
+    once (the caller may then drop or change them), `finish` writes the header and makes the
+    file durable under its final name; leaving the `with` block unfinished removes it."""
+
+    def __init__(self, state_dir: Path, keep: int, header_room: int = HEADER_ROOM) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        existing = list_checkpoints(state_dir)
+        number = existing[-1][0] + 1 if existing else 1
+        self.state_dir, self.keep = state_dir, keep
+        self.final = state_dir / f"ckpt-{number:010d}.safetensors"
+        self.tmp = state_dir / f".tmp-{self.final.name}-{os.getpid()}"
+        self.room = _round8(header_room)
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.size = 0  # data bytes written
+        self.file: BinaryIO = open(self.tmp, "wb")  # noqa: SIM115 - closed by finish or __exit__
+        self.file.seek(8 + self.room)
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self.file.closed:  # not finished: a half-written file must not fill the disk
+            self.file.close()
+            self.tmp.unlink(missing_ok=True)
+
+    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Writes the bytes of `tensors` (CPU) now, in order, without copying them."""
+        for name, t in tensors.items():
+            if name in self.entries or name == "__metadata__":
+                raise ValueError(f"tensor name {name!r} is taken")
+            if t.dtype not in _DTYPES:
+                raise TypeError(f"tensor {name!r} has dtype {t.dtype}, not storable here")
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            data = raw.numpy().data
+            for start in range(0, len(data), _WRITE_BYTES):
+                self.file.write(data[start : start + _WRITE_BYTES])
+            self.entries[name] = {
+                "dtype": _DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [self.size, self.size + len(data)],
+            }
+            self.size += len(data)
+
+    def finish(self, meta: dict[str, Any]) -> Path:
+        """Writes the header (with `meta`), fsyncs, renames into place, fsyncs the directory and
+        prunes all but the newest `keep` checkpoints; returns the checkpoint's path."""
+        header = json.dumps(
+            {"__metadata__": {META_KEY: json.dumps(meta)}, **self.entries},
+            separators=(",", ":"),
+        ).encode()
+        if len(header) > self.room:
+            self._move_data(_round8(len(header)))
+        self.file.seek(0)
+        self.file.write(struct.pack("<Q", self.room) + header.ljust(self.room, b" "))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.final)
+        fsync_dir(self.state_dir)
+        for _, old in list_checkpoints(self.state_dir)[: -self.keep]:
+            old.unlink(missing_ok=True)
+        for stray in self.state_dir.glob(".tmp-ckpt-*"):
+            if stray != self.tmp:
+                stray.unlink(missing_ok=True)
+        return self.final
+
+    def _move_data(self, room: int) -> None:
+        """The header outgrew its room: the data moves to a new file behind a larger one."""
+        moved = self.tmp.with_name(self.tmp.name + "-grown")
+        with open(moved, "wb") as dst:
+            dst.seek(8 + room)
+            self.file.flush()
+            with open(self.tmp, "rb") as src:
+                src.seek(8 + self.room)
+                shutil.copyfileobj(src, dst, 1 << 20)
+        self.file.close()
+        self.tmp.unlink()
+        moved.rename(self.tmp)
+        self.file = open(self.tmp, "rb+")  # noqa: SIM115 - closed by finish or __exit__
+        self.room = room
+
+
+def _round8(n: int) -> int:
+    return -(-max(n, 8) // 8) * 8
+
+
 def save(
-    state_dir: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int
+    state_dir: Path, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any], keep: int
 ) -> Path:
     """Writes the next numbered checkpoint atomically and prunes all but the newest `keep`."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    existing = list_checkpoints(state_dir)
-    number = existing[-1][0] + 1 if existing else 1
-    final = state_dir / f"ckpt-{number:010d}.safetensors"
-    tmp = state_dir / f".tmp-{final.name}-{os.getpid()}"
-    try:
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(tmp),
-            metadata={META_KEY: json.dumps(meta)},
-        )
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a half-written file must not fill the disk further
-        raise
-    fsync_dir(state_dir)
-    for _, old in list_checkpoints(state_dir)[:-keep]:
-        old.unlink(missing_ok=True)
-    for stray in state_dir.glob(".tmp-ckpt-*"):
-        if stray != tmp:
-            stray.unlink(missing_ok=True)
-    return final
+    with Writer(state_dir, keep) as writer:
+        writer.add(tensors)
+        return writer.finish(meta)
 
 
-def load_latest(state_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path] | None:
-    """The newest checkpoint that loads cleanly, or None when there is none."""
+class Stored(Mapping[str, torch.Tensor]):
+    """The tensors of one checkpoint file by name, each read from the file when asked for into
+    memory of its own (the file is not mapped: a restore holds only what it has taken)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self._entries: dict[str, dict[str, Any]] = header
+        self._data_start = 8 + n
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        entry = self._entries[name]
+        begin, end = entry["data_offsets"]
+        t = torch.empty(entry["shape"], dtype=_TORCH_DTYPES[entry["dtype"]])
+        view = t.reshape(-1).view(torch.uint8).numpy().data
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start + begin)
+            done = 0
+            while done < end - begin:
+                got = f.readinto(view[done:])
+                if not got:
+                    raise OSError(f"{self.path} ends inside tensor {name!r}")
+                done += got
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def load_latest(state_dir: Path) -> tuple[Stored, dict[str, Any], Path] | None:
+    """The newest checkpoint that loads cleanly (its header checked by safetensors; tensors read
+    when asked for), or None when there is none."""
     for _, path in reversed(list_checkpoints(state_dir)):
         try:
-            tensors = load_file(str(path))
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {})[META_KEY])
-            return tensors, meta, path
+            return Stored(path), meta, path
         except (SafetensorError, OSError, KeyError, ValueError) as e:
             logger.warning("skipping damaged checkpoint %s: %s", path, e)
     return None

@@ -101,6 +101,11 @@ class SynchronizerConfig(BaseModel):
         ge=0,
         description="Recent outer updates kept per fragment: serve delta pulls and the current anchor; 0 keeps exact FP32 parameters and allows neither",
     )
+    update_history_bytes: int = Field(
+        0,
+        ge=0,
+        description="Bytes of kept updates per fragment: fewer than update_history are kept where they do not fit (at least one). A learner further behind pulls the full parameters, and a push staler than the kept updates is merged as anchor 'base' would. 0: 0.8x the fragment's FP32 bytes (3 INT8 updates)",
+    )
     update_codec: Literal["int8", "fp32"] = Field(
         "int8",
         description="How kept updates are stored and sent to delta pulls; int8 carries an error-feedback residual so nothing is lost over time",

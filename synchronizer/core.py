@@ -376,7 +376,8 @@ class Synchronizer:
                     )
                 self._set_spec(spec)
                 for frag, params in zip(self.fragments, received, strict=True):
-                    frag.initialize(params)
+                    frag.initialize(params, adopt=True)  # the upload's buffers, not copies
+                received.clear()  # the fragments hold the only references
                 self.initialized = True
                 self.proposed.clear()
                 self.init_cv.notify_all()
@@ -664,19 +665,23 @@ class Synchronizer:
         t0 = time.perf_counter()
         with self.checkpoint_lock:
             sealed = self.journal.seal()  # the log from here on is not in this checkpoint
-            tensors: dict[str, torch.Tensor] = {}
+            spec_text = base64.b64encode(spec.to_proto().SerializeToString()).decode()
             frag_meta = []
-            for frag in self.fragments:
-                t, m = frag.model.state()
-                tensors.update(t)
-                frag_meta.append(m)
-            meta = {
-                "format": 1,
-                "spec": base64.b64encode(spec.to_proto().SerializeToString()).decode(),
-                "fragments": frag_meta,
-                "learners": self.registry.snapshot(),
-            }
-            path = checkpoint.save(self.cfg.state_dir, tensors, meta, self.cfg.keep_checkpoints)
+            # One fragment's copy at a time: taken at one version under its lock, written, dropped.
+            room = checkpoint.HEADER_ROOM + len(spec_text) + 512 * self.cfg.max_learners
+            with checkpoint.Writer(self.cfg.state_dir, self.cfg.keep_checkpoints, room) as writer:
+                for frag in self.fragments:
+                    tensors, m = frag.model.state()
+                    writer.add(tensors)
+                    del tensors
+                    frag_meta.append(m)
+                meta = {
+                    "format": 1,
+                    "spec": spec_text,
+                    "fragments": frag_meta,
+                    "learners": self.registry.snapshot(),
+                }
+                path = writer.finish(meta)
             self.journal.release(
                 sealed,
                 {f.fid: int(m["version"]) for f, m in zip(self.fragments, frag_meta, strict=True)},

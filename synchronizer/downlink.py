@@ -1,11 +1,14 @@
 """The downlink of one fragment: what pulls are served, and the update chain behind delta pulls.
 
 Parameters served in FP32 cost 8x an INT4 push, so a learner that holds version v pulls only the
-outer updates since v. The Synchronizer keeps the last `update_history` outer updates encoded
-(INT8 blockwise by default) with a server-side error-feedback residual, and defines its canonical
-parameters as the sum of exactly those decoded updates: a learner that applies the same links in
-order holds the same parameters bit for bit, which the per-version crc32 proves. Full pulls are
-served from one encoded snapshot per codec and version, shared by every puller.
+outer updates since v. The Synchronizer keeps the last few outer updates encoded (INT8 blockwise
+by default) with a server-side error-feedback residual, and defines its canonical parameters as
+the sum of exactly those decoded updates: a learner that applies the same links in order holds
+the same parameters bit for bit, which the per-version crc32 proves. Full pulls are served from
+one encoded snapshot per codec and version, shared by every puller.
+
+How many links are kept is bounded in bytes as well as in count (`kept_links`): a learner further
+behind than the kept chain pulls the full parameters instead.
 
 `Downlink` holds no lock of its own: every method runs under the owning `FragmentModel`'s lock,
 which also guards the parameters it reads and writes.
@@ -14,6 +17,7 @@ which also guards the parameters it reads and writes.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,33 +27,53 @@ from protos import diloco_pb2 as pb
 
 Link = tuple[int, pb.PayloadHeader, torch.Tensor]  # (version it produces, header, encoded bytes)
 
+AUTO_HISTORY_FP32_SHARE = 0.8  # update_history_bytes 0: kept links take 0.8x the fragment's FP32
+
+
+def kept_links(
+    update_history: int,
+    history_bytes: int,
+    fragment_numel: int,
+    update_codec: str,
+    block_size: int = layout.DEFAULT_BLOCK_SIZE,
+) -> int:
+    """How many outer updates one fragment keeps: `update_history`, but no more than fit in
+    `history_bytes` (0: `AUTO_HISTORY_FP32_SHARE` of the fragment's FP32 bytes), and at least
+    one while any are kept. The same for every run with the same settings and fragment."""
+    if update_history <= 0:
+        return 0
+    budget = history_bytes or int(AUTO_HISTORY_FP32_SHARE * 4 * fragment_numel)
+    link = layout.encoded_nbytes(layout.parse_codec(update_codec), fragment_numel, block_size)
+    return min(update_history, max(1, budget // max(link, 1)))
+
 
 class Downlink:
     def __init__(self, numel: int, update_codec: str, history: int) -> None:
+        """`history`: links kept (see `kept_links`)."""
         self.numel = numel
         self.history = history
         self.codec = layout.parse_codec(update_codec)
-        self.chain: deque[Link] = deque()
+        self.chain: deque[Link] = deque()  # links are never written once made: shared, not copied
         self.residual: torch.Tensor | None = None  # error feedback of the update codec
-        self._decoded = torch.empty(0)  # the newest update as decoded, before it is added
         self._snapshots: dict[int, Link] = {}  # codec -> encoded parameters of one version
         self._checksums: dict[int, int] = {}
 
     def step(self, params: torch.Tensor, merged: torch.Tensor, factor: float, version: int) -> None:
         """Applies the outer update `factor * merged` through the chain: params +=
         decode(encode(update + residual)), residual = what the encoding lost. `merged` is
-        scratch afterwards. The parameters are written once, by the same single add a learner
-        applying the link does."""
+        scratch afterwards. The new link is decoded in runs of about 1M elements, each added to
+        the parameters by the same single add a learner applying the whole link does (so the
+        sum is the same, element for element), without a decoded copy of the whole update."""
         if self.residual is None:
             self.residual = torch.zeros(self.numel)
         update = torch.add(self.residual, merged, alpha=factor, out=merged)
         header = layout.make_header(self.codec, self.numel)
         encoded = codec.encode(update, self.codec)  # fresh: pulls may still be streaming old links
-        if self._decoded.numel() != self.numel:
-            self._decoded = torch.empty(self.numel)
-        decoded = codec.values(encoded, header, self._decoded)
-        torch.sub(update, decoded, out=self.residual)
-        params.add_(decoded)
+        scratch = torch.empty(codec.run_elems(header))
+        for start, decoded in codec.decode_runs(encoded, header, scratch):
+            stop = start + decoded.numel()
+            torch.sub(update[start:stop], decoded, out=self.residual[start:stop])
+            params[start:stop].add_(decoded)
         self.chain.append((version, header, encoded))
         while len(self.chain) > self.history:
             self.chain.popleft()
@@ -93,14 +117,22 @@ class Downlink:
         links = [link for link in self.chain if link[0] > have_version]
         return links if len(links) == version - have_version else None
 
+    def covers(self, base_version: int, version: int) -> bool:
+        """Whether the kept links hold every update after `base_version` up to `version`."""
+        return self.since(base_version, version) is not None
+
     def state(self, prefix: str) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-        tensors = {prefix + f"chain.{i}": buf.clone() for i, (_, _, buf) in enumerate(self.chain)}
+        """The chain's links (shared: never written) and a copy of the residual, by name."""
+        tensors = {prefix + f"chain.{i}": buf for i, (_, _, buf) in enumerate(self.chain)}
         if self.residual is not None:
             tensors[prefix + "residual"] = self.residual.clone()
         return tensors, [[v, h.codec, h.block_size] for v, h, _ in self.chain]
 
-    def restore(self, tensors: dict[str, torch.Tensor], chain: list[Any], prefix: str) -> None:
+    def restore(self, tensors: Mapping[str, torch.Tensor], chain: list[Any], prefix: str) -> None:
+        """Takes the residual and the newest `history` links of a checkpoint (read one by one
+        from `tensors`, which may load lazily)."""
         self.residual = tensors.get(prefix + "residual")
+        first = max(0, len(chain) - self.history)
         self.chain = deque(
             (
                 int(v),
@@ -108,7 +140,6 @@ class Downlink:
                 tensors[prefix + f"chain.{i}"],
             )
             for i, (v, c, b) in enumerate(chain)
+            if i >= first
         )
-        while len(self.chain) > self.history:
-            self.chain.popleft()
         self._snapshots.clear()

@@ -12,7 +12,7 @@ fragments never wait for each other.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -74,11 +74,12 @@ class Fragment:
             mean_segments=self.mean_segments if radial else None,
         )
 
-    def initialize(self, params: torch.Tensor, version: int = 0) -> None:
-        self.model.initialize(params, version)
+    def initialize(self, params: torch.Tensor, version: int = 0, adopt: bool = False) -> None:
+        """See `FragmentModel.initialize`."""
+        self.model.initialize(params, version, adopt)
         self.settled()
 
-    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def restore(self, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> None:
         self.model.restore(tensors, meta)
         self.settled()
 
@@ -125,10 +126,8 @@ class Fragment:
         t_decode = time.perf_counter() - t_decode
         acc = rnd.acc
 
-        def merge(out: torch.Tensor) -> torch.Tensor:
-            return (
-                out.zero_() if acc.total_weight == 0 else acc.merged(out)
-            )  # zero weights: no change
+        def merge() -> torch.Tensor:  # in place over the round's sums; zero weights: no change
+            return acc.merged() if acc.total_weight > 0 else acc.cleared()
 
         seconds, refused = self.model.step(rnd.start_version, merge, rnd.contributions)
         acc.reset()

@@ -62,6 +62,7 @@ REPLAY_SETTINGS = (
     "outer_delay",
     "update_codec",
     "update_history",
+    "update_history_bytes",
 )
 
 

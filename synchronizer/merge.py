@@ -207,8 +207,12 @@ class Accumulator:
         self._sum.add_(vec)
         self._total_weight += weight_sum
 
-    def merged(self, out: torch.Tensor) -> torch.Tensor:
-        """Write the merged delta into `out` (flat FP32, numel) and return it."""
+    def merged(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the merged delta into `out` (flat FP32, numel) and return it. Without `out` it
+        is written over the sums themselves (no buffer of its own): the accumulator then holds
+        nothing until `reset`, and the caller may write over the result."""
+        if out is None:
+            out = self._sum
         self._check_vector("out", out)
         total = self._total_weight
         if total == 0.0:
@@ -229,6 +233,12 @@ class Accumulator:
             start, end = self.segments[i]
             torch.div(self._sum[start:end], total, out=out[start:end])
         return out
+
+    def cleared(self) -> torch.Tensor:
+        """The sums' buffer, zeroed: a round that merges to no change (the caller may write
+        over it; `reset` before reuse)."""
+        self._fresh = False
+        return self._sum.zero_()
 
     def _materialize(self) -> None:
         if self._fresh:

@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from protos import codec
 from protos import diloco_pb2 as pb
 from synchronizer.config import SynchronizerConfig
-from synchronizer.downlink import Downlink, Link
+from synchronizer.downlink import Downlink, Link, kept_links
 from synchronizer.outer import make_outer
 
 logger = logging.getLogger(__name__)
@@ -71,35 +71,32 @@ class FragmentModel:
         self.failure: str | None = None
         self.stopping = False  # shutting down: pulls stop waiting for new versions
         self.outer = make_outer(cfg.outer, numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
-        self.downlink = Downlink(numel, cfg.update_codec, cfg.update_history)
-        self._merged = torch.empty(0)  # the merged round, reused
+        kept = kept_links(cfg.update_history, cfg.update_history_bytes, numel, cfg.update_codec)
+        self.downlink = Downlink(numel, cfg.update_codec, kept)
 
     @property
     def initialized(self) -> bool:
         return self.params is not None
 
-    def initialize(self, params: torch.Tensor, version: int = 0) -> None:
+    def initialize(self, params: torch.Tensor, version: int = 0, adopt: bool = False) -> None:
+        """Sets the parameters to a copy of `params`; with `adopt`, to `params` itself when it
+        is flat contiguous FP32 (the caller hands it over and keeps no other reference)."""
         with self.cv:
-            self.params = params.to(torch.float32).clone()
+            owned = adopt and params.dtype == torch.float32 and params.is_contiguous()
+            self.params = params if owned else params.to(torch.float32).clone()
             self.version = version
             self.downlink.changed()
             self.cv.notify_all()
 
-    def merged_buffer(self) -> torch.Tensor:
-        """Where a round's merged delta goes (owned by the outer step, reused every round)."""
-        if self._merged.numel() != self.numel:
-            self._merged = torch.empty(self.numel, dtype=torch.float32)
-        return self._merged
-
     def step(
         self,
         start_version: int,
-        merge: Callable[[torch.Tensor], torch.Tensor],
+        merge: Callable[[], torch.Tensor],
         contributions: Sequence[Contributor],
     ) -> tuple[float, str | None]:
         """Applies one round's outer step once the fragment is at `start_version`; returns the
-        seconds it took and, for a refused round, why. `merge(out)` writes the round's merged
-        delta into `out` and returns it. A merged delta that is not finite or beyond
+        seconds it took and, for a refused round, why. `merge()` returns the round's merged
+        delta in a buffer the outer step may write over (the round's own sums). A merged delta that is not finite or beyond
         `MAX_MERGED_ABS` is refused before it touches any state: the version still advances
         (by an empty update, so rounds and delta pulls keep their order) and the fragment stays
         healthy. Raises `FragmentFailed` if the fragment failed while this round waited."""
@@ -109,13 +106,13 @@ class FragmentModel:
             self._check_healthy()
             t0 = time.perf_counter()
             assert self.params is not None
-            merged = merge(self.merged_buffer())
+            merged = merge()
             if self.cfg.anchor == "current":
                 self._reanchor(start_version, contributions, merged)
             refused = unappliable(merged)
             if refused is not None:
                 self.downlink.skip(start_version + 1)
-            elif self.cfg.update_history > 0:
+            elif self.downlink.history > 0:
                 self.downlink.step(
                     self.params, merged, self.outer.direction(merged), start_version + 1
                 )
@@ -131,16 +128,27 @@ class FragmentModel:
     def _reanchor(
         self, start_version: int, contributions: Sequence[Contributor], merged: torch.Tensor
     ) -> None:
-        """Adds sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current fragment."""
+        """Adds sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current
+        fragment. A contribution staler than the kept links is left as it is (anchored at its
+        base, as with anchor 'base'). Each link is decoded in runs of about 1M elements, with
+        the same arithmetic, element for element, as adding the whole decoded link."""
         total = sum(c.weight for c in contributions)
-        stale = [c for c in contributions if c.base_version < start_version]
+        stale = [
+            c
+            for c in contributions
+            if c.base_version < start_version
+            and self.downlink.covers(c.base_version, start_version)
+        ]
         if total <= 0 or not stale:
             return
-        update = torch.empty(self.numel)
+        scratch: torch.Tensor | None = None
         for v, header, encoded in self.downlink.chain:
             behind = sum(c.weight for c in stale if c.base_version < v)
             if behind > 0:
-                merged.add_(codec.decode(encoded, header, update), alpha=behind / total)
+                if scratch is None:
+                    scratch = torch.empty(codec.run_elems(header))
+                for start, decoded in codec.decode_runs(encoded, header, scratch):
+                    merged[start : start + decoded.numel()].add_(decoded, alpha=behind / total)
 
     def fail(self, reason: str) -> None:
         """Marks the fragment failed and wakes every waiter."""
@@ -207,6 +215,9 @@ class FragmentModel:
     # Durability ------------------------------------------------------------------------------
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This fragment's checkpoint at one version: copies of what outer steps write
+        (parameters, outer state, residual) and the chain's links themselves (never written), so
+        a checkpoint copies one fragment at a time, not the whole model."""
         with self.cv:
             self._check_healthy()
             assert self.params is not None
@@ -225,17 +236,15 @@ class FragmentModel:
             }
             return tensors, meta
 
-    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def restore(self, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Takes this fragment's state from a checkpoint's `tensors` (read by name, one at a
+        time: a lazily loading mapping reads only this fragment's) and adopts what it reads."""
         p = f"frag.{self.fid}."
-        self.initialize(tensors[p + "params"], int(meta["version"]))
+        self.initialize(tensors[p + "params"], int(meta["version"]), adopt=True)
         outer_prefix = p + "outer."
         if meta.get("outer") == self.cfg.outer:
             self.outer.load_state_dict(
-                {
-                    k[len(outer_prefix) :]: v
-                    for k, v in tensors.items()
-                    if k.startswith(outer_prefix)
-                }
+                {k[len(outer_prefix) :]: tensors[k] for k in tensors if k.startswith(outer_prefix)}
             )
         else:
             logger.warning(

@@ -96,8 +96,9 @@ def init_fragments(
     progress: Callable[[], None] = lambda: None,
 ) -> list[torch.Tensor]:
     """Every fragment's FP32 parameters from an InitModel stream, each exactly once, checked
-    finite. `known(fid)` raises for a fragment id the model does not have; `progress()` is
-    called for every message that arrives."""
+    finite: the received buffers themselves, viewed as FP32 (hand them over, no copy needed).
+    `known(fid)` raises for a fragment id the model does not have; `progress()` is called for
+    every message that arrives."""
     got: dict[int, torch.Tensor] = {}
     asm: framing.Assembler | None = None
     header = pb.PayloadHeader()
@@ -126,9 +127,11 @@ def init_fragments(
             raise invalid("bad_stream", f"unexpected {kind!r} message inside InitModel")
         if asm is not None and asm.complete:
             try:
-                got[fid] = codec.decode(
-                    asm.finish(), header, torch.empty(numels[fid], dtype=torch.float32)
-                )
+                buf = asm.finish()
+                codec.check(buf, header)
+                # The received bytes themselves (FP32, aligned: no copy); the scratch, whose
+                # pages are never touched then, is decoded into only for an unaligned buffer.
+                got[fid] = codec.values(buf, header, torch.empty(numels[fid]))
             except layout.CodecError as e:
                 raise invalid("bad_values", f"payload rejected: {e}") from None
             asm = None

@@ -35,7 +35,7 @@ def test_a_checkpoint_that_cannot_be_written_is_loud_and_the_service_keeps_servi
     assert [n for n, _ in checkpoint.list_checkpoints(state)] == [1]
     caplog.set_level(logging.ERROR, logger="synchronizer")
 
-    monkeypatch.setattr(checkpoint, "save_file", _full_disk)
+    monkeypatch.setattr(checkpoint.Writer, "add", _full_disk)
     assert c.push(0, torch.full((SPEC.fragments[0].numel,), 0.1)).outcome == pb.PUSH_ACCEPTED
     core = srv.synchronizer
     assert not core.save_checkpoint()
@@ -59,7 +59,7 @@ def test_a_checkpoint_that_cannot_be_written_is_loud_and_the_service_keeps_servi
     monkeypatch.undo()  # the disk has room again: the next checkpoint clears the alarm
     assert core.save_checkpoint() and c.status().unhealthy == ""
 
-    monkeypatch.setattr(checkpoint, "save_file", _full_disk)
+    monkeypatch.setattr(checkpoint.Writer, "add", _full_disk)
     caplog.clear()
     assert stop(srv, 1.0) is False  # what SIGTERM runs: the exit status says it
     assert any(

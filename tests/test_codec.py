@@ -688,3 +688,21 @@ def test_norm_estimate_is_close_and_its_bound_holds_for_any_codes(codec):
     buf[:code_bytes] = 0x80 if codec == INT8 else 0x77 if codec == FP4 else 0x11
     worst = C.l2_norm(buf, header)
     assert worst <= C.norm_estimate(buf, header)[1] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    "codec_id", [pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_FP4_E3M0]
+)
+@pytest.mark.parametrize("n", [1, 255, (1 << 20) + 3 * 256 + 5])
+def test_decode_runs_yields_decode_values_run_by_run(codec_id: int, n: int) -> None:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    header = L.make_header(codec_id, n)
+    buf = C.encode(x, codec_id)
+    whole = C.decode(buf, header, torch.empty(n))
+    scratch = torch.empty(C.run_elems(header))
+    rebuilt, starts = torch.empty(n), []
+    for start, vals in C.decode_runs(buf, header, scratch):
+        rebuilt[start : start + vals.numel()] = vals
+        starts.append(start)
+    assert torch.equal(rebuilt, whole)
+    assert starts == list(range(0, n, C.run_elems(header)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from protos import codec, framing
+from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from tests.helpers import Client, small_spec
 
@@ -120,3 +120,25 @@ def test_error_feedback_keeps_canonical_params_close_to_exact_outer_steps(make_s
     a, b = clients[0].pull(0)[1], clients[1].pull(0)[1]
     one_step_error = max(d.abs().max().item() for d in deltas) / 254 * 2
     assert (a - b).abs().max().item() <= one_step_error  # bounded by ~one step's error, not 30
+
+
+def test_learner_behind_the_byte_bounded_history_gets_a_full_pull_and_the_same_params(
+    make_server,
+):
+    link = layout.encoded_nbytes(pb.CODEC_INT8, N)
+    srv = make_server(quorum=1, grace="none", update_history_bytes=2 * link + 1)
+    c = Client(srv.address, SPEC)
+    c.join()
+    c.init([torch.randn(N)])
+    assert srv.synchronizer.fragments[0].model.downlink.history == 2  # 16 by count, 2 by bytes
+    _, v0 = c.pull(0)
+    _train(c, 2)
+    _, v2 = c.pull(0)
+    _train(c, 2, start=2)
+    version, served = c.pull(0)
+    behind, full, _ = _delta_pull(c, 0, v0)
+    assert behind.HasField("payload") and behind.version == version == 4  # links 1, 2 are gone
+    assert torch.equal(full, served) and framing.checksum(full) == behind.checksum
+    near, rebuilt, _ = _delta_pull(c, 2, v2)
+    assert not near.HasField("payload") and near.links == 2
+    assert torch.equal(rebuilt, served) and framing.checksum(rebuilt) == near.checksum

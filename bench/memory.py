@@ -1,0 +1,200 @@
+"""Memory: the bytes each fragment's tensors hold in a Synchronizer serving a model of N
+parameters, in steady state and while a checkpoint is written.
+
+Builds the Synchronizer's fragments in this process (default settings, no gRPC), initialises
+them, and runs rounds of `--learners` INT4 pushes each until the update chain is full. Then it
+counts the bytes of every tensor a fragment holds, by part: parameters, outer state, residual,
+update chain, accumulators, buffer pool, cached full-pull snapshots, and any other tensor
+attribute of the model or its downlink (a permanent scratch). The checkpoint figure is the most
+bytes the checkpoint's copies hold at once: every tensor handed to the checkpoint writer that is
+not storage the fragment already holds, measured at each write (or, for a writer that takes
+them all at once, in total). Bytes per parameter = bytes / N.
+
+    python -m bench.memory [--params N] [--fragments 4] [--learners 4] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protos import codec, layout
+from protos import diloco_pb2 as pb
+from protos.spec import TensorInfo, plan_fragments
+from synchronizer import checkpoint
+from synchronizer.config import SynchronizerConfig
+from synchronizer.core import Synchronizer
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors directly in `obj`: a tensor, or one inside a list, tuple, deque or dict."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)) or type(obj).__name__ == "deque":
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _storage_bytes(tensors: Iterator[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen and s.nbytes() > 0:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def fragment_bytes(frag: Any) -> dict[str, int]:
+    """Bytes of the tensors one `Fragment` holds, by part (each storage counted once)."""
+    model, down, adm = frag.model, frag.model.downlink, frag.admission
+    seen: set[int] = set()
+    parts = {
+        "params": _storage_bytes(_tensors(model.params), seen),
+        "outer": _storage_bytes(_tensors(model.outer.state_dict()), seen),
+        "residual": _storage_bytes(_tensors(down.residual), seen),
+        "chain": _storage_bytes((buf for _, _, buf in down.chain), seen),
+    }
+    accs = [a for a in (adm.spare, adm.round.acc if adm.round else None) if a is not None]
+    parts["accumulators"] = _storage_bytes((a._sum for a in accs), seen)
+    parts["pool"] = _storage_bytes(_tensors(list(frag.pool._free.values())), seen)
+    parts["snapshots"] = _storage_bytes((buf for _, _, buf in down._snapshots.values()), seen)
+    other = list(_tensors(list(vars(model).values()))) + list(_tensors(list(vars(down).values())))
+    parts["other"] = _storage_bytes(iter(other), seen)
+    return parts
+
+
+def _live_storages(core: Synchronizer) -> set[int]:
+    seen: set[int] = set()
+    for frag in core.fragments:
+        for part in (frag.model.__dict__, frag.model.downlink.__dict__):
+            _storage_bytes(_tensors(list(part.values())), seen)
+        _storage_bytes(_tensors(frag.model.outer.state_dict()), seen)
+        _storage_bytes((buf for _, _, buf in frag.model.downlink.chain), seen)
+    return seen
+
+
+def checkpoint_copy_bytes(core: Synchronizer) -> int:
+    """The most bytes of copies a checkpoint holds at once (see the module docstring)."""
+    live = _live_storages(core)
+    peak = 0
+    held: list[int] = []
+
+    def count(tensors: Any) -> int:
+        seen = set(live)
+        return _storage_bytes(_tensors(dict(tensors)), seen)
+
+    writer = getattr(checkpoint, "Writer", None)
+    if writer is not None:  # streamed: the copies of one add() are alive until the next
+        original = writer.add
+
+        def add(self: Any, tensors: Any) -> None:
+            nonlocal peak
+            held.append(count(tensors))
+            peak = max(peak, held[-1])
+            original(self, tensors)
+
+        writer.add = add
+        try:
+            core.save_checkpoint()
+        finally:
+            writer.add = original
+    else:  # one call with every tensor
+        original_save = checkpoint.save
+
+        def save(state_dir: Path, tensors: Any, meta: Any, keep: int) -> Path:
+            nonlocal peak
+            peak = count(tensors)
+            return original_save(state_dir, tensors, meta, keep)
+
+        checkpoint.save = save  # type: ignore[assignment]
+        try:
+            core.save_checkpoint()
+        finally:
+            checkpoint.save = original_save  # type: ignore[assignment]
+    return peak
+
+
+def run_rounds(core: Synchronizer, learners: int, rounds: int, seed: int = 0) -> None:
+    """`rounds` rounds of every fragment, each of `learners` INT4 pushes at the current version,
+    submitted and applied as the outer-step worker does (no gRPC)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(rounds):
+        for frag in core.fragments:
+            delta = torch.randn(frag.numel, generator=g) * 1e-3
+            header = layout.make_header(pb.CODEC_INT4, frag.numel)
+            payload = codec.encode(delta, pb.CODEC_INT4)
+            for m in range(learners):
+                buf = frag.pool.take(payload.numel()).copy_(payload)  # as a push does
+                hold = frag.held.reserve(buf.numel())
+                frag.submit(f"l{m}", frag.version, 1000, 10, 1.0, (buf, header), hold=hold)
+            rnd = frag.admission.round
+            assert rnd is not None and frag.admission.take(rnd)
+            frag.apply(rnd)
+
+
+def measure(params: int, fragments: int, learners: int, **settings: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as state:
+        cfg = SynchronizerConfig(
+            state_dir=Path(state), wal=False, checkpoint_interval_s=0, metrics_port=-1, **settings
+        )
+        core = Synchronizer(cfg)
+        try:
+            per = [params // fragments] * fragments
+            per[-1] += params - sum(per)
+            spec = plan_fragments(
+                [TensorInfo(f"layer{i}.weight", (n,)) for i, n in enumerate(per)], fragments
+            )
+            core._set_spec(spec)
+            for frag in core.fragments:
+                frag.initialize(torch.randn(frag.numel) * 0.02)
+            core.initialized = True
+            run_rounds(core, learners, cfg.update_history + 1)
+            by_fragment = [fragment_bytes(f) for f in core.fragments]
+            totals = {k: sum(f[k] for f in by_fragment) for k in by_fragment[0]}
+            steady = sum(totals.values())
+            ckpt = checkpoint_copy_bytes(core)
+        finally:
+            core.close()
+    return {
+        "params": params,
+        "fragments": fragments,
+        "by_fragment": by_fragment,
+        "bytes_per_param": {k: round(v / params, 3) for k, v in totals.items()},
+        "steady_bytes_per_param": round(steady / params, 3),
+        "checkpoint_copies_bytes_per_param": round(ckpt / params, 3),
+        "peak_bytes_per_param": round((steady + ckpt) / params, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=4_000_000)
+    parser.add_argument("--fragments", type=int, default=4)
+    parser.add_argument("--learners", type=int, default=4)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    result = measure(args.params, args.fragments, args.learners)
+    for fid, parts in enumerate(result["by_fragment"]):
+        print(f"fragment {fid}: " + ", ".join(f"{k} {v:,}" for k, v in parts.items()))
+    print("bytes per parameter:", result["bytes_per_param"])
+    print(
+        f"steady {result['steady_bytes_per_param']} B/param; checkpoint copies "
+        f"{result['checkpoint_copies_bytes_per_param']} B/param; "
+        f"peak {result['peak_bytes_per_param']} B/param"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

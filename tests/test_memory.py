@@ -1,0 +1,212 @@
+"""What the Synchronizer holds in memory: the byte-bounded update history, no full-size scratch,
+checkpoints that copy one fragment at a time, and the arithmetic those savings must not change."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from bench.memory import measure, run_rounds
+from protos import codec, framing, layout
+from protos import diloco_pb2 as pb
+from protos.spec import TensorInfo, plan_fragments
+from synchronizer import checkpoint
+from synchronizer.config import SynchronizerConfig
+from synchronizer.core import Synchronizer
+from synchronizer.downlink import Downlink, kept_links
+from synchronizer.model import FragmentModel
+
+
+def test_kept_links_follow_the_byte_budget() -> None:
+    n = 1_000_000
+    int8 = layout.encoded_nbytes(pb.CODEC_INT8, n)
+    assert kept_links(16, 0, n, "int8") == 3  # automatic: 0.8x the FP32 bytes
+    assert kept_links(16, 0, n, "fp32") == 1  # at least one
+    assert kept_links(16, 5 * int8, n, "int8") == 5
+    assert kept_links(16, 5 * int8 - 1, n, "int8") == 4
+    assert kept_links(2, 100 * int8, n, "int8") == 2  # the count still bounds it
+    assert kept_links(0, 100 * int8, n, "int8") == 0  # no chain at all
+    assert kept_links(16, 1, n, "int8") == 1
+
+
+def test_fragments_hold_no_full_size_scratch_and_checkpoints_copy_one_fragment() -> None:
+    result = measure(200_000, 4, 2)
+    for parts in result["by_fragment"]:
+        numel = parts["params"] // 4
+        assert parts["other"] == 0, parts  # no merged or decoded buffer of its own
+        assert parts["chain"] == 3 * layout.encoded_nbytes(pb.CODEC_INT8, numel)
+    largest = max(p["params"] + p["outer"] + p["residual"] for p in result["by_fragment"])
+    assert 0 < result["checkpoint_copies_bytes_per_param"] * 200_000 <= largest
+
+
+@pytest.mark.parametrize("update_codec", ["int8", "fp32"])
+def test_update_link_is_added_run_by_run_exactly_as_a_whole_decoded_link(update_codec: str) -> None:
+    n = 2 * (1 << 20) + 1000 + 77  # several runs and a partial last block
+    g = torch.Generator().manual_seed(0)
+    params, merged = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3
+    down = Downlink(n, update_codec, 4)
+    down.residual = torch.randn(n, generator=g) * 1e-5
+    update = torch.add(down.residual, merged, alpha=-0.7)
+    header = layout.make_header(layout.parse_codec(update_codec), n)
+    decoded = codec.decode(codec.encode(update, header.codec), header, torch.empty(n))
+    expected_params, expected_residual = params + decoded, update - decoded
+    down.step(params, merged.clone(), -0.7, 1)
+    assert torch.equal(params, expected_params)
+    assert torch.equal(down.residual, expected_residual)
+
+
+def _model(**settings: object) -> FragmentModel:
+    cfg = SynchronizerConfig(state_dir=Path("unused"), wal=False, **settings)  # type: ignore[arg-type]
+    model = FragmentModel(0, 5000, cfg)
+    model.initialize(torch.randn(5000, generator=torch.Generator().manual_seed(1)))
+    return model
+
+
+def _merge(d: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: d.clone()
+
+
+def _params(model: FragmentModel) -> torch.Tensor:
+    assert model.params is not None
+    return model.params
+
+
+class _Push:
+    def __init__(self, base_version: int, weight: float) -> None:
+        self.base_version, self.weight = base_version, weight
+
+
+def test_push_staler_than_the_kept_links_is_merged_as_anchor_base_does() -> None:
+    link = layout.encoded_nbytes(pb.CODEC_INT8, 5000)
+    models = {
+        anchor: _model(anchor=anchor, update_history=16, update_history_bytes=2 * link)
+        for anchor in ("current", "base")
+    }
+    g = torch.Generator().manual_seed(2)
+    deltas = [torch.randn(5000, generator=g) * 0.01 for _ in range(5)]
+    for v, d in enumerate(deltas[:3]):
+        for model in models.values():
+            model.step(v, _merge(d), [_Push(v, 1.0)])
+    assert [v for v, _, _ in models["current"].downlink.chain] == [2, 3]
+    # Base 0 misses link 1 (gone): anchored at its base, exactly as anchor "base" merges it.
+    for model in models.values():
+        model.step(3, _merge(deltas[3]), [_Push(0, 1.0)])
+    assert torch.equal(_params(models["current"]), _params(models["base"]))
+    # Base 2 is covered by link 3: re-anchored, so the two now differ.
+    for model in models.values():
+        model.step(4, _merge(deltas[4]), [_Push(2, 1.0), _Push(4, 1.0)])
+    assert not torch.equal(_params(models["current"]), _params(models["base"]))
+
+
+def test_reanchor_adds_each_link_as_the_whole_decoded_link_would() -> None:
+    model = _model(anchor="current", update_history=4, max_staleness=4)
+    g = torch.Generator().manual_seed(3)
+    for v in range(2):
+        d = torch.randn(5000, generator=g) * 0.01
+        model.step(v, _merge(d), [_Push(v, 1.0)])
+    merged = torch.randn(5000, generator=g)
+    expected = merged.clone()
+    pushes = [_Push(0, 2.0), _Push(1, 1.0), _Push(2, 1.0)]
+    for v, header, encoded in model.downlink.chain:
+        behind = sum(p.weight for p in pushes if p.base_version < v)
+        expected.add_(codec.decode(encoded, header, torch.empty(5000)), alpha=behind / 4.0)
+    model._reanchor(2, pushes, merged)
+    assert torch.equal(merged, expected)
+
+
+def test_checkpoint_writer_files_load_with_safetensors_even_past_the_header_room(
+    tmp_path: Path,
+) -> None:
+    tensors = {
+        "f32": torch.randn(1000),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "scalar": torch.tensor(5, dtype=torch.int64),
+        "empty": torch.empty(0),
+    }
+    meta = {"note": "x" * 5000}
+    for room in (checkpoint.HEADER_ROOM, 64):  # 64 bytes: the header outgrows it
+        with checkpoint.Writer(tmp_path, keep=5, header_room=room) as writer:
+            for name, t in tensors.items():
+                writer.add({name: t})
+            path = writer.finish(meta)
+        loaded = load_file(str(path))
+        assert loaded.keys() == tensors.keys()
+        assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
+        found = checkpoint.load_latest(tmp_path)
+        assert found is not None and found[1] == meta and found[2] == path
+        assert all(torch.equal(found[0][k], t) for k, t in tensors.items())
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_checkpoints_written_while_outer_steps_run_hold_each_fragment_at_one_version(
+    tmp_path: Path,
+) -> None:
+    """Each fragment is copied under its lock: whatever outer steps do meanwhile, a checkpoint's
+    parameters, momentum and residual are those the fragment had at the version it records."""
+    cfg = SynchronizerConfig(
+        state_dir=tmp_path, wal=False, checkpoint_interval_s=0, keep_checkpoints=50
+    )
+    core = Synchronizer(cfg)
+    seen: dict[tuple[int, int], tuple[int, int, int]] = {}
+    try:
+        spec = plan_fragments([TensorInfo(f"w{i}", (300_000,)) for i in range(2)], 2)
+        core._set_spec(spec)
+        for frag in core.fragments:
+            frag.initialize(torch.randn(frag.numel))
+        core.initialized = True
+
+        def crcs(frag_model: FragmentModel) -> tuple[int, int, int]:
+            assert frag_model.params is not None and frag_model.downlink.residual is not None
+            (momentum,) = frag_model.outer.state_dict().values()
+            return (
+                framing.checksum(frag_model.params),
+                framing.checksum(momentum),
+                framing.checksum(frag_model.downlink.residual),
+            )
+
+        for frag in core.fragments:
+            original = frag.model.step
+
+            def step(*args: Any, model: FragmentModel = frag.model, step: Any = original) -> Any:
+                out = step(*args)
+                with model.cv:
+                    seen[(model.fid, model.version)] = crcs(model)
+                return out
+
+            frag.model.step = step  # type: ignore[method-assign,assignment]
+        run_rounds(core, 1, 1)
+        done = threading.Event()
+
+        def train() -> None:
+            run_rounds(core, 2, 12, seed=1)
+            done.set()
+
+        worker = threading.Thread(target=train)
+        worker.start()
+        saved = 0
+        while not done.is_set() or saved < 3:
+            assert core.save_checkpoint()
+            saved += 1
+        worker.join()
+    finally:
+        core.close()
+    assert len(checkpoint.list_checkpoints(tmp_path)) >= 3
+    for _, path in checkpoint.list_checkpoints(tmp_path):
+        stored = checkpoint.Stored(path)
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()[checkpoint.META_KEY])
+        for fid, fmeta in enumerate(meta["fragments"]):
+            p = f"frag.{fid}."
+            got = tuple(
+                framing.checksum(stored[p + k])
+                for k in ("params", "outer.momentum_buffer", "residual")
+            )
+            assert got == seen[(fid, fmeta["version"])], (path.name, fid, fmeta["version"])
