@@ -3,6 +3,7 @@ refusals of `memory_limit_bytes` (at Join, and at start on a state directory).""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import grpc
@@ -85,9 +86,10 @@ def _limit_below(spec_numels: list[int]) -> int:
     return memory.project(SynchronizerConfig(), spec_numels)["total"] - 1
 
 
-def test_gauge_exports_the_projection_before_and_after_the_model_is_initialised(
-    make_server,
+def test_projection_is_logged_and_exported_before_and_after_the_model_is_initialised(
+    make_server, caplog
 ) -> None:
+    caplog.set_level(logging.INFO, logger="synchronizer.core")
     srv = make_server()
     registry = srv.synchronizer.metrics.registry
     cfg = srv.synchronizer.cfg
@@ -104,6 +106,10 @@ def test_gauge_exports_the_projection_before_and_after_the_model_is_initialised(
     for component, nbytes in expected.items():
         assert gauge(component) == nbytes, component
     c.close()
+    logged = [r.getMessage() for r in caplog.records if "memory projection" in r.getMessage()]
+    assert "bytes per model parameter" in logged[0]
+    assert f"for {spec.numel} parameters in 2 fragments" in logged[1]
+    assert "x the FP32 model): params " in logged[1] and "baseline 0.31 GiB" in logged[1]
 
 
 def test_join_with_a_model_over_the_memory_limit_is_refused_naming_both_numbers(
