@@ -13,6 +13,10 @@ import threading
 
 import torch
 
+# Budgets per fragment, in FP32 copies of the fragment (4 bytes x numel each).
+POOL_FP32_COPIES = 2  # buffers pooled for reuse
+HELD_FP32_COPIES = 2  # encoded payloads rounds hold for the outer step
+
 
 class BufferPool:
     def __init__(self, numel: int, budget_bytes: int) -> None:

@@ -182,6 +182,11 @@ class SynchronizerConfig(BaseModel):
         ge=1,
         description="Largest model (in parameters) a learner may initialise; a larger spec is refused at Join",
     )
+    memory_limit_bytes: int = Field(
+        0,
+        ge=0,
+        description="Resident memory the Synchronizer may plan for; a model whose projected memory (logged, and exported as diloco_memory_bytes) is above it is refused at Join, and a start on a state directory holding one exits with one line. 0 = no limit",
+    )
     max_spec_bytes: int = Field(
         1 << 20,
         ge=1024,

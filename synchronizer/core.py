@@ -16,20 +16,24 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from google.protobuf.message import DecodeError
+from safetensors import SafetensorError, safe_open
 
 from protos import diloco_pb2 as pb
 from protos import framing, layout
 from protos.spec import ModelSpec
-from synchronizer import checkpoint, receive, wire
+from synchronizer import checkpoint, memory, receive, wire
 from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
@@ -77,6 +81,26 @@ def _known_fragment(fragment_id: int, count: int) -> None:
         )
 
 
+def _spec_of(meta: dict[str, Any]) -> ModelSpec:
+    """The model spec a checkpoint's metadata carries."""
+    msg = pb.ModelSpec()
+    msg.ParseFromString(base64.b64decode(meta["spec"]))
+    return ModelSpec.from_proto(msg)
+
+
+def _stored_spec(state_dir: Path) -> ModelSpec | None:
+    """The newest checkpoint's spec, from its metadata alone (None when there is none, or it
+    cannot be read: restoring then decides)."""
+    found = checkpoint.list_checkpoints(state_dir)
+    if not found:
+        return None
+    try:
+        with safe_open(str(found[-1][1]), framework="pt") as f:
+            return _spec_of(json.loads((f.metadata() or {})[checkpoint.META_KEY]))
+    except (SafetensorError, OSError, KeyError, ValueError, DecodeError):
+        return None
+
+
 class Synchronizer:
     def __init__(
         self, cfg: SynchronizerConfig, metrics: Metrics | None = None, disk: Disk | None = None
@@ -84,6 +108,7 @@ class Synchronizer:
         """`disk`: the write-ahead log's file operations (tests inject faults there)."""
         self.cfg = cfg
         self.metrics = metrics or Metrics()
+        self._check_memory_at_start()
         self.journal = Journal(cfg, self.metrics, disk)
         # A history of versions starts with the checkpoint an initialisation writes.
         self.epoch = load_epoch(cfg, bool(checkpoint.list_checkpoints(cfg.state_dir)))
@@ -115,6 +140,14 @@ class Synchronizer:
 
     def _set_spec(self, spec: ModelSpec) -> None:
         self.spec = spec
+        projection = memory.project(self.cfg, spec)
+        self._export_memory(projection)
+        logger.info(
+            "memory projection for %d parameters in %d fragments: %s",
+            spec.numel,
+            len(spec.fragments),
+            memory.describe(projection, spec.numel),
+        )
         self.streams.limit_per_learner(len(spec.fragments))
         self.fragments = [
             Fragment(f, self.cfg, self.metrics, self.goodput, spec.numel) for f in spec.fragments
@@ -131,6 +164,31 @@ class Synchronizer:
         )
         for frag in self.fragments:
             frag.admission.journal = self.journal.round_journal(frag)
+
+    def _check_memory_at_start(self) -> None:
+        """Refuses to start (`MemoryLimitError`, before anything is loaded or written) when the
+        fixed costs, or the model the state directory holds, cannot fit `memory_limit_bytes`;
+        logs what each parameter of a model will cost."""
+        stored = _stored_spec(self.cfg.state_dir)
+        why = memory.over_limit(self.cfg, stored if stored is not None else [])
+        if why is not None:
+            raise memory.MemoryLimitError(f"refusing to start: {why}")
+        self._export_memory(memory.project(self.cfg, []))
+        per_param, fixed = memory.bytes_per_param(self.cfg)
+        limit = self.cfg.memory_limit_bytes
+        logger.info(
+            "memory projection: %.1f bytes per model parameter (%.1fx its FP32 bytes) + %.0f MiB; %s",
+            per_param,
+            per_param / 4,
+            fixed / (1 << 20),
+            f"memory_limit_bytes {limit:,} fits about {int((limit - fixed) / per_param):,} parameters"
+            if limit
+            else "no memory_limit_bytes",
+        )
+
+    def _export_memory(self, projection: dict[str, int]) -> None:
+        for component, nbytes in projection.items():
+            self.metrics.memory.labels(component).set(nbytes)
 
     def versions(self) -> list[pb.FragmentVersion]:
         return [pb.FragmentVersion(fragment_id=f.fid, version=f.version) for f in self.fragments]
@@ -211,6 +269,9 @@ class Synchronizer:
                 "model_too_large",
                 f"the model has {spec.numel} parameters; this Synchronizer serves at most max_model_params={self.cfg.max_model_params}",
             )
+        too_big = memory.over_limit(self.cfg, spec)
+        if too_big is not None:
+            raise Rejected(Code.RESOURCE_EXHAUSTED, "over_memory_limit", too_big)
         with self.model_lock:
             if self.spec is not None and spec.spec_hash != self.spec.spec_hash:
                 raise Rejected(
@@ -697,9 +758,7 @@ class Synchronizer:
         if found is None:
             return
         tensors, meta, path = found
-        spec_msg = pb.ModelSpec()
-        spec_msg.ParseFromString(base64.b64decode(meta["spec"]))
-        self._set_spec(ModelSpec.from_proto(spec_msg))
+        self._set_spec(_spec_of(meta))
         for frag, fmeta in zip(self.fragments, meta["fragments"], strict=True):
             frag.restore(tensors, fmeta)
         self.initialized = True

@@ -19,7 +19,7 @@ import torch
 
 from protos import diloco_pb2 as pb
 from protos.spec import Fragment as FragmentSpec
-from synchronizer.buffers import BufferPool, HeldBudget
+from synchronizer.buffers import HELD_FP32_COPIES, POOL_FP32_COPIES, BufferPool, HeldBudget
 from synchronizer.config import SynchronizerConfig
 from synchronizer.goodput import Goodput, Share
 from synchronizer.merge import Accumulator
@@ -51,9 +51,9 @@ class Fragment:
             for i, (name, _, _) in enumerate(offsets)
             if any(h in name.lower() for h in EMBEDDING_HINTS)
         }
-        # Budgets of two FP32 copies each: pooled buffers, and payloads held for the outer step.
-        self.pool = BufferPool(spec.numel, 2 * 4 * spec.numel)
-        self.held = HeldBudget(2 * 4 * spec.numel)
+        # Pooled buffers, and payloads held for the outer step (`synchronizer.memory` counts both).
+        self.pool = BufferPool(spec.numel, POOL_FP32_COPIES * 4 * spec.numel)
+        self.held = HeldBudget(HELD_FP32_COPIES * 4 * spec.numel)
         self.model = FragmentModel(self.fid, spec.numel, cfg)
         self.admission = Admission(
             cfg, metrics, goodput, self._new_accumulator, self.pool, self.held, self.fid

@@ -168,6 +168,12 @@ class Metrics:
             "1 while the write-ahead log cannot be written (pushes are refused, pulls served).",
             registry=r,
         )
+        self.memory = Gauge(
+            "diloco_memory_bytes",
+            "Projected peak resident memory by component (synchronizer.memory); component 'total' is their sum.",
+            ["component"],
+            registry=r,
+        )
         for state in LEARNER_STATES:
             self.learners.labels(state).set(0)
         for outcome in PUSH_OUTCOMES:

@@ -28,6 +28,11 @@ SMOKES = [
     ("goodput", [], ["goodput", "goodput_sync", "goodput_lockstep"]),
     ("overlap", [], ["overlap_ratio"]),
     ("durability", [], ["wal_ratio", "fsync_p50_ms", "restart_s"]),
+    (
+        "scale",
+        [],
+        ["rss_ratio", "init_s", "join_s", "outer_step_s", "apply_ratio", "learners_sustained"],
+    ),
 ]
 
 

@@ -134,6 +134,40 @@ def test_bad_config_is_one_line_naming_the_field(tmp_path, args, env, words):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stored", [False, True], ids=["no-model", "stored-model"])
+def test_start_that_cannot_fit_memory_limit_bytes_is_one_line_and_exit_2(tmp_path, stored):
+    """Too small for the process alone, or for the model the state directory holds."""
+    from synchronizer import memory
+    from synchronizer.config import SynchronizerConfig
+    from synchronizer.metrics import Metrics
+    from synchronizer.server import serving
+
+    state = tmp_path / "state"
+    limit = 1000
+    if stored:
+        spec = plan_fragments([TensorInfo(n, tuple(t.shape)) for n, t in WEIGHTS.items()], 2)
+        cfg = SynchronizerConfig(port=0, metrics_port=-1, state_dir=state, shutdown_grace_s=1.0)
+        with serving(cfg, Metrics()) as srv:
+            c = Client(srv.address, spec)
+            c.join()
+            c.init([torch.zeros(f.numel) for f in spec.fragments])
+            c.close()
+        limit = memory.project(cfg, spec)["total"] - 1
+    out = subprocess.run(
+        [sys.executable, "-m", "synchronizer", "serve", "--state-dir", str(state)]
+        + ["--port", "0", "--metrics-port", "-1", "--memory-limit-bytes", str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "refusing to start" in out.stderr and f"memory_limit_bytes={limit:,}" in out.stderr
+    assert ("parameters in 2 fragments" in out.stderr) == stored
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_config_file_is_overridden_by_environment_and_flags(tmp_path):
     from protos.configload import load
     from synchronizer.config import SynchronizerConfig
@@ -161,6 +195,7 @@ def test_help_explains_every_option():
 
     for name in SynchronizerConfig.model_fields:
         assert "--" + name.replace("_", "-") in out.stdout
+    assert "--memory-limit-bytes" in out.stdout and "diloco_memory_bytes" in out.stdout
 
 
 # init and status through TLS and tokens, in-process ----------------------------------------------

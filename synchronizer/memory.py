@@ -1,0 +1,163 @@
+"""Memory as a budget: the Synchronizer's projected peak resident bytes, by component.
+
+`project(cfg, model)` is a pure function of the settings and the fragment sizes; it counts what
+the code allocates, per fragment, at its bounds:
+
+- `params`: the FP32 parameters (4 B/param);
+- `outer_state`: the outer optimizer's FP32 buffers (nesterov 4, delayed_nesterov 8, sgd 0 B/param);
+- `residual`: the update chain's error-feedback residual (4 B/param whenever a chain is kept);
+- `update_history`: the kept encoded outer updates (`_kept_links` of them per fragment);
+- `accumulators`: FP32 round sums, at most two per fragment (the open round, and the one whose
+  outer step is being applied; `synchronizer.rounds`);
+- `payloads`: encoded pushes, bounded by the pool and held-bytes budgets (`synchronizer.buffers`);
+- `snapshots`: one cached full-pull snapshot per pull codec (FP32 and BF16);
+- `scratch`: the outer step's merged-delta buffer and the chain's decode buffer per fragment, per
+  apply thread a re-anchoring buffer and the link being encoded, and one message per stream;
+- `checkpoint`: the copies a checkpoint takes of parameters, outer state, residual and chain;
+- `baseline`: the process itself (Python, torch, gRPC), measured idle;
+
+and `total`, their sum. The Synchronizer logs it, exports it as `diloco_memory_bytes{component}`
+and refuses a model (or a start) that cannot fit `memory_limit_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from protos import diloco_pb2 as pb
+from protos import layout
+from protos.configload import ConfigError
+from protos.spec import ModelSpec
+from synchronizer.buffers import HELD_FP32_COPIES, POOL_FP32_COPIES
+from synchronizer.config import SynchronizerConfig
+
+COMPONENTS = (
+    "params",
+    "outer_state",
+    "residual",
+    "update_history",
+    "accumulators",
+    "payloads",
+    "snapshots",
+    "scratch",
+    "checkpoint",
+    "baseline",
+)
+OUTER_STATE_BYTES = {"sgd": 0, "nesterov": 4, "delayed_nesterov": 8}  # per parameter
+ROUND_BUFFERS = 2  # accumulators per fragment: the open round, and the one being applied
+SNAPSHOT_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)  # core.PULL_CODECS: one cached snapshot each
+HISTORY_SHARE = 0.8  # automatic update-history budget, in FP32 copies of the fragment
+# Resident bytes of an idle `diloco-synchronizer serve` (Python, torch, gRPC, prometheus): 246 MiB
+# measured on the reference machine, plus headroom for worker-thread stacks and allocator arenas.
+BASELINE_BYTES = 320 << 20
+
+
+class MemoryLimitError(ConfigError):
+    """Settings, or a stored model, whose projected memory exceeds `memory_limit_bytes`."""
+
+
+def _kept_links(
+    update_history: int,
+    history_bytes: int,
+    fragment_numel: int,
+    update_codec: str,
+    block_size: int = layout.DEFAULT_BLOCK_SIZE,
+) -> int:
+    """Links of the update chain a fragment keeps: at most `update_history`, and as many as fit
+    `history_bytes` (0: HISTORY_SHARE of the fragment's FP32 bytes), but at least one.
+
+    A stand-in, with the same signature and rule, for `synchronizer.downlink.kept_links` (the
+    byte-bounded history being added there); replace this with that once it lands.
+    """
+    if update_history <= 0 or fragment_numel <= 0:
+        return 0
+    link = layout.encoded_nbytes(layout.parse_codec(update_codec), fragment_numel, block_size)
+    budget = history_bytes or int(HISTORY_SHARE * 4 * fragment_numel)
+    return min(update_history, max(1, budget // link))
+
+
+def _sizes(model: ModelSpec | Sequence[int]) -> list[int]:
+    if isinstance(model, ModelSpec):
+        return [f.numel for f in model.fragments]
+    return [int(n) for n in model]
+
+
+def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[str, int]:
+    """Projected peak resident bytes serving `model` (a spec, or its fragment sizes) under
+    `cfg`, by component (`COMPONENTS`) and `total`. An empty model gives the fixed costs."""
+    sizes = _sizes(model)
+    numel = sum(sizes)
+    largest = max(sizes, default=0)
+    chain = cfg.update_history > 0
+    codec = layout.parse_codec(cfg.update_codec)
+    # The byte-bounded history setting, once it exists (another change adds it; 0 = automatic).
+    history_bytes = int(getattr(cfg, "update_history_bytes", 0))
+
+    def link_bytes(n: int) -> int:
+        return layout.encoded_nbytes(codec, n)
+
+    out = {
+        "params": 4 * numel,
+        "outer_state": OUTER_STATE_BYTES[cfg.outer] * numel,
+        "residual": 4 * numel if chain else 0,
+        "update_history": sum(
+            _kept_links(cfg.update_history, history_bytes, n, cfg.update_codec) * link_bytes(n)
+            for n in sizes
+        ),
+        "accumulators": ROUND_BUFFERS * 4 * numel,
+        "payloads": (POOL_FP32_COPIES + HELD_FP32_COPIES) * 4 * numel,
+        "snapshots": sum(layout.encoded_nbytes(c, n) for c in SNAPSHOT_CODECS for n in sizes),
+    }
+    per_fragment = 4 * numel * (2 if chain else 1)  # merged delta; the chain's decoded update
+    per_thread = 0
+    if chain:  # a re-anchoring buffer, and the newest link before the oldest is dropped
+        per_thread = (4 * largest if cfg.anchor == "current" else 0) + link_bytes(largest)
+    streams = cfg.max_concurrent_streams * cfg.max_message_bytes
+    out["scratch"] = per_fragment + cfg.apply_threads * per_thread + streams
+    out["checkpoint"] = out["params"] + out["outer_state"] + out["residual"] + out["update_history"]
+    out["baseline"] = BASELINE_BYTES
+    out["total"] = sum(out.values())
+    return out
+
+
+def bytes_per_param(cfg: SynchronizerConfig) -> tuple[float, int]:
+    """(bytes per parameter, fixed bytes) of the projection: its slope and its intercept."""
+    n = 1 << 22
+    small, large = project(cfg, [n])["total"], project(cfg, [2 * n])["total"]
+    slope = (large - small) / n
+    return slope, round(small - slope * n)
+
+
+def describe(projection: dict[str, int], numel: int) -> str:
+    """One line: the total, its multiple of the FP32 model, and every component."""
+    parts = ", ".join(f"{k} {_gib(projection[k])}" for k in COMPONENTS if projection[k])
+    multiple = f" ({projection['total'] / (4 * numel):.1f}x the FP32 model)" if numel else ""
+    return f"{_gib(projection['total'])}{multiple}: {parts}"
+
+
+def over_limit(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> str | None:
+    """Why `model` cannot be served within `memory_limit_bytes`, or None if it can (or there
+    is no limit)."""
+    limit = cfg.memory_limit_bytes
+    if not limit:
+        return None
+    projection = project(cfg, model)
+    if projection["total"] <= limit:
+        return None
+    sizes = _sizes(model)
+    slope, fixed = bytes_per_param(cfg)
+    fits = max(0, int((limit - fixed) / slope)) if slope else 0
+    what = (
+        f"a model of {sum(sizes):,} parameters in {len(sizes)} fragments"
+        if sizes
+        else "the Synchronizer with no model yet"
+    )
+    return (
+        f"{what} projects to {projection['total']:,} bytes of memory "
+        f"({describe(projection, sum(sizes))}), above memory_limit_bytes={limit:,}; "
+        f"these settings fit about {fits:,} parameters: raise the limit or serve a smaller model"
+    )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"

@@ -1,0 +1,148 @@
+"""The memory projection: its numbers for small specs, the gauge that exports it, and the
+refusals of `memory_limit_bytes` (at Join, and at start on a state directory)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from synchronizer import core, memory
+from synchronizer.config import SynchronizerConfig
+from synchronizer.metrics import Metrics
+from synchronizer.server import serving
+from tests.helpers import Client, small_spec
+
+BASELINE = 320 << 20
+STREAMS = 32 * (8 << 20)  # max_concurrent_streams x max_message_bytes
+
+
+def test_projection_of_two_fragments_with_defaults_matches_the_hand_count() -> None:
+    p = memory.project(SynchronizerConfig(), [1000, 600])
+    # INT8 links: 1000 + 4 blocks x 4 B = 1016 B and 600 + 3 x 4 = 612 B; the automatic budget
+    # (0.8 x the FP32 bytes: 3200 and 1920 B) keeps 3 of each.
+    history = 3 * 1016 + 3 * 612
+    expected = {
+        "params": 6400,
+        "outer_state": 6400,  # nesterov momentum
+        "residual": 6400,
+        "update_history": history,
+        "accumulators": 2 * 6400,
+        "payloads": 4 * 6400,  # pool and held budgets, two FP32 copies each
+        "snapshots": 6400 + 3200,  # FP32 and BF16
+        # merged + decoded per fragment; one apply thread: re-anchor buffer + a link (largest)
+        "scratch": 2 * 6400 + 4000 + 1016 + STREAMS,
+        "checkpoint": 3 * 6400 + history,
+        "baseline": BASELINE,
+    }
+    assert {k: v for k, v in p.items() if k != "total"} == expected
+    assert p["total"] == sum(expected.values())
+
+
+def test_projection_without_a_chain_or_outer_state_counts_only_what_remains() -> None:
+    cfg = SynchronizerConfig(outer="sgd", update_history=0, anchor="base", max_staleness=0)
+    p = memory.project(cfg, [1000, 600])
+    assert p["outer_state"] == p["residual"] == p["update_history"] == 0
+    assert p["scratch"] == 6400 + STREAMS  # the merged-delta buffer only
+    assert p["checkpoint"] == 6400
+
+
+def test_delayed_nesterov_keeps_two_buffers_and_more_threads_more_scratch() -> None:
+    one = memory.project(SynchronizerConfig(outer="delayed_nesterov"), [1000])
+    two = memory.project(SynchronizerConfig(outer="delayed_nesterov", apply_threads=2), [1000])
+    assert one["outer_state"] == 8000
+    assert two["scratch"] - one["scratch"] == 4000 + 1016
+
+
+def test_kept_links_follow_the_history_and_its_byte_budget() -> None:
+    assert memory._kept_links(16, 0, 1000, "int8") == 3  # 3200 B // 1016 B
+    assert memory._kept_links(2, 0, 1000, "int8") == 2  # the count bounds first
+    assert memory._kept_links(16, 100_000, 1000, "int8") == 16
+    assert memory._kept_links(16, 10, 1000, "int8") == 1  # always at least one
+    assert memory._kept_links(16, 0, 1000, "fp32") == 1  # 3200 B // 4000 B, at least one
+    assert memory._kept_links(0, 0, 1000, "int8") == 0
+
+
+def test_a_spec_and_its_fragment_sizes_project_the_same_and_snapshots_are_the_pull_codecs() -> None:
+    spec = small_spec()
+    cfg = SynchronizerConfig()
+    assert memory.project(cfg, spec) == memory.project(cfg, [f.numel for f in spec.fragments])
+    assert memory.SNAPSHOT_CODECS == core.PULL_CODECS
+    assert memory.project(cfg, [])["total"] == BASELINE + STREAMS
+
+
+def test_bytes_per_param_is_the_projections_slope() -> None:
+    cfg = SynchronizerConfig()
+    slope, fixed = memory.bytes_per_param(cfg)
+    n = 40_000_000
+    assert memory.project(cfg, [n])["total"] == pytest.approx(fixed + slope * n, rel=1e-6)
+
+
+def _limit_below(spec_numels: list[int]) -> int:
+    """A limit the fixed costs fit and a model of these fragment sizes does not."""
+    return memory.project(SynchronizerConfig(), spec_numels)["total"] - 1
+
+
+def test_projection_is_logged_and_exported_before_and_after_the_model_is_initialised(
+    make_server, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="synchronizer.core")
+    srv = make_server()
+    registry = srv.synchronizer.metrics.registry
+    cfg = srv.synchronizer.cfg
+
+    def gauge(component: str) -> float | None:
+        return registry.get_sample_value("diloco_memory_bytes", {"component": component})
+
+    assert gauge("total") == memory.project(cfg, [])["total"]
+    spec = small_spec()
+    c = Client(srv.address, spec)
+    c.join()
+    c.init([torch.zeros(f.numel) for f in spec.fragments])
+    expected = memory.project(cfg, spec)
+    for component, nbytes in expected.items():
+        assert gauge(component) == nbytes, component
+    c.close()
+    logged = [r.getMessage() for r in caplog.records if "memory projection" in r.getMessage()]
+    assert "bytes per model parameter" in logged[0]
+    assert f"for {spec.numel} parameters in 2 fragments" in logged[1]
+    assert "x the FP32 model): params " in logged[1] and "baseline 0.31 GiB" in logged[1]
+
+
+def test_join_with_a_model_over_the_memory_limit_is_refused_naming_both_numbers(
+    make_server,
+) -> None:
+    spec = small_spec()
+    sizes = [f.numel for f in spec.fragments]
+    limit = _limit_below(sizes)
+    srv = make_server(memory_limit_bytes=limit)
+    c = Client(srv.address, spec)
+    with pytest.raises(grpc.RpcError) as e:
+        c.join()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = e.value.details()
+    assert f"memory_limit_bytes={limit:,}" in details
+    assert f"{limit + 1:,} bytes" in details
+    assert not srv.synchronizer.initialized
+    c.close()
+
+
+def test_start_on_a_state_dir_whose_model_cannot_fit_is_refused_before_loading_it(
+    tmp_path: Path,
+) -> None:
+    spec = small_spec()
+    settings = dict(port=0, metrics_port=-1, state_dir=tmp_path, shutdown_grace_s=1.0)
+    with serving(SynchronizerConfig(**settings), Metrics()) as srv:
+        c = Client(srv.address, spec)
+        c.join()
+        c.init([torch.zeros(f.numel) for f in spec.fragments])
+        c.close()
+    limit = _limit_below([f.numel for f in spec.fragments])
+    with pytest.raises(memory.MemoryLimitError, match="refusing to start"):
+        core.Synchronizer(SynchronizerConfig(**settings, memory_limit_bytes=limit), Metrics())
+    fits = SynchronizerConfig(**settings, memory_limit_bytes=limit + 1)
+    with serving(fits, Metrics()) as srv:
+        assert srv.synchronizer.initialized
