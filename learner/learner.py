@@ -126,6 +126,7 @@ class Learner:
         self.deferred: set[int] = set()  # due while busy: pushed as soon as the fragment is free
         self.strict_waits: dict[int, int] = {}  # fragment -> step of its push (strict_overlap)
         self.early: dict[int, Arrival] = {}  # results back before their tau (strict_overlap)
+        self.flushing = False  # the end: every result is merged as it comes
         self.since_push = [
             [0, 0, 0.0] for _ in range(self.num_fragments)
         ]  # tokens, steps, compute_s
@@ -351,6 +352,7 @@ class Learner:
         p = a.fragment
         if (
             self.cfg.strict_overlap
+            and not self.flushing
             and a.job is not None
             and p in self.strict_waits
             and self.clock.step - self.strict_waits[p] < self.cfg.overlap_steps
@@ -469,10 +471,13 @@ class Learner:
                 self.cfg.finish_timeout_s if timeout_s is None else timeout_s
             )
             engine = self.engine
-            merged |= self._apply_arrivals()
-            self._merge_early(list(self.early), merged)
-            done = self._merge_until(lambda: engine.in_flight() == 0, deadline, merged)
-            self._merge_early(list(self.early), merged)
+            self.flushing = True
+            try:
+                self._merge_early(list(self.early), merged)
+                merged |= self._apply_arrivals()
+                done = self._merge_until(lambda: engine.in_flight() == 0, deadline, merged)
+            finally:
+                self.flushing = False
             if not done:
                 logger.warning(
                     "learner=%s flush: %d syncs still in flight, giving up waiting",

@@ -265,6 +265,40 @@ def test_strict_overlap_with_tau_zero_merges_each_push_before_step_returns(tmp_p
             lrn.close()
 
 
+def test_strict_overlap_merges_a_result_that_is_back_early_exactly_tau_steps_after_its_push(
+    tmp_path,
+):
+    # The step a result lands at must not depend on how fast it came back: that is what makes
+    # a synchronous run reproducible. And the end (flush) takes what is held at once.
+    with running(server_config(tmp_path)) as srv:
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        lrn = Learner(
+            model,
+            opt,
+            synchronizer=srv.address,
+            sync_every=4,
+            fragments=1,
+            strict_overlap=True,
+            overlap_steps=2,
+        )
+        try:
+            train(lrn, model, opt, 4, seed=0, delay_s=0)  # step 4 pushes
+            engine = lrn.engine
+            assert engine is not None
+            assert wait_until(lambda: engine.inbox.qsize() > 0)  # its result is back
+            train(lrn, model, opt, 1, seed=1, delay_s=0)
+            assert lrn.stats.fragment_versions == (0,)  # back after 1 step: held until tau
+            train(lrn, model, opt, 1, seed=2, delay_s=0)
+            assert lrn.stats.fragment_versions == (1,)  # merged at exactly tau = 2
+            train(lrn, model, opt, 2, seed=3, delay_s=0)  # step 8 pushes, 0 steps before the end
+            assert wait_until(lambda: engine.inbox.qsize() > 0)
+            assert lrn.flush(timeout_s=10)  # not held past the end
+            assert lrn.stats.fragment_versions == (2,)
+        finally:
+            lrn.close()
+
+
 def test_stale_push_is_dropped_and_the_fragment_re_pulled(tmp_path):
     with running(server_config(tmp_path, max_staleness=0)) as srv:
         model = mlp(0)
