@@ -9,10 +9,14 @@ Three measurements, each against a baseline taken in the same run:
   with 4 threads appending pushes of one fragment's INT4 size;
 - `restart_s`: a Synchronizer process killed with SIGKILL after its log grew to the given size
   (no checkpoint since the model was initialised), restarted on the same state directory, until
-  it is SERVING again (its ready file), with the versions it served before checked to come back.
+  it is SERVING again (its ready file), with the versions it served before checked to come back;
+- chaos (`bench.chaos`): the Synchronizer of a tiny synchronous run SIGKILLed at random moments
+  and restarted (20 kills; 3 in quick mode, 1 in smoke mode), against the same run without
+  kills: versions checked, pushes acknowledged / merged / lost, eval loss against the run
+  without kills.
 
     python -m bench.durability [--quick | --smoke] [--json PATH]
-Full mode: 25M parameters, 8 s per throughput cell, a 1 GB log (several minutes here).
+Full mode: 25M parameters, 8 s per throughput cell, a 1 GB log, 20 kills (several minutes here).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import grpc
 import torch
 
+from bench import chaos
 from bench.common import machine, parser, table, write_json
 from bench.ingest import GRPC_OPTIONS, measure_ingest, model_spec
 from demo.procs import Procs, start_synchronizer
@@ -177,10 +182,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.smoke:
         params, clients, seconds, log_bytes, latency_s = 1_000_000, 1, 0.5, 2 << 20, 0.5
+        kills, steps = 1, 120
     elif args.quick:
         params, clients, seconds, log_bytes, latency_s = 25_000_000, 4, 4.0, 128 << 20, 3.0
+        kills = 3
+        steps = chaos.steps_for(kills)
     else:
         params, clients, seconds, log_bytes, latency_s = 25_000_000, 4, 8.0, 1 << 30, 8.0
+        kills = 20
+        steps = chaos.steps_for(kills)
     ingest = throughput(params, seconds, clients)
     print(table([ingest], ["wal_off_MBps", "wal_on_MBps", "wal_ratio"]))
     record = layout.encoded_nbytes(pb.CODEC_INT4, params // 4)
@@ -203,6 +213,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         table([restart], ["log_bytes", "pushes", "restart_s", "log_MBps_replayed", "versions_back"])
     )
+    with tempfile.TemporaryDirectory(dir=REPO) as d:
+        kill9 = chaos.compare(Path(d), kills, steps)
+    print(chaos.summary(kill9))
     result = {
         "machine": machine(),
         "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
@@ -210,9 +223,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fsync_p50_ms": latency["fsync_p50_ms"],
         "fsync_p99_ms": latency["fsync_p99_ms"],
         "restart_s": restart["restart_s"],
+        "chaos_kills": kill9["kills"],
+        "chaos_lost": kill9["lost"],
+        "chaos_loss_vs_no_kills": kill9["loss_vs_no_kills"],
         "throughput": ingest,
         "commit": latency,
         "restart": restart,
+        "chaos": {k: v for k, v in kill9.items() if k not in ("chaos", "reference")},
     }
     print(
         f"\nwal_ratio = {ingest['wal_ratio']:.3f}   fsync p50/p99 = {latency['fsync_p50_ms']:.2f}/"

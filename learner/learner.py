@@ -465,7 +465,7 @@ class Learner:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Waits (bounded) for every sync in flight and merges the results; True if all came
         back. Pushes that were due but deferred are not sent. Collective under torchrun."""
-        done, merged = True, set()
+        done, merged = True, set[int]()
         if self.leader and self.engine is not None and not self.closed:
             deadline = time.monotonic() + (
                 self.cfg.finish_timeout_s if timeout_s is None else timeout_s

@@ -27,7 +27,7 @@ SMOKES = [
     ("wan", ["--net", "proxy"], ["wan_speedup"]),
     ("goodput", [], ["goodput", "goodput_sync", "goodput_lockstep"]),
     ("overlap", [], ["overlap_ratio"]),
-    ("durability", [], ["wal_ratio", "fsync_p50_ms", "restart_s"]),
+    ("durability", [], ["wal_ratio", "fsync_p50_ms", "restart_s", "chaos_loss_vs_no_kills"]),
     (
         "scale",
         [],

@@ -36,8 +36,8 @@ import pytest
 import yaml
 
 from demo.procs import scrape
+from demo.tiny import TINY
 from tests.helpers import poll
-from tests.test_e2e import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
