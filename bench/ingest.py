@@ -36,6 +36,7 @@ from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
 from protos.spec import TensorInfo, plan_fragments
+from synchronizer.buffers import Fp32Buffers, Payloads, payload_budget
 from synchronizer.config import SynchronizerConfig
 from synchronizer.fragments import Fragment
 from synchronizer.goodput import Goodput
@@ -271,7 +272,9 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
         cfg = SynchronizerConfig(state_dir=Path(state), anchor="base", token_weight="uniform")
         metrics = Metrics()
         spec = plan_fragments([TensorInfo("w", (numel,))], 1).fragments[0]
-        frag = Fragment(spec, cfg, metrics, Goodput(metrics, cfg.goodput_window_s), numel)
+        goodput = Goodput(metrics, cfg.goodput_window_s)
+        payloads = Payloads(payload_budget(cfg.payload_budget_bytes, numel))
+        frag = Fragment(spec, cfg, metrics, goodput, numel, payloads, Fp32Buffers(numel, 1))
         frag.initialize(params)
     plain: list[float] = []
     apply: list[float] = []
@@ -294,7 +297,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
             parts["decode"].append(t1 - t0)
             parts["merge"].append(t2 - t1)
             parts["nesterov"].append(t3 - t2)
-            assert frag.held.reserve(payload.numel())
+            assert frag.payloads.reserve(payload.numel())
             frag.submit("bench", frag.version, 1000, 10, 1.0, (payload.clone(), header), hold=True)
             rnd = frag.admission.round
             assert rnd is not None and frag.admission.take(rnd)

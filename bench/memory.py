@@ -4,8 +4,10 @@ parameters, in steady state and while a checkpoint is written.
 Builds the Synchronizer's fragments in this process (default settings, no gRPC), initialises
 them, and runs rounds of `--learners` INT4 pushes each until the update chain is full. Then it
 counts the bytes of every tensor a fragment holds, by part: parameters, outer state, residual,
-update chain, accumulators, buffer pool, cached full-pull snapshots, and any other tensor
-attribute of the model or its downlink (a permanent scratch). The checkpoint figure is the most
+update chain, an open round's accumulator, full-pull snapshots still alive, and any other tensor
+attribute of the model or its downlink (a permanent scratch); and the buffers every fragment
+shares: the FP32 buffers outer steps take for round sums (`accumulators`), and the pooled and
+held push payloads (`pool`). The checkpoint figure is the most
 bytes the checkpoint's copies hold at once: every tensor handed to the checkpoint writer that is
 not storage the fragment already holds, measured at each write (or, for a writer that takes
 them all at once, in total). Bytes per parameter = bytes / N.
@@ -64,13 +66,24 @@ def fragment_bytes(frag: Any) -> dict[str, int]:
         "residual": _storage_bytes(_tensors(down.residual), seen),
         "chain": _storage_bytes((buf for _, _, buf in down.chain), seen),
     }
-    accs = [a for a in (adm.spare, adm.round.acc if adm.round else None) if a is not None]
-    parts["accumulators"] = _storage_bytes((a._sum for a in accs), seen)
-    parts["pool"] = _storage_bytes(_tensors(list(frag.pool._free.values())), seen)
-    parts["snapshots"] = _storage_bytes((buf for _, _, buf in down._snapshots.values()), seen)
+    acc = adm.round.acc if adm.round is not None else None
+    parts["accumulators"] = _storage_bytes(_tensors(acc.buffer if acc else None), seen)
+    parts["snapshots"] = _storage_bytes(_tensors(down.snapshots_alive()), seen)
     other = list(_tensors(list(vars(model).values()))) + list(_tensors(list(vars(down).values())))
     parts["other"] = _storage_bytes(iter(other), seen)
     return parts
+
+
+def shared_bytes(core: Synchronizer) -> dict[str, int]:
+    """Bytes of the buffers all fragments share: free FP32 round buffers, and push payloads
+    pooled for reuse or held by open rounds."""
+    frag = core.fragments[0]
+    seen: set[int] = set()
+    held = [h.buf for f in core.fragments if f.admission.round for h in f.admission.round.held]
+    return {
+        "accumulators": _storage_bytes(_tensors(frag.fp32._free), seen),
+        "pool": _storage_bytes(_tensors([list(frag.payloads._free.values()), held]), seen),
+    }
 
 
 def _live_storages(core: Synchronizer) -> set[int]:
@@ -134,8 +147,8 @@ def run_rounds(core: Synchronizer, learners: int, rounds: int, seed: int = 0) ->
             header = layout.make_header(pb.CODEC_INT4, frag.numel)
             payload = codec.encode(delta, pb.CODEC_INT4)
             for m in range(learners):
-                buf = frag.pool.take(payload.numel()).copy_(payload)  # as a push does
-                hold = frag.held.reserve(buf.numel())
+                buf = frag.payloads.take(payload.numel()).copy_(payload)  # as a push does
+                hold = frag.payloads.reserve(buf.numel())
                 frag.submit(f"l{m}", frag.version, 1000, 10, 1.0, (buf, header), hold=hold)
             rnd = frag.admission.round
             assert rnd is not None and frag.admission.take(rnd)
@@ -160,7 +173,10 @@ def measure(params: int, fragments: int, learners: int, **settings: Any) -> dict
             core.initialized = True
             run_rounds(core, learners, cfg.update_history + 1)
             by_fragment = [fragment_bytes(f) for f in core.fragments]
+            shared = shared_bytes(core)
             totals = {k: sum(f[k] for f in by_fragment) for k in by_fragment[0]}
+            totals["accumulators"] += shared["accumulators"]
+            totals["pool"] = shared["pool"]
             steady = sum(totals.values())
             ckpt = checkpoint_copy_bytes(core)
         finally:
@@ -169,6 +185,7 @@ def measure(params: int, fragments: int, learners: int, **settings: Any) -> dict
         "params": params,
         "fragments": fragments,
         "by_fragment": by_fragment,
+        "shared": shared,
         "bytes_per_param": {k: round(v / params, 3) for k, v in totals.items()},
         "steady_bytes_per_param": round(steady / params, 3),
         "checkpoint_copies_bytes_per_param": round(ckpt / params, 3),
@@ -186,6 +203,7 @@ def main() -> None:
     result = measure(args.params, args.fragments, args.learners)
     for fid, parts in enumerate(result["by_fragment"]):
         print(f"fragment {fid}: " + ", ".join(f"{k} {v:,}" for k, v in parts.items()))
+    print("shared: " + ", ".join(f"{k} {v:,}" for k, v in result["shared"].items()))
     print("bytes per parameter:", result["bytes_per_param"])
     print(
         f"steady {result['steady_bytes_per_param']} B/param; checkpoint copies "

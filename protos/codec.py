@@ -443,7 +443,8 @@ def accumulate(
 ) -> None:
     """``out += weight * decode(buf)`` (``out = ...`` with ``overwrite``), for a payload that
     passed ``check``: one pass over ``out`` for FP32, BF16 and whole-block INT8/INT4 payloads
-    (the weight is folded into the block scales), through ``scratch`` (FP32, numel) otherwise.
+    (the weight is folded into the block scales); otherwise decoded through ``scratch`` (FP32,
+    numel), or without one run by run (about 1M elements each), element for element the same.
     """
     codec, n = header.codec, int(header.numel)
     if out.dtype != torch.float32 or out.shape != (n,) or not out.is_contiguous():
@@ -479,9 +480,16 @@ def accumulate(
             else:
                 out[full:].add_(vals, alpha=weight)
         return
+    elif scratch is None:  # decoded run by run through a run-sized scratch
+        run_scratch = torch.empty(run_elems(header), dtype=torch.float32, device=out.device)
+        for start, part in decode_runs(buf, header, run_scratch):
+            o = out[start : start + part.numel()]
+            if overwrite:
+                torch.mul(part, weight, out=o)
+            else:
+                o.add_(part, alpha=weight)
+        return
     else:
-        if scratch is None:
-            scratch = torch.empty(n, dtype=torch.float32, device=out.device)
         vals = decode(buf, header, scratch)
     if overwrite:
         torch.mul(vals, weight, out=out)

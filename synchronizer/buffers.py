@@ -1,73 +1,124 @@
-"""Reusable buffers for pushes, and the budget of payload bytes rounds may hold.
+"""The Synchronizer-wide buffers of the push path: encoded payloads, and the outer steps' FP32.
 
-`BufferPool` keeps receive buffers (uint8, by size) and decode buffers (FP32 of the fragment's
-size) for reuse up to a byte budget: a fresh 100 MB buffer costs about 30 ms of page faults here,
-8x a reuse. `HeldBudget` bounds the encoded payloads a fragment's rounds hold for decoding at the
-outer step; past it a push is decoded on arrival instead, so memory stays bounded whatever the
-learners do.
+`Payloads` keeps the encoded pushes of every fragment within one byte budget
+(`payload_budget_bytes`): the payloads rounds hold for decoding at the outer step, and the
+receive buffers pooled for reuse (by size: a fresh 100 MB buffer costs about 30 ms of page faults
+here, 8x a reuse). Past the budget a push is added to its round on arrival instead, so memory
+stays bounded whatever the learners do, and a round can always close.
+
+`Fp32Buffers` lends FP32 buffers of the largest fragment's size to the outer steps (a round's
+sums, and radial merging's decode buffer): a round takes one when it starts adding and gives it
+back when its outer step ends, so the model holds `apply_threads` of them, not one or two per
+fragment. A round that must add on arrival (the payload budget is full) takes one while it is
+open; when none is free a buffer is allocated beyond the pool and counted.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
-# Budgets per fragment, in FP32 copies of the fragment (4 bytes x numel each).
-POOL_FP32_COPIES = 2  # buffers pooled for reuse
-HELD_FP32_COPIES = 2  # encoded payloads rounds hold for the outer step
+AUTO_PAYLOAD_MIN_BYTES = 64 << 20  # payload_budget_bytes 0: at least this
+AUTO_PAYLOAD_FP32_SHARE = 1  # payload_budget_bytes 0: the largest fragment's FP32 bytes
 
 
-class BufferPool:
-    def __init__(self, numel: int, budget_bytes: int) -> None:
-        self.numel = numel
+def payload_budget(budget_bytes: int, largest_numel: int) -> int:
+    """The payload budget in bytes: `budget_bytes`, or (0) the automatic one."""
+    if budget_bytes:
+        return budget_bytes
+    return max(AUTO_PAYLOAD_MIN_BYTES, AUTO_PAYLOAD_FP32_SHARE * 4 * largest_numel)
+
+
+class Payloads:
+    def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self.pooled_bytes = 0
-        self._free: dict[int, list[torch.Tensor]] = {}  # by size; -1: FP32 decode buffers
+        self.held_bytes = 0  # payloads rounds hold for their outer step
+        self.pooled_bytes = 0  # free receive buffers kept for reuse
+        self._free: dict[int, list[torch.Tensor]] = {}  # by size, oldest first
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int | None = None) -> torch.Tensor:
-        """A buffer for one push: FP32 of the fragment's size (decoding), or uint8 of `nbytes`
-        (receiving); pooled when one is free, else fresh."""
-        key = -1 if nbytes is None else nbytes
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of `nbytes` to receive one push into: pooled when one is free."""
         with self._lock:
-            pool = self._free.get(key)
+            pool = self._free.get(nbytes)
             if pool:
-                buf = pool.pop()
-                self.pooled_bytes -= buf.nbytes
-                return buf
-        if nbytes is None:
-            return torch.empty(self.numel, dtype=torch.float32)
+                self.pooled_bytes -= nbytes
+                return pool.pop()
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def give(self, buf: torch.Tensor) -> None:
-        """Returns a buffer for reuse (dropped when the pool is at its budget)."""
-        key = -1 if buf.dtype == torch.float32 else buf.numel()
+        """Returns a receive buffer for reuse; dropped where held and pooled payloads would go
+        past the budget."""
         with self._lock:
-            if self.pooled_bytes + buf.nbytes <= self.budget_bytes:
-                self._free.setdefault(key, []).append(buf)
+            if self.held_bytes + self.pooled_bytes + buf.nbytes <= self.budget_bytes:
+                self._free.setdefault(buf.numel(), []).append(buf)
                 self.pooled_bytes += buf.nbytes
 
-
-class HeldBudget:
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.held_bytes = 0
-        self._lock = threading.Lock()
-
     def reserve(self, nbytes: int) -> bool:
-        """Claims room to hold a payload of `nbytes` until the outer step (False: decode it now)."""
+        """Claims room to hold a payload of `nbytes` until the outer step (False: add it now).
+        Pooled buffers make way for it."""
         with self._lock:
             if self.held_bytes + nbytes > self.budget_bytes:
                 return False
             self.held_bytes += nbytes
+            self._trim()
             return True
 
     def claim(self, nbytes: int) -> None:
         """Counts a payload held whatever the budget (a replayed round holds what it held)."""
         with self._lock:
             self.held_bytes += nbytes
+            self._trim()
 
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.held_bytes -= nbytes
+
+    def _trim(self) -> None:
+        """Drops pooled buffers, largest sizes first, until held and pooled fit the budget."""
+        for size in sorted(self._free, reverse=True):
+            pool = self._free[size]
+            while pool and self.held_bytes + self.pooled_bytes > self.budget_bytes:
+                self.pooled_bytes -= pool.pop(0).nbytes
+            if not pool:
+                del self._free[size]
+
+
+class Fp32Buffers:
+    def __init__(self, numel: int, keep: int, beyond: Callable[[], None] = lambda: None) -> None:
+        """`numel`: the largest fragment's; `keep`: buffers kept for reuse (the outer steps
+        that run at once, times the buffers each takes); `beyond` is called for every buffer
+        allocated past `keep`."""
+        self.numel = numel
+        self.keep = keep
+        self.live = 0  # buffers allocated and not dropped: lent or free
+        self._beyond = beyond
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> torch.Tensor:
+        """A flat FP32 buffer of `numel` elements (its contents are garbage)."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.live += 1
+            beyond = self.live > self.keep
+        if beyond:
+            self._beyond()
+        return torch.empty(self.numel, dtype=torch.float32)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Takes a buffer back: kept while no more than `keep` are alive, else dropped."""
+        with self._lock:
+            if self.live > self.keep:
+                self.live -= 1
+            else:
+                self._free.append(buf)
+
+
+def fp32_kept(apply_threads: int, merge: str) -> int:
+    """FP32 buffers the outer steps keep: one per apply thread for a round's sums, and one more
+    for radial merging's decode buffer."""
+    return apply_threads * (2 if merge == "radial" else 1)

@@ -187,6 +187,11 @@ class SynchronizerConfig(BaseModel):
         ge=0,
         description="Resident memory the Synchronizer may plan for; a model whose projected memory (logged, and exported as diloco_memory_bytes) is above it is refused at Join, and a start on a state directory holding one exits with one line. 0 = no limit",
     )
+    payload_budget_bytes: int = Field(
+        0,
+        ge=0,
+        description="Bytes of encoded pushes kept for all fragments together: payloads held for decoding at the outer step, and receive buffers pooled for reuse. A push past it is added to its round on arrival instead (one more FP32 buffer of the fragment while that round is open). 0: the largest fragment's FP32 bytes, at least 64 MiB",
+    )
     max_spec_bytes: int = Field(
         1 << 20,
         ge=1024,

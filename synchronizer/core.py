@@ -34,6 +34,7 @@ from protos import diloco_pb2 as pb
 from protos import framing, layout
 from protos.spec import ModelSpec
 from synchronizer import checkpoint, memory, receive, wire
+from synchronizer.buffers import Fp32Buffers, Payloads, fp32_kept, payload_budget
 from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
@@ -149,8 +150,14 @@ class Synchronizer:
             memory.describe(projection, spec.numel),
         )
         self.streams.limit_per_learner(len(spec.fragments))
+        largest = max((f.numel for f in spec.fragments), default=0)
+        payloads = Payloads(payload_budget(self.cfg.payload_budget_bytes, largest))
+        kept = fp32_kept(self.cfg.apply_threads, self.cfg.merge)
+        fp32 = Fp32Buffers(largest, kept, self.metrics.fp32_beyond.inc)
+        self.metrics.watch_buffers(payloads, fp32)
         self.fragments = [
-            Fragment(f, self.cfg, self.metrics, self.goodput, spec.numel) for f in spec.fragments
+            Fragment(f, self.cfg, self.metrics, self.goodput, spec.numel, payloads, fp32)
+            for f in spec.fragments
         ]
         self.rounds = Rounds(
             self.fragments,
@@ -496,13 +503,13 @@ class Synchronizer:
             return self._duplicate(rec, h.seq, seen), None
         receive.validate_payload(h.payload, frag.numel, PUSH_CODECS)
         nbytes = int(h.payload.total_bytes)
-        received = frag.pool.take(nbytes)
+        received = frag.payloads.take(nbytes)
         reserved = kept = False
         try:
             header = receive.payload(messages, h.payload, received)
             # Validated now, decoded by the outer step: the reply need not wait for the decode.
-            # Past the memory budget for held payloads it is decoded here instead.
-            reserved = frag.held.reserve(nbytes)
+            # Past the payload budget it is added to its round here instead.
+            reserved = frag.payloads.reserve(nbytes)
             self.metrics.bytes_in.labels(layout.codec_name(h.payload.codec)).inc(nbytes)
             with rec.push_lock:  # judging and recording a seq is atomic per learner
                 seen = self.registry.seen_reply(
@@ -537,13 +544,13 @@ class Synchronizer:
                     if not kept:  # its log record still reads the buffer: never reuse it
                         kept = True
                         if reserved:
-                            frag.held.release(nbytes)
+                            frag.payloads.release(nbytes)
                     raise
         finally:
             if not kept:
-                frag.pool.give(received)
                 if reserved:
-                    frag.held.release(nbytes)
+                    frag.payloads.release(nbytes)
+                frag.payloads.give(received)
         return reply, frag if rnd is not None else None
 
     def _duplicate(self, rec: LearnerRecord, seq: int, seen: pb.PushReply) -> pb.PushReply:

@@ -5,7 +5,9 @@ outer updates since v. The Synchronizer keeps the last few outer updates encoded
 by default) with a server-side error-feedback residual, and defines its canonical parameters as
 the sum of exactly those decoded updates: a learner that applies the same links in order holds
 the same parameters bit for bit, which the per-version crc32 proves. Full pulls are served from
-one encoded snapshot per codec and version, shared by every puller.
+one encoded snapshot per codec and version, shared by every puller of that version and alive only
+while one of them streams it: the cache holds it weakly, so a snapshot nobody pulls any more is
+freed at once, and the cache never makes a second one of the same codec and version.
 
 How many links are kept is bounded in bytes as well as in count (`kept_links`): a learner further
 behind than the kept chain pulls the full parameters instead.
@@ -16,6 +18,7 @@ which also guards the parameters it reads and writes.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -55,7 +58,8 @@ class Downlink:
         self.codec = layout.parse_codec(update_codec)
         self.chain: deque[Link] = deque()  # links are never written once made: shared, not copied
         self.residual: torch.Tensor | None = None  # error feedback of the update codec
-        self._snapshots: dict[int, Link] = {}  # codec -> encoded parameters of one version
+        # codec -> (version, header, the encoded parameters, held weakly: the pulls hold them)
+        self._snapshots: dict[int, tuple[int, pb.PayloadHeader, weakref.ref[torch.Tensor]]] = {}
         self._checksums: dict[int, int] = {}
 
     def step(self, params: torch.Tensor, merged: torch.Tensor, factor: float, version: int) -> None:
@@ -93,14 +97,22 @@ class Downlink:
         self._snapshots.clear()
 
     def snapshot(self, params: torch.Tensor, version: int, codec_id: pb.Codec) -> Link:
-        """(version, header, encoded CPU bytes) of the parameters, shared by pullers."""
+        """(version, header, encoded CPU bytes) of the parameters, shared by the pullers of this
+        version: the one already made while any of them still holds it, else a new one. Hold
+        the returned link as long as it is streamed, and no longer."""
         cached = self._snapshots.get(codec_id)
         if cached is not None and cached[0] == version:
-            return cached
+            buf = cached[2]()
+            if buf is not None:
+                return version, cached[1], buf
         header = layout.make_header(codec_id, self.numel)
-        snap = (version, header, codec.encode(params, codec_id).cpu())
-        self._snapshots[codec_id] = snap
-        return snap
+        buf = codec.encode(params, codec_id).cpu()
+        self._snapshots[codec_id] = (version, header, weakref.ref(buf))
+        return version, header, buf
+
+    def snapshots_alive(self) -> list[torch.Tensor]:
+        """The cached snapshots some pull still holds."""
+        return [buf for _, _, ref in self._snapshots.values() if (buf := ref()) is not None]
 
     def checksum(self, params: torch.Tensor, version: int) -> int:
         """crc32 of the canonical parameters (cached per version)."""

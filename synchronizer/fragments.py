@@ -1,9 +1,9 @@
 """One fragment of the global model: the parts that serve it, put together.
 
 A `Fragment` is its spec (tensor segments, share of the model), its `Admission` of pushes into
-the open round (`synchronizer.rounds`), the buffers and held-bytes budget of its push path
-(`synchronizer.buffers`), and its `FragmentModel`: parameters, outer step and downlink
-(`synchronizer.model`, `synchronizer.downlink`). Two locks, never held together by a push: the
+the open round (`synchronizer.rounds`), and its `FragmentModel`: parameters, outer step and
+downlink (`synchronizer.model`, `synchronizer.downlink`); it uses the Synchronizer-wide payload
+budget and FP32 buffers (`synchronizer.buffers`), which every fragment shares. Two locks, never held together by a push: the
 admission lock (held only to judge and accumulate one push) and the model's condition (held while
 an outer step is applied or a pull is judged), so pushes never wait for an outer step and
 fragments never wait for each other.
@@ -19,7 +19,7 @@ import torch
 
 from protos import diloco_pb2 as pb
 from protos.spec import Fragment as FragmentSpec
-from synchronizer.buffers import HELD_FP32_COPIES, POOL_FP32_COPIES, BufferPool, HeldBudget
+from synchronizer.buffers import Fp32Buffers, Payloads
 from synchronizer.config import SynchronizerConfig
 from synchronizer.goodput import Goodput, Share
 from synchronizer.merge import Accumulator
@@ -38,7 +38,16 @@ class Fragment:
         metrics: Metrics,
         goodput: Goodput,
         model_numel: int,
+        payloads: Payloads,
+        fp32: Fp32Buffers,
     ) -> None:
+        """`payloads` and `fp32` are shared by every fragment (`fp32` of at least this
+        fragment's size)."""
+        if fp32.numel < spec.numel:
+            raise ValueError(
+                f"fragment {spec.fragment_id} has {spec.numel} elements; FP32 buffers of "
+                f"{fp32.numel} cannot hold its sums"
+            )
         self.spec = spec
         self.fid = spec.fragment_id
         self.numel = spec.numel
@@ -51,13 +60,10 @@ class Fragment:
             for i, (name, _, _) in enumerate(offsets)
             if any(h in name.lower() for h in EMBEDDING_HINTS)
         }
-        # Pooled buffers, and payloads held for the outer step (`synchronizer.memory` counts both).
-        self.pool = BufferPool(spec.numel, POOL_FP32_COPIES * 4 * spec.numel)
-        self.held = HeldBudget(HELD_FP32_COPIES * 4 * spec.numel)
+        self.payloads = payloads
+        self.fp32 = fp32
         self.model = FragmentModel(self.fid, spec.numel, cfg)
-        self.admission = Admission(
-            cfg, metrics, goodput, self._new_accumulator, self.pool, self.held, self.fid
-        )
+        self.admission = Admission(cfg, metrics, goodput, self._new_accumulator, payloads, self.fid)
         self.metrics = metrics
         metrics.fragment_version.labels(str(self.fid)).set(0)
 
@@ -66,12 +72,14 @@ class Fragment:
         return self.model.version
 
     def _new_accumulator(self) -> Accumulator:
+        """Sums over a buffer lent by `fp32` (given back by `_release`)."""
         radial = self.cfg.merge == "radial"
         return Accumulator(
             self.numel,
             self.segments if radial else None,
             radial=radial,
             mean_segments=self.mean_segments if radial else None,
+            buffer=self.fp32.take(),
         )
 
     def initialize(self, params: torch.Tensor, version: int = 0, adopt: bool = False) -> None:
@@ -120,34 +128,52 @@ class Fragment:
 
     def apply(self, rnd: Round) -> tuple[float, str | None]:
         """Decodes a taken round's held pushes, merges them and applies the outer step, in
-        version order; returns the seconds it took and, if the round was refused, why."""
-        t_decode = time.perf_counter()
-        self._add_held(rnd)
-        t_decode = time.perf_counter() - t_decode
-        acc = rnd.acc
+        version order; returns the seconds it took and, if the round was refused, why. The
+        round's sums are taken from the shared FP32 buffers (unless it added on arrival and has
+        them already) and given back when the step ends, whatever happens."""
+        try:
+            if rnd.acc is None:
+                rnd.acc = self._new_accumulator()
+            acc = rnd.acc
+            t_decode = time.perf_counter()
+            self._add_held(rnd)
+            t_decode = time.perf_counter() - t_decode
 
-        def merge() -> torch.Tensor:  # in place over the round's sums; zero weights: no change
-            return acc.merged() if acc.total_weight > 0 else acc.cleared()
+            def merge() -> torch.Tensor:  # in place over the round's sums; zero weights: no change
+                return acc.merged() if acc.total_weight > 0 else acc.cleared()
 
-        seconds, refused = self.model.step(rnd.start_version, merge, rnd.contributions)
-        acc.reset()
-        self.admission.recycle(acc)
+            seconds, refused = self.model.step(rnd.start_version, merge, rnd.contributions)
+        finally:
+            self.discard(rnd)
         return seconds + t_decode, refused
+
+    def discard(self, rnd: Round) -> None:
+        """Gives back what a taken round holds (held payloads, its sums), once its outer step
+        ended or could not run."""
+        self._release([h.buf for h in rnd.held])
+        rnd.held.clear()
+        if rnd.acc is not None:
+            self.fp32.give(rnd.acc.buffer)
+            rnd.acc = None
+
+    def _release(self, held: list[torch.Tensor]) -> None:
+        """Held payloads spent: no longer held, and pooled where the budget has room."""
+        self.payloads.release(sum(buf.numel() for buf in held))
+        for buf in held:
+            self.payloads.give(buf)
 
     def _add_held(self, rnd: Round) -> None:
         """Decodes the round's held pushes into its accumulator (outside the locks: a taken round
         belongs to its outer step alone)."""
         if not rnd.held:
             return
-        # A decode buffer only where one is needed (radial merge, FP4): the rest add in place.
-        needs_scratch = rnd.acc.radial or any(h.header.codec == pb.CODEC_FP4_E3M0 for h in rnd.held)
-        scratch = self.pool.take() if needs_scratch else None
+        assert rnd.acc is not None
+        # A decode buffer only for radial merging: the rest add in place (FP4 in runs).
+        scratch = self.fp32.take() if rnd.acc.radial else None
         held = [h.buf for h in rnd.held]
         try:
-            rnd.add_held(scratch)
+            rnd.add_held(None if scratch is None else scratch[: self.numel])
         finally:
-            for buf in held:
-                self.pool.give(buf)
+            self._release(held)
             if scratch is not None:
-                self.pool.give(scratch)
-            self.held.release(sum(buf.numel() for buf in held))
+                self.fp32.give(scratch)

@@ -6,13 +6,17 @@ the code allocates, per fragment, at its bounds:
 - `params`: the FP32 parameters (4 B/param);
 - `outer_state`: the outer optimizer's FP32 buffers (nesterov 4, delayed_nesterov 8, sgd 0 B/param);
 - `residual`: the update chain's error-feedback residual (4 B/param whenever a chain is kept);
-- `update_history`: the kept encoded outer updates (`_kept_links` of them per fragment);
-- `accumulators`: FP32 round sums, at most two per fragment (the open round, and the one whose
-  outer step is being applied; `synchronizer.rounds`);
-- `payloads`: encoded pushes, bounded by the pool and held-bytes budgets (`synchronizer.buffers`);
-- `snapshots`: one cached full-pull snapshot per pull codec (FP32 and BF16);
-- `scratch`: the outer step's merged-delta buffer and the chain's decode buffer per fragment, per
-  apply thread a re-anchoring buffer and the link being encoded, and one message per stream;
+- `update_history`: the kept encoded outer updates (`downlink.kept_links` of them per fragment);
+- `accumulators`: the shared FP32 buffers of the largest fragment's size that outer steps take
+  for a round's sums (`buffers.fp32_kept`: one per apply thread, two when merging radially);
+  a round that adds pushes on arrival (the payload budget full) takes one more while it is open;
+- `payloads`: encoded pushes held for the outer step and receive buffers pooled for reuse, all
+  fragments together within `payload_budget_bytes` (`buffers.payload_budget`);
+- `snapshots`: full-pull snapshots, one FP32 and one BF16 per fragment at most for the pulls of
+  one version (shared by its pullers, freed when the last of them ends; a slow pull of an older
+  version keeps its own until it ends);
+- `scratch`: per apply thread a decode run (about 1M FP32 elements) and the new link before the
+  oldest is dropped, and one message per stream;
 - `checkpoint`: the copies a checkpoint takes of parameters, outer state, residual and chain;
 - `baseline`: the process itself (Python, torch, gRPC), measured idle;
 
@@ -24,12 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from protos import codec as wire_codec
 from protos import diloco_pb2 as pb
 from protos import layout
 from protos.configload import ConfigError
 from protos.spec import ModelSpec
-from synchronizer.buffers import HELD_FP32_COPIES, POOL_FP32_COPIES
+from synchronizer.buffers import fp32_kept, payload_budget
 from synchronizer.config import SynchronizerConfig
+from synchronizer.downlink import kept_links
 
 COMPONENTS = (
     "params",
@@ -44,9 +50,7 @@ COMPONENTS = (
     "baseline",
 )
 OUTER_STATE_BYTES = {"sgd": 0, "nesterov": 4, "delayed_nesterov": 8}  # per parameter
-ROUND_BUFFERS = 2  # accumulators per fragment: the open round, and the one being applied
-SNAPSHOT_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)  # core.PULL_CODECS: one cached snapshot each
-HISTORY_SHARE = 0.8  # automatic update-history budget, in FP32 copies of the fragment
+SNAPSHOT_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)  # core.PULL_CODECS: one snapshot each
 # Resident bytes of an idle `diloco-synchronizer serve` (Python, torch, gRPC, prometheus): 246 MiB
 # measured on the reference machine, plus headroom for worker-thread stacks and allocator arenas.
 BASELINE_BYTES = 320 << 20
@@ -54,26 +58,6 @@ BASELINE_BYTES = 320 << 20
 
 class MemoryLimitError(ConfigError):
     """Settings, or a stored model, whose projected memory exceeds `memory_limit_bytes`."""
-
-
-def _kept_links(
-    update_history: int,
-    history_bytes: int,
-    fragment_numel: int,
-    update_codec: str,
-    block_size: int = layout.DEFAULT_BLOCK_SIZE,
-) -> int:
-    """Links of the update chain a fragment keeps: at most `update_history`, and as many as fit
-    `history_bytes` (0: HISTORY_SHARE of the fragment's FP32 bytes), but at least one.
-
-    A stand-in, with the same signature and rule, for `synchronizer.downlink.kept_links` (the
-    byte-bounded history being added there); replace this with that once it lands.
-    """
-    if update_history <= 0 or fragment_numel <= 0:
-        return 0
-    link = layout.encoded_nbytes(layout.parse_codec(update_codec), fragment_numel, block_size)
-    budget = history_bytes or int(HISTORY_SHARE * 4 * fragment_numel)
-    return min(update_history, max(1, budget // link))
 
 
 def _sizes(model: ModelSpec | Sequence[int]) -> list[int]:
@@ -90,8 +74,6 @@ def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[s
     largest = max(sizes, default=0)
     chain = cfg.update_history > 0
     codec = layout.parse_codec(cfg.update_codec)
-    # The byte-bounded history setting, once it exists (another change adds it; 0 = automatic).
-    history_bytes = int(getattr(cfg, "update_history_bytes", 0))
 
     def link_bytes(n: int) -> int:
         return layout.encoded_nbytes(codec, n)
@@ -101,19 +83,21 @@ def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[s
         "outer_state": OUTER_STATE_BYTES[cfg.outer] * numel,
         "residual": 4 * numel if chain else 0,
         "update_history": sum(
-            _kept_links(cfg.update_history, history_bytes, n, cfg.update_codec) * link_bytes(n)
+            kept_links(cfg.update_history, cfg.update_history_bytes, n, cfg.update_codec)
+            * link_bytes(n)
             for n in sizes
         ),
-        "accumulators": ROUND_BUFFERS * 4 * numel,
-        "payloads": (POOL_FP32_COPIES + HELD_FP32_COPIES) * 4 * numel,
+        "accumulators": fp32_kept(cfg.apply_threads, cfg.merge) * 4 * largest,
+        "payloads": payload_budget(cfg.payload_budget_bytes, largest) if sizes else 0,
         "snapshots": sum(layout.encoded_nbytes(c, n) for c in SNAPSHOT_CODECS for n in sizes),
     }
-    per_fragment = 4 * numel * (2 if chain else 1)  # merged delta; the chain's decoded update
-    per_thread = 0
-    if chain:  # a re-anchoring buffer, and the newest link before the oldest is dropped
-        per_thread = (4 * largest if cfg.anchor == "current" else 0) + link_bytes(largest)
+    # Per apply thread: a decode run (pushes, the new link, re-anchoring: one at a time), and
+    # the newest link before the oldest is dropped.
+    per_thread = 4 * wire_codec.run_elems(layout.make_header(codec, largest)) if sizes else 0
+    if chain:
+        per_thread += link_bytes(largest)
     streams = cfg.max_concurrent_streams * cfg.max_message_bytes
-    out["scratch"] = per_fragment + cfg.apply_threads * per_thread + streams
+    out["scratch"] = cfg.apply_threads * per_thread + streams
     out["checkpoint"] = out["params"] + out["outer_state"] + out["residual"] + out["update_history"]
     out["baseline"] = BASELINE_BYTES
     out["total"] = sum(out.values())
@@ -121,8 +105,10 @@ def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[s
 
 
 def bytes_per_param(cfg: SynchronizerConfig) -> tuple[float, int]:
-    """(bytes per parameter, fixed bytes) of the projection: its slope and its intercept."""
-    n = 1 << 22
+    """(bytes per parameter, fixed bytes) of the projection of a one-fragment model: its slope
+    and its intercept, past the sizes where floors (the automatic payload budget's 64 MiB, a
+    decode run's 1M elements) still hold."""
+    n = 1 << 25
     small, large = project(cfg, [n])["total"], project(cfg, [2 * n])["total"]
     slope = (large - small) / n
     return slope, round(small - slope * n)

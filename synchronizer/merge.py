@@ -79,6 +79,10 @@ class Accumulator:
     `segments` are the (start, end) ranges of the fragment's tensors, in order and tiling
     [0, numel); without them radial mode treats the whole fragment as one segment. Deltas must
     be flat FP32 of length `numel` on the accumulator's device.
+
+    `buffer` is the storage of the sums (flat contiguous FP32 of at least `numel` elements, its
+    contents ignored: e.g. one lent by a pool, given back after the outer step); allocated when
+    not given.
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class Accumulator:
         radial: bool = False,
         mean_segments: set[int] | None = None,
         device: torch.device | str = "cpu",
+        buffer: torch.Tensor | None = None,
     ) -> None:
         if numel < 1:
             raise ValueError(f"numel must be >= 1, got {numel}")
@@ -111,7 +116,15 @@ class Accumulator:
         self.segments = segments
         self.mean_segments = mean_segments
         self._radial_segments = [i for i in range(len(segments)) if i not in mean_segments]
-        self._sum = torch.empty(numel, dtype=torch.float32, device=device)  # S, or U per segment
+        if buffer is None:
+            buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        elif buffer.dtype != torch.float32 or buffer.dim() != 1 or buffer.numel() < numel:
+            raise ValueError(
+                f"buffer must be flat FP32 of at least {numel} elements, got {buffer.dtype} "
+                f"of shape {tuple(buffer.shape)}"
+            )
+        self.buffer = buffer
+        self._sum = buffer[:numel]  # S, or U per segment
         self._fresh = True  # _sum holds nothing yet: the first add writes it (no zeroing pass)
         self._norm_sums = [0.0] * len(segments)  # R per segment (radial mode only)
         self._total_weight = 0.0
@@ -168,8 +181,8 @@ class Accumulator:
         scratch: torch.Tensor | None = None,
     ) -> None:
         """`add` of an encoded contribution that passed `codec.check`: decoded and weighted in
-        one pass in mean mode (`codec.accumulate`); radial mode and FP4 decode into `scratch`
-        (FP32, numel; allocated when not given)."""
+        one pass in mean mode (`codec.accumulate`: FP4 decodes in runs of about 1M elements);
+        radial mode decodes into `scratch` (FP32, numel; allocated when not given)."""
         if self.radial:
             self.add(
                 codec.decode(
@@ -187,7 +200,7 @@ class Accumulator:
             raise ValueError(f"payload must have {self.numel} elements, got {header.numel}")
         if weight == 0.0:
             return
-        codec.accumulate(buf, header, self._sum, weight, overwrite=self._fresh, scratch=scratch)
+        codec.accumulate(buf, header, self._sum, weight, overwrite=self._fresh)
         self._fresh = False
         self._total_weight += weight
         self._count += 1

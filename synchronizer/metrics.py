@@ -7,7 +7,12 @@ tests can run several servers in one process.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from synchronizer.buffers import Fp32Buffers, Payloads
 
 GOODPUT_BUCKETS = ("merged", "discarded", "lost")
 PUSH_OUTCOMES = ("accepted", "dropped_stale", "duplicate", "refused_norm", "rejected")
@@ -174,6 +179,26 @@ class Metrics:
             ["component"],
             registry=r,
         )
+        self.payload_held = Gauge(
+            "diloco_payload_held_bytes",
+            "Encoded push bytes rounds hold for their outer step (all fragments; with the pooled bytes at most payload_budget_bytes).",
+            registry=r,
+        )
+        self.payload_pooled = Gauge(
+            "diloco_payload_pooled_bytes",
+            "Free receive buffers kept for reuse, in bytes (all fragments).",
+            registry=r,
+        )
+        self.fp32_buffers = Gauge(
+            "diloco_fp32_buffers",
+            "FP32 buffers of the largest fragment's size allocated for round sums (apply_threads of them, more while rounds add pushes on arrival).",
+            registry=r,
+        )
+        self.fp32_beyond = Counter(
+            "diloco_fp32_buffers_beyond_pool_total",
+            "FP32 round buffers allocated beyond apply_threads: rounds that added pushes on arrival because the payload budget was full.",
+            registry=r,
+        )
         for state in LEARNER_STATES:
             self.learners.labels(state).set(0)
         for outcome in PUSH_OUTCOMES:
@@ -181,3 +206,9 @@ class Metrics:
         for bucket in GOODPUT_BUCKETS:
             self.tokens.labels(bucket)
             self.compute.labels(bucket)
+
+    def watch_buffers(self, payloads: Payloads, fp32: Fp32Buffers) -> None:
+        """Exports the shared buffers' live sizes (read when scraped)."""
+        self.payload_held.set_function(lambda: payloads.held_bytes)
+        self.payload_pooled.set_function(lambda: payloads.pooled_bytes)
+        self.fp32_buffers.set_function(lambda: fp32.live)

@@ -7,15 +7,19 @@ step or adds it at once when the held-bytes budget is full, and says when the ro
 Held pushes are added in a canonical order (learner name, id, seq), not in arrival order: a
 synchronous run (every learner in every round) sums the same numbers in the same order however
 its pushes raced, so it is reproducible bit for bit, and a replay of the write-ahead log repeats
-it (the log says which pushes were held and which were added at once). `Rounds` closes them, on worker threads, never on gRPC
-threads.
+it (the log says which pushes were held and which were added at once). `Rounds` closes them,
+on worker threads, never on gRPC threads.
+
+A round's FP32 sums (an `Accumulator`) are lent by the Synchronizer-wide `Fp32Buffers`: taken
+when the round starts adding (at its outer step, or on arrival when a push cannot be held) and
+given back when its outer step ends, so a fragment between outer steps holds none.
 
 Round policy (Decoupled DiLoCo): a round may close once it holds K contributions (K = quorum,
 capped by the live learners; quorum 0 = every live learner, i.e. synchronous DiLoCo). It closes
 at once when every live learner has contributed, otherwise after the grace window
 (`synchronizer.grace`). While a fragment's previous outer step is still being applied its open
 round keeps collecting instead of closing, so a busy Synchronizer batches pushes rather than
-queueing outer steps (and holds at most two round buffers per fragment).
+queueing outer steps.
 
 A round whose outer step raises fails its fragment (`on_failure`): the error reaches the health
 service, the waiters and the metrics instead of vanishing in a worker thread.
@@ -36,7 +40,7 @@ import torch
 from protos import codec
 from protos import diloco_pb2 as pb
 from synchronizer.bounds import PushBounds
-from synchronizer.buffers import BufferPool, HeldBudget
+from synchronizer.buffers import Payloads
 from synchronizer.config import SynchronizerConfig
 from synchronizer.goodput import Goodput, Share
 from synchronizer.grace import GraceWindow
@@ -60,7 +64,7 @@ class Contribution:
 @dataclass
 class Round:
     start_version: int  # the round's outer step turns this version into start_version + 1
-    acc: Accumulator
+    acc: Accumulator | None = None  # the round's sums, once it starts adding (`Fp32Buffers`)
     opened_at: float = field(default_factory=time.monotonic)
     contributions: list[Contribution] = field(default_factory=list)
     quorum_at: float | None = None
@@ -75,6 +79,7 @@ class Round:
     def add_held(self, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Adds the held pushes to the accumulator in their canonical order (`Held.order`);
         returns their buffers."""
+        assert self.acc is not None
         spent = [h.buf for h in self.held]
         try:
             for h in sorted(self.held, key=lambda h: h.order):
@@ -115,21 +120,18 @@ class Admission:
         metrics: Metrics,
         goodput: Goodput,
         new_accumulator: Callable[[], Accumulator],
-        pool: BufferPool,
-        held: HeldBudget,
+        payloads: Payloads,
         fid: int,
     ) -> None:
         self.fid = fid
         self.cfg = cfg
         self.metrics = metrics
         self.goodput = goodput
-        self.new_accumulator = new_accumulator
-        self.pool = pool
-        self.held = held
+        self.new_accumulator = new_accumulator  # lent sums, for a round that adds on arrival
+        self.payloads = payloads
         self.lock = threading.Lock()  # held only to judge and accumulate one push
         self.round: Round | None = None
         self.pending_version = 0  # version after every round already handed to the closers
-        self.spare: Accumulator | None = None  # the previous round's buffer, reset after its step
         self.bounds = PushBounds(cfg.max_norm_ratio, cfg.max_weight_ratio)
         self.journal: Callable[[int], int] | None = None  # logs a round closing into a version
 
@@ -177,18 +179,12 @@ class Admission:
                 self.goodput.discarded(learner_id, share)
             else:
                 if self.round is None:
-                    if self.spare is not None:
-                        acc, self.spare = self.spare, None
-                    else:
-                        acc = self.new_accumulator()
-                    self.round = Round(verdict.round_version - 1, acc)
+                    self.round = Round(verdict.round_version - 1)
                 rnd = self.round
                 if hold:
                     rnd.held.append(Held(payload[0], payload[1], verdict.weight, order))
                 else:
-                    spent = rnd.add_held()  # first, to keep arrival order
-                    self.held.release(sum(buf.numel() for buf in spent))
-                    rnd.acc.add_payload(payload[0], payload[1], verdict.weight)
+                    spent = self._add_now(rnd, payload, verdict.weight)
                 rnd.contributions.append(
                     Contribution(learner_id, base_version, verdict.weight, share)
                 )
@@ -197,7 +193,7 @@ class Admission:
                 self.bounds.accepted(learner_id, norm, capped)
                 self.goodput.accepted(learner_id, share)
         for buf in spent:
-            self.pool.give(buf)
+            self.payloads.give(buf)
         if verdict.outcome == pb.PUSH_REFUSED_NORM:
             logger.warning(
                 "learner=%s fragment=%d push refused: %s", learner_id, self.fid, verdict.message
@@ -307,25 +303,34 @@ class Admission:
         spent: list[torch.Tensor] = []
         with self.lock:
             if self.round is None:
-                acc = self.spare or self.new_accumulator()
-                self.spare = None
-                self.round = Round(round_version - 1, acc)
+                self.round = Round(round_version - 1)
             rnd = self.round
             if rnd.start_version != round_version - 1:
                 raise ValueError(
                     f"fragment {self.fid}: a logged push for version {round_version} meets the open round to {rnd.start_version + 1}"
                 )
             if hold:
-                self.held.claim(payload[0].numel())
+                self.payloads.claim(payload[0].numel())
                 rnd.held.append(Held(payload[0], payload[1], weight, order))
             else:
-                spent = rnd.add_held()
-                self.held.release(sum(buf.numel() for buf in spent))
-                rnd.acc.add_payload(payload[0], payload[1], weight)
+                spent = self._add_now(rnd, payload, weight)
             rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
         for buf in spent:
-            self.pool.give(buf)
+            self.payloads.give(buf)
         return rnd
+
+    def _add_now(
+        self, rnd: Round, payload: tuple[torch.Tensor, pb.PayloadHeader], weight: float
+    ) -> list[torch.Tensor]:
+        """Adds a push that is not held (lock held): the round takes its sums now if it has
+        none, adds the pushes held so far (in their order) first, then this one; returns the
+        held buffers spent (their bytes no longer count as held)."""
+        if rnd.acc is None:
+            rnd.acc = self.new_accumulator()
+        spent = rnd.add_held()
+        self.payloads.release(sum(buf.numel() for buf in spent))
+        rnd.acc.add_payload(payload[0], payload[1], weight)
+        return spent
 
     def take(self, rnd: Round) -> bool:
         """Marks the round as closing and opens the way for the next; False if already taken.
@@ -341,11 +346,6 @@ class Admission:
             if rnd.timer is not None:
                 rnd.timer.cancel()
             return True
-
-    def recycle(self, acc: Accumulator) -> None:
-        """Keeps a closed round's (reset) accumulator for the next round."""
-        with self.lock:
-            self.spare = acc
 
 
 class Rounds:
@@ -415,6 +415,7 @@ class Rounds:
                 self.durable(rnd.ticket)
             seconds, refused = frag.apply(rnd)
         except Exception as e:  # noqa: BLE001 - the failure becomes the fragment's state
+            frag.discard(rnd)  # what the round holds goes back to the shared budgets
             if frag.model.failure is None:
                 logger.exception(
                     "outer step of fragment %d round %d failed", frag.fid, rnd.start_version + 1

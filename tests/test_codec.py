@@ -706,3 +706,15 @@ def test_decode_runs_yields_decode_values_run_by_run(codec_id: int, n: int) -> N
         starts.append(start)
     assert torch.equal(rebuilt, whole)
     assert starts == list(range(0, n, C.run_elems(header)))
+
+
+@pytest.mark.parametrize("n", [300, 256 * 4099 + 100, (1 << 21) + 7])
+def test_accumulate_without_scratch_decodes_fp4_run_by_run_exactly_as_a_whole_decode(n):
+    buf, header = C.encode(gaussian(n), FP4), L.make_header(FP4, n)
+    decoded = C.decode(buf, header, torch.empty(n))
+    base = gaussian(n, seed=1)
+    out = base.clone()
+    C.accumulate(buf, header, out, 0.375)
+    assert torch.equal(out, base.clone().add_(decoded, alpha=0.375))
+    C.accumulate(buf, header, out, 2.0, overwrite=True)
+    assert torch.equal(out, torch.mul(decoded, 2.0))

@@ -19,6 +19,7 @@ from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer import checkpoint
+from synchronizer.buffers import Fp32Buffers, Payloads
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.downlink import Downlink, kept_links
@@ -210,3 +211,120 @@ def test_checkpoints_written_while_outer_steps_run_hold_each_fragment_at_one_ver
                 for k in ("params", "outer.momentum_buffer", "residual")
             )
             assert got == seen[(fid, fmeta["version"])], (path.name, fid, fmeta["version"])
+
+
+def test_payloads_held_and_pooled_share_one_budget() -> None:
+    payloads = Payloads(1000)
+    a, b = payloads.take(400), payloads.take(400)
+    assert payloads.reserve(400) and payloads.reserve(400)
+    assert not payloads.reserve(400)  # past the budget: added on arrival instead
+    c = payloads.take(400)
+    payloads.give(c)  # 800 held + 400 pooled would pass 1000: dropped
+    assert payloads.pooled_bytes == 0
+    payloads.release(400)
+    payloads.give(a)
+    assert (payloads.held_bytes, payloads.pooled_bytes) == (400, 400)
+    assert payloads.take(400) is a  # reused by size
+    payloads.give(a)
+    payloads.claim(400)  # a replayed round holds what it held: pooled buffers make way
+    assert (payloads.held_bytes, payloads.pooled_bytes) == (800, 0)
+    payloads.release(800)
+    payloads.give(b)
+    assert payloads.pooled_bytes == 400
+
+
+def test_fp32_buffers_keep_the_pools_count_and_count_those_beyond() -> None:
+    beyond: list[int] = []
+    fp32 = Fp32Buffers(10, keep=1, beyond=lambda: beyond.append(1))
+    first = fp32.take()
+    second = fp32.take()  # a round adding on arrival while an outer step holds the first
+    assert (fp32.live, len(beyond)) == (2, 1)
+    fp32.give(second)  # dropped: only `keep` stay
+    fp32.give(first)
+    assert fp32.live == 1 and fp32.take() is first
+    assert first.numel() == 10 and first.dtype == torch.float32
+
+
+def _core_with(tmp_path: Path, numels: list[int], **settings: Any) -> Synchronizer:
+    cfg = SynchronizerConfig(
+        state_dir=tmp_path, wal=False, checkpoint_interval_s=0, metrics_port=-1, **settings
+    )
+    core = Synchronizer(cfg)
+    spec = plan_fragments([TensorInfo(f"w{i}", (n,)) for i, n in enumerate(numels)], len(numels))
+    core._set_spec(spec)
+    for frag in core.fragments:
+        frag.initialize(torch.randn(frag.numel, generator=torch.Generator().manual_seed(frag.fid)))
+    core.initialized = True
+    return core
+
+
+def test_fragments_share_one_fp32_buffer_and_rounds_hold_none_between_outer_steps(
+    tmp_path: Path,
+) -> None:
+    core = _core_with(tmp_path, [3000, 2000, 1000])
+    try:
+        run_rounds(core, 2, 2)
+        fp32 = core.fragments[0].fp32
+        assert all(
+            f.fp32 is fp32 and f.payloads is core.fragments[0].payloads for f in core.fragments
+        )
+        assert fp32.live == 1 and fp32.numel == 3000  # the largest fragment's
+        assert all(f.admission.round is None for f in core.fragments)
+        assert core.fragments[0].payloads.held_bytes == 0
+    finally:
+        core.close()
+
+
+def test_a_round_adding_on_arrival_takes_sums_and_merges_as_held_pushes_do(
+    tmp_path: Path,
+) -> None:
+    """Held or added at arrival (the payload budget full), the same pushes in the same order
+    give the same parameters, bit for bit; the extra FP32 buffer is counted and dropped."""
+    results = []
+    for budget in (0, 1):  # automatic (all held), and one byte (every push added at arrival)
+        core = _core_with(tmp_path / str(budget), [5000], payload_budget_bytes=budget)
+        try:
+            frag = core.fragments[0]
+            g = torch.Generator().manual_seed(7)
+            deltas = [torch.randn(5000, generator=g) * 1e-3 for _ in range(3)]
+            header = layout.make_header(pb.CODEC_INT4, 5000)
+            busy = frag.fp32.take()  # an outer step of another fragment holds the pool's one
+            for m, d in enumerate(deltas):
+                buf = frag.payloads.take(layout.encoded_nbytes(pb.CODEC_INT4, 5000))
+                buf.copy_(codec.encode(d, pb.CODEC_INT4))
+                hold = frag.payloads.reserve(buf.numel())
+                assert hold == (budget == 0)
+                order = (f"l{2 - m}", f"id{m}", 1)  # canonical order: the reverse of arrival
+                frag.submit(f"l{m}", 0, 1000, 10, 1.0, (buf, header), hold=hold, order=order)
+            rnd = frag.admission.round
+            assert rnd is not None and (rnd.acc is not None) == (budget == 1)
+            assert frag.admission.take(rnd)
+            frag.fp32.give(busy)
+            frag.apply(rnd)
+            beyond = core.metrics.registry.get_sample_value("diloco_fp32_buffers_beyond_pool_total")
+            assert beyond == budget  # the round adding on arrival took one beyond the pool
+            assert frag.fp32.live == 1 and rnd.acc is None
+            assert frag.model.params is not None
+            results.append(frag.model.params.clone())
+        finally:
+            core.close()
+    # Held pushes are added in canonical order, arrival-added ones in arrival order: the sums
+    # agree to rounding, not bit for bit (what bit for bit needs is the same path on replay).
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-6)
+
+
+def test_a_full_pull_snapshot_lives_only_while_a_pull_holds_it() -> None:
+    down = Downlink(1000, "int8", 2)
+    params = torch.randn(1000)
+    first = down.snapshot(params, 3, pb.CODEC_FP32)
+    again = down.snapshot(params, 3, pb.CODEC_FP32)
+    assert again[2] is first[2]  # shared by the pullers of one version
+    assert len(down.snapshots_alive()) == 1
+    del first, again
+    assert down.snapshots_alive() == []  # nobody pulls it: freed at once
+    old = down.snapshot(params, 3, pb.CODEC_FP32)
+    down.changed()
+    new = down.snapshot(params, 4, pb.CODEC_FP32)
+    assert new[2] is not old[2] and [t is new[2] for t in down.snapshots_alive()] == [True]
+    del old  # the slow pull of version 3 ended
+    assert [t is new[2] for t in down.snapshots_alive()] == [True]

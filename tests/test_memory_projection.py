@@ -10,8 +10,11 @@ import grpc
 import pytest
 import torch
 
+from protos import diloco_pb2 as pb
+from protos import layout
 from synchronizer import core, memory
 from synchronizer.config import SynchronizerConfig
+from synchronizer.downlink import kept_links
 from synchronizer.metrics import Metrics
 from synchronizer.server import serving
 from tests.helpers import Client, small_spec
@@ -30,11 +33,11 @@ def test_projection_of_two_fragments_with_defaults_matches_the_hand_count() -> N
         "outer_state": 6400,  # nesterov momentum
         "residual": 6400,
         "update_history": history,
-        "accumulators": 2 * 6400,
-        "payloads": 4 * 6400,  # pool and held budgets, two FP32 copies each
+        "accumulators": 4000,  # one apply thread: one FP32 buffer of the largest fragment
+        "payloads": 64 << 20,  # held and pooled together: at least 64 MiB
         "snapshots": 6400 + 3200,  # FP32 and BF16
-        # merged + decoded per fragment; one apply thread: re-anchor buffer + a link (largest)
-        "scratch": 2 * 6400 + 4000 + 1016 + STREAMS,
+        # one apply thread: a decode run (the whole largest fragment here) + a link (largest)
+        "scratch": 4000 + 1016 + STREAMS,
         "checkpoint": 3 * 6400 + history,
         "baseline": BASELINE,
     }
@@ -46,7 +49,7 @@ def test_projection_without_a_chain_or_outer_state_counts_only_what_remains() ->
     cfg = SynchronizerConfig(outer="sgd", update_history=0, anchor="base", max_staleness=0)
     p = memory.project(cfg, [1000, 600])
     assert p["outer_state"] == p["residual"] == p["update_history"] == 0
-    assert p["scratch"] == 6400 + STREAMS  # the merged-delta buffer only
+    assert p["scratch"] == 4000 + STREAMS  # a decode run only
     assert p["checkpoint"] == 6400
 
 
@@ -55,15 +58,28 @@ def test_delayed_nesterov_keeps_two_buffers_and_more_threads_more_scratch() -> N
     two = memory.project(SynchronizerConfig(outer="delayed_nesterov", apply_threads=2), [1000])
     assert one["outer_state"] == 8000
     assert two["scratch"] - one["scratch"] == 4000 + 1016
+    assert two["accumulators"] - one["accumulators"] == 4000
 
 
-def test_kept_links_follow_the_history_and_its_byte_budget() -> None:
-    assert memory._kept_links(16, 0, 1000, "int8") == 3  # 3200 B // 1016 B
-    assert memory._kept_links(2, 0, 1000, "int8") == 2  # the count bounds first
-    assert memory._kept_links(16, 100_000, 1000, "int8") == 16
-    assert memory._kept_links(16, 10, 1000, "int8") == 1  # always at least one
-    assert memory._kept_links(16, 0, 1000, "fp32") == 1  # 3200 B // 4000 B, at least one
-    assert memory._kept_links(0, 0, 1000, "int8") == 0
+def test_shared_buffers_scale_with_the_largest_fragment_not_the_model() -> None:
+    large = 100_000_000
+    p = memory.project(SynchronizerConfig(), [large] * 4)
+    assert p["accumulators"] == 4 * large  # one apply thread
+    assert p["payloads"] == 4 * large  # automatic: the largest fragment's FP32 bytes
+    assert p["scratch"] - STREAMS == 4 * (1 << 20) + layout.encoded_nbytes(pb.CODEC_INT8, large)
+    radial = memory.project(
+        SynchronizerConfig(merge="radial", anchor="base", apply_threads=2), [large] * 4
+    )
+    assert radial["accumulators"] == 4 * 4 * large  # sums + decode buffer per thread
+    set_budget = memory.project(SynchronizerConfig(payload_budget_bytes=12345), [large] * 4)
+    assert set_budget["payloads"] == 12345
+
+
+def test_update_history_is_what_the_downlink_keeps() -> None:
+    cfg = SynchronizerConfig(update_history=16, update_history_bytes=5 * 1016)
+    p = memory.project(cfg, [1000, 600])
+    assert p["update_history"] == 5 * 1016 + kept_links(16, 5 * 1016, 600, "int8") * 612
+    assert kept_links(16, 5 * 1016, 600, "int8") == 8
 
 
 def test_a_spec_and_its_fragment_sizes_project_the_same_and_snapshots_are_the_pull_codecs() -> None:

@@ -288,14 +288,16 @@ def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(ma
 def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_alike(
     make_server, codec_id
 ):
-    # Accepted pushes are held encoded until the outer step, within a budget of two FP32 copies
-    # of the fragment; past it they are decoded on arrival (FP32: from the third push on).
-    # Either way the round merges the same weighted mean, every held byte is given back, and a
+    # Accepted pushes are held encoded until the outer step, within the payload budget (here two
+    # FP32 copies of the fragment); past it they are added on arrival (FP32: from the third push
+    # on), into FP32 sums the round takes then, beyond the pool's one and counted. Either way the
+    # round merges the same weighted mean, every held byte and buffer is given back, and a
     # duplicate or stale push holds nothing.
     learners = 6
     srv, clients, init = _setup(
         make_server,
         learners,
+        payload_budget_bytes=2 * 4 * N,
         quorum=0,
         grace="none",
         outer="sgd",
@@ -312,8 +314,11 @@ def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_al
         decoded.append(
             codec.decode(codec.encode(d, codec_id), layout.make_header(codec_id, N), torch.empty(N))
         )
+        if i == 2:  # FP32 past the budget: the round took FP32 sums for it
+            assert frag.admission.round is not None
+            assert (frag.admission.round.acc is not None) == (codec_id == pb.CODEC_FP32)
         if i == 0:
-            assert frag.held.held_bytes > 0  # held, not decoded
+            assert frag.payloads.held_bytes > 0  # held, not decoded
             dup = c.push(0, d, codec_id=codec_id, seq=c.seq)
             assert dup.outcome == pb.PUSH_DUPLICATE
     version, served = clients[0].pull(0, min_version=1, wait_s=10)
@@ -323,7 +328,12 @@ def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_al
     torch.testing.assert_close(served, init - mean)
     stale = clients[1].push(0, deltas[1], codec_id=codec_id, base=0)
     assert stale.outcome == pb.PUSH_DROPPED_STALE
-    assert frag.held.held_bytes == 0
+    assert frag.payloads.held_bytes == 0
+    metric = srv.synchronizer.metrics.registry.get_sample_value
+    assert metric("diloco_payload_held_bytes") == 0
+    assert metric("diloco_payload_pooled_bytes") == frag.payloads.pooled_bytes > 0
+    assert metric("diloco_fp32_buffers") == 1  # the open round took the pool's free one
+    assert metric("diloco_fp32_buffers_beyond_pool_total") == 0
 
 
 def test_adaptive_grace_is_sized_by_the_tau_the_learners_report(make_server, tmp_path):
