@@ -72,7 +72,7 @@ class FragmentModel:
         self.stopping = False  # shutting down: pulls stop waiting for new versions
         self.outer = make_outer(cfg.outer, numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
         kept = kept_links(cfg.update_history, cfg.update_history_bytes, numel, cfg.update_codec)
-        self.downlink = Downlink(numel, cfg.update_codec, kept)
+        self.downlink = Downlink(numel, cfg.update_codec, kept, cfg.update_residual_dtype)
 
     @property
     def initialized(self) -> bool:

@@ -47,20 +47,68 @@ def test_fragments_hold_no_full_size_scratch_and_checkpoints_copy_one_fragment()
     assert 0 < result["checkpoint_copies_bytes_per_param"] * 200_000 <= largest
 
 
+@pytest.mark.parametrize("residual_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("update_codec", ["int8", "fp32"])
-def test_update_link_is_added_run_by_run_exactly_as_a_whole_decoded_link(update_codec: str) -> None:
+def test_update_link_is_added_run_by_run_exactly_as_a_whole_decoded_link(
+    update_codec: str, residual_dtype: str
+) -> None:
     n = 2 * (1 << 20) + 1000 + 77  # several runs and a partial last block
     g = torch.Generator().manual_seed(0)
     params, merged = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3
-    down = Downlink(n, update_codec, 4)
-    down.residual = torch.randn(n, generator=g) * 1e-5
-    update = torch.add(down.residual, merged, alpha=-0.7)
+    down = Downlink(n, update_codec, 4, residual_dtype)
+    down.residual = (torch.randn(n, generator=g) * 1e-5).to(down.residual_dtype)
+    update = torch.add(down.residual.float(), merged, alpha=-0.7)  # FP32 arithmetic
     header = layout.make_header(layout.parse_codec(update_codec), n)
     decoded = codec.decode(codec.encode(update, header.codec), header, torch.empty(n))
-    expected_params, expected_residual = params + decoded, update - decoded
+    expected_params = params + decoded
+    expected_residual = (update - decoded).to(down.residual_dtype)
     down.step(params, merged.clone(), -0.7, 1)
     assert torch.equal(params, expected_params)
+    assert down.residual.dtype == down.residual_dtype
     assert torch.equal(down.residual, expected_residual)
+
+
+def test_residual_is_stored_in_its_setting_and_a_checkpoints_fp32_one_is_converted() -> None:
+    for setting, nbytes in (("bf16", 2), ("fp32", 4)):
+        model = _model(update_residual_dtype=setting)
+        model.step(0, _merge(torch.full((5000,), 1e-3)), [_Push(0, 1.0)])
+        residual = model.downlink.residual
+        assert residual is not None and residual.numel() == 5000
+        assert residual.untyped_storage().nbytes() == nbytes * 5000
+    old = torch.randn(5000, generator=torch.Generator().manual_seed(4)) * 1e-5
+    down = Downlink(5000, "int8", 4)  # bf16, the default
+    down.restore({"f.residual": old}, [], "f.")
+    assert down.residual is not None and down.residual.dtype == torch.bfloat16
+    assert torch.equal(down.residual, old.to(torch.bfloat16))
+
+
+def test_bf16_residual_serves_within_bf16_precision_of_fp32_and_far_closer_than_none() -> None:
+    """The same 16 updates (a steady direction plus noise, so lost quantization error would pile
+    up) through both residual settings, and through the codec with no residual at all."""
+    n = 200_000
+    g = torch.Generator().manual_seed(5)
+    start = torch.randn(n, generator=g) * 0.02
+    trend = torch.randn(n, generator=g) * 1e-3
+    updates = [trend + torch.randn(n, generator=g) * 3e-4 for _ in range(16)]
+    served = {}
+    for setting in ("fp32", "bf16"):
+        down, params = Downlink(n, "int8", 4, setting), start.clone()
+        for v, u in enumerate(updates):
+            down.step(params, u.clone(), 1.0, v + 1)
+        served[setting] = params
+    header = layout.make_header(pb.CODEC_INT8, n)
+    served["none"] = start.clone()
+    for u in updates:
+        served["none"] += codec.decode(codec.encode(u, pb.CODEC_INT8), header, torch.empty(n))
+    exact = start.double() + sum(u.double() for u in updates)
+    error = {k: float((p.double() - exact).norm()) for k, p in served.items()}
+    update_norm = float(updates[0].norm())
+    apart = (served["bf16"] - served["fp32"]).double()
+    assert float(apart.norm()) <= 0.005 * update_norm  # measured 0.0015
+    # At most a code or two flipped by the rounding: one INT8 step is absmax / 127 of a block.
+    assert float(apart.abs().max()) <= 0.02 * max(float(u.abs().max()) for u in updates)
+    assert error["bf16"] <= 1.05 * error["fp32"]
+    assert error["none"] >= 3 * max(error["bf16"], error["fp32"])
 
 
 def _model(**settings: object) -> FragmentModel:
