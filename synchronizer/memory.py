@@ -5,7 +5,8 @@ the code allocates, per fragment, at its bounds:
 
 - `params`: the FP32 parameters (4 B/param);
 - `outer_state`: the outer optimizer's FP32 buffers (nesterov 4, delayed_nesterov 8, sgd 0 B/param);
-- `residual`: the update chain's error-feedback residual (4 B/param whenever a chain is kept);
+- `residual`: the update chain's error-feedback residual whenever a chain is kept (2 B/param in
+  BF16, the default `update_residual_dtype`; 4 in FP32);
 - `update_history`: the kept encoded outer updates (`_kept_links` of them per fragment);
 - `accumulators`: FP32 round sums, at most two per fragment (the open round, and the one whose
   outer step is being applied; `synchronizer.rounds`);
@@ -13,7 +14,9 @@ the code allocates, per fragment, at its bounds:
 - `snapshots`: one cached full-pull snapshot per pull codec (FP32 and BF16);
 - `scratch`: the outer step's merged-delta buffer and the chain's decode buffer per fragment, per
   apply thread a re-anchoring buffer and the link being encoded, and one message per stream;
-- `checkpoint`: the copies a checkpoint takes of parameters, outer state, residual and chain;
+- `checkpoint`: no copies (live tensors are written, one frozen fragment at a time): only the
+  header, built as text and padded into its room, and a buffer to move the data should it
+  outgrow that room;
 - `baseline`: the process itself (Python, torch, gRPC), measured idle;
 
 and `total`, their sum. The Synchronizer logs it, exports it as `diloco_memory_bytes{component}`
@@ -29,6 +32,7 @@ from protos import layout
 from protos.configload import ConfigError
 from protos.spec import ModelSpec
 from synchronizer.buffers import HELD_FP32_COPIES, POOL_FP32_COPIES
+from synchronizer.checkpoint import HEADER_ROOM
 from synchronizer.config import SynchronizerConfig
 
 COMPONENTS = (
@@ -44,6 +48,7 @@ COMPONENTS = (
     "baseline",
 )
 OUTER_STATE_BYTES = {"sgd": 0, "nesterov": 4, "delayed_nesterov": 8}  # per parameter
+RESIDUAL_BYTES = {"bf16": 2, "fp32": 4}  # per parameter, by update_residual_dtype
 ROUND_BUFFERS = 2  # accumulators per fragment: the open round, and the one being applied
 SNAPSHOT_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)  # core.PULL_CODECS: one cached snapshot each
 HISTORY_SHARE = 0.8  # automatic update-history budget, in FP32 copies of the fragment
@@ -99,7 +104,7 @@ def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[s
     out = {
         "params": 4 * numel,
         "outer_state": OUTER_STATE_BYTES[cfg.outer] * numel,
-        "residual": 4 * numel if chain else 0,
+        "residual": RESIDUAL_BYTES[cfg.update_residual_dtype] * numel if chain else 0,
         "update_history": sum(
             _kept_links(cfg.update_history, history_bytes, n, cfg.update_codec) * link_bytes(n)
             for n in sizes
@@ -114,10 +119,18 @@ def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[s
         per_thread = (4 * largest if cfg.anchor == "current" else 0) + link_bytes(largest)
     streams = cfg.max_concurrent_streams * cfg.max_message_bytes
     out["scratch"] = per_fragment + cfg.apply_threads * per_thread + streams
-    out["checkpoint"] = out["params"] + out["outer_state"] + out["residual"] + out["update_history"]
+    out["checkpoint"] = checkpoint_bytes(cfg) if numel else 0
     out["baseline"] = BASELINE_BYTES
     out["total"] = sum(out.values())
     return out
+
+
+def checkpoint_bytes(cfg: SynchronizerConfig) -> int:
+    """What writing a checkpoint holds: its header (the spec in base64, a record per learner,
+    the tensor entries; as text and padded into its room) and the 1 MiB buffer that moves the
+    data behind a header that outgrew its room. The tensors are written from their own memory."""
+    header = HEADER_ROOM + -(-4 * cfg.max_spec_bytes // 3) + 512 * cfg.max_learners
+    return 2 * header + (1 << 20)
 
 
 def bytes_per_param(cfg: SynchronizerConfig) -> tuple[float, int]:
