@@ -15,15 +15,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from bench.memory import measure, run_rounds
+from bench.memory import fragment_bytes, measure, run_rounds
 from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
-from synchronizer import checkpoint
+from synchronizer import checkpoint, receive
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.downlink import Downlink, kept_links
 from synchronizer.model import FragmentModel
+from tests.helpers import Client, small_spec
 
 
 def test_kept_links_follow_the_byte_budget() -> None:
@@ -301,3 +302,32 @@ def test_checkpoints_written_while_outer_steps_run_hold_each_fragment_at_one_ver
                 for k in ("params", "outer.momentum_buffer", "residual")
             )
             assert got == seen[(fid, fmeta["version"])], (path.name, fid, fmeta["version"])
+
+
+def test_init_model_adopts_the_received_buffers_and_holds_only_params_and_outer_state(
+    make_server: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """InitModel and its first checkpoint hold parameters and momentum, nothing more: the
+    received FP32 buffers are the parameters, and the residual waits for the first outer step."""
+    received: list[torch.Tensor] = []
+    original = receive.init_fragments
+
+    def capture(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        received.extend(original(*args, **kwargs))
+        return list(received)
+
+    monkeypatch.setattr(receive, "init_fragments", capture)
+    srv = make_server(checkpoint_interval_s=0)
+    spec = small_spec()
+    c = Client(srv.address, spec)
+    c.join()
+    c.init([torch.randn(f.numel) for f in spec.fragments])
+    c.close()
+    core = srv.synchronizer
+    assert len(checkpoint.list_checkpoints(core.cfg.state_dir)) == 1
+    for frag, buf in zip(core.fragments, received, strict=True):
+        assert frag.model.params is not None
+        assert frag.model.params.data_ptr() == buf.data_ptr()  # adopted, not copied
+        parts = fragment_bytes(frag)
+        assert parts["params"] == parts["outer"] == 4 * frag.numel
+        assert sum(parts.values()) == 8 * frag.numel, parts
