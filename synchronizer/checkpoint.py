@@ -7,9 +7,10 @@ the new one, never a torn file under a final name. The last `keep` are kept; on 
 that loads cleanly wins, and a damaged one is skipped with a warning.
 
 Memory: a `Writer` streams tensors into the file as they are added (safetensors' own `save_file`
-needs every tensor at once), so the Synchronizer copies one fragment's state at a time; the
-header, which safetensors puts first, goes into room reserved before the data and padded with
-spaces as the format allows. `load_latest` reads each tensor into memory of its own when it is
+needs every tensor at once), straight from their own memory, so the Synchronizer writes its live
+state without copying it (one fragment at a time, held still meanwhile); the header, which
+safetensors puts first, goes into room reserved before the data and padded with spaces as the
+format allows. `load_latest` reads each tensor into memory of its own when it is
 asked for (`Stored`), so a restore neither maps the whole file nor holds it twice.
 """
 

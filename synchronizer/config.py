@@ -110,6 +110,10 @@ class SynchronizerConfig(BaseModel):
         "int8",
         description="How kept updates are stored and sent to delta pulls; int8 carries an error-feedback residual so nothing is lost over time",
     )
+    update_residual_dtype: Literal["bf16", "fp32"] = Field(
+        "bf16",
+        description="How the error-feedback residual of the kept updates is stored (2 or 4 bytes per parameter); its arithmetic is FP32 either way, and bf16 moves the served parameters by far less than the int8 update codec does",
+    )
     merge: Literal["mean", "radial"] = Field(
         "mean", description="Weighted mean of deltas, or radial-directional averaging per tensor"
     )

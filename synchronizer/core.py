@@ -730,18 +730,23 @@ class Synchronizer:
         return True
 
     def _write_checkpoint(self, spec: ModelSpec) -> None:
+        """Writes every fragment's live state, one frozen fragment at a time. Lock order: the
+        checkpoint lock, then the log's seal, then each fragment's condition only to freeze and
+        thaw it (never held during the write); the freeze is released before the log is
+        truncated. An outer step waiting on a frozen fragment holds no lock (its log record is
+        durable before it waits), so it only waits, for at most one fragment's write time."""
         t0 = time.perf_counter()
         with self.checkpoint_lock:
             sealed = self.journal.seal()  # the log from here on is not in this checkpoint
             spec_text = base64.b64encode(spec.to_proto().SerializeToString()).decode()
             frag_meta = []
-            # One fragment's copy at a time: taken at one version under its lock, written, dropped.
+            # No copies: one fragment at a time is frozen at its version (its outer steps wait;
+            # pushes and pulls go on) while its live tensors are written.
             room = checkpoint.HEADER_ROOM + len(spec_text) + 512 * self.cfg.max_learners
             with checkpoint.Writer(self.cfg.state_dir, self.cfg.keep_checkpoints, room) as writer:
                 for frag in self.fragments:
-                    tensors, m = frag.model.state()
-                    writer.add(tensors)
-                    del tensors
+                    with frag.model.frozen_state() as (tensors, m):
+                        writer.add(tensors)
                     frag_meta.append(m)
                 meta = {
                     "format": 1,

@@ -12,6 +12,11 @@ freed at once, and the cache never makes a second one of the same codec and vers
 How many links are kept is bounded in bytes as well as in count (`kept_links`): a learner further
 behind than the kept chain pulls the full parameters instead.
 
+The residual is stored in BF16 by default (`update_residual_dtype`), half the bytes of FP32: it
+only carries what one INT8 encoding lost into the next update, so its own rounding (relative
+2^-9 of an already small error) changes the served parameters by far less than the update codec
+does. Its arithmetic is FP32, run by run: a run is upcast, computed and rounded back.
+
 `Downlink` holds no lock of its own: every method runs under the owning `FragmentModel`'s lock,
 which also guards the parameters it reads and writes.
 """
@@ -50,12 +55,19 @@ def kept_links(
     return min(update_history, max(1, budget // max(link, 1)))
 
 
+RESIDUAL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 class Downlink:
-    def __init__(self, numel: int, update_codec: str, history: int) -> None:
-        """`history`: links kept (see `kept_links`)."""
+    def __init__(
+        self, numel: int, update_codec: str, history: int, residual_dtype: str = "bf16"
+    ) -> None:
+        """`history`: links kept (see `kept_links`); `residual_dtype`: how the error-feedback
+        residual is stored (`RESIDUAL_DTYPES`)."""
         self.numel = numel
         self.history = history
         self.codec = layout.parse_codec(update_codec)
+        self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
         self.chain: deque[Link] = deque()  # links are never written once made: shared, not copied
         self.residual: torch.Tensor | None = None  # error feedback of the update codec
         # codec -> (version, header, the encoded parameters, held weakly: the pulls hold them)
@@ -65,19 +77,24 @@ class Downlink:
     def step(self, params: torch.Tensor, merged: torch.Tensor, factor: float, version: int) -> None:
         """Applies the outer update `factor * merged` through the chain: params +=
         decode(encode(update + residual)), residual = what the encoding lost. `merged` is
-        scratch afterwards. The new link is decoded in runs of about 1M elements, each added to
-        the parameters by the same single add a learner applying the whole link does (so the
-        sum is the same, element for element), without a decoded copy of the whole update."""
+        scratch afterwards. Everything goes in runs of about 1M elements, in FP32 whatever the
+        residual's dtype (a run of it is upcast, and rounded back once): no full-size temporary.
+        Each decoded run is added to the parameters by the same single add a learner applying
+        the whole link does (so the sum is the same, element for element)."""
         if self.residual is None:
-            self.residual = torch.zeros(self.numel)
-        update = torch.add(self.residual, merged, alpha=factor, out=merged)
+            self.residual = torch.zeros(self.numel, dtype=self.residual_dtype)
         header = layout.make_header(self.codec, self.numel)
-        encoded = codec.encode(update, self.codec)  # fresh: pulls may still be streaming old links
         scratch = torch.empty(codec.run_elems(header))
+        update = merged
+        for start in range(0, self.numel, max(1, scratch.numel())):
+            stop = min(start + scratch.numel(), self.numel)
+            carried = scratch[: stop - start].copy_(self.residual[start:stop])
+            torch.add(carried, update[start:stop], alpha=factor, out=update[start:stop])
+        encoded = codec.encode(update, self.codec)  # fresh: pulls may still be streaming old links
         for start, decoded in codec.decode_runs(encoded, header, scratch):
             stop = start + decoded.numel()
-            torch.sub(update[start:stop], decoded, out=self.residual[start:stop])
             params[start:stop].add_(decoded)
+            self.residual[start:stop].copy_(update[start:stop].sub_(decoded))
         self.chain.append((version, header, encoded))
         while len(self.chain) > self.history:
             self.chain.popleft()
@@ -134,16 +151,19 @@ class Downlink:
         return self.since(base_version, version) is not None
 
     def state(self, prefix: str) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-        """The chain's links (shared: never written) and a copy of the residual, by name."""
+        """The chain's links and the residual by name: the live tensors, not copies (the
+        caller keeps outer steps away while it reads them; links are never written)."""
         tensors = {prefix + f"chain.{i}": buf for i, (_, _, buf) in enumerate(self.chain)}
         if self.residual is not None:
-            tensors[prefix + "residual"] = self.residual.clone()
+            tensors[prefix + "residual"] = self.residual
         return tensors, [[v, h.codec, h.block_size] for v, h, _ in self.chain]
 
     def restore(self, tensors: Mapping[str, torch.Tensor], chain: list[Any], prefix: str) -> None:
-        """Takes the residual and the newest `history` links of a checkpoint (read one by one
-        from `tensors`, which may load lazily)."""
-        self.residual = tensors.get(prefix + "residual")
+        """Takes the residual (converted to `residual_dtype` if the checkpoint stored another)
+        and the newest `history` links of a checkpoint (read one by one from `tensors`, which
+        may load lazily)."""
+        residual = tensors.get(prefix + "residual")
+        self.residual = None if residual is None else residual.to(self.residual_dtype)
         first = max(0, len(chain) - self.history)
         self.chain = deque(
             (

@@ -63,6 +63,7 @@ REPLAY_SETTINGS = (
     "update_codec",
     "update_history",
     "update_history_bytes",
+    "update_residual_dtype",
 )
 
 

@@ -5,7 +5,8 @@ the code allocates, per fragment, at its bounds:
 
 - `params`: the FP32 parameters (4 B/param);
 - `outer_state`: the outer optimizer's FP32 buffers (nesterov 4, delayed_nesterov 8, sgd 0 B/param);
-- `residual`: the update chain's error-feedback residual (4 B/param whenever a chain is kept);
+- `residual`: the update chain's error-feedback residual whenever a chain is kept (2 B/param in
+  BF16, the default `update_residual_dtype`; 4 in FP32);
 - `update_history`: the kept encoded outer updates (`downlink.kept_links` of them per fragment);
 - `accumulators`: the shared FP32 buffers of the largest fragment's size that outer steps take
   for a round's sums (`buffers.fp32_kept`: one per apply thread, two when merging radially);
@@ -17,7 +18,9 @@ the code allocates, per fragment, at its bounds:
   version keeps its own until it ends);
 - `scratch`: per apply thread a decode run (about 1M FP32 elements) and the new link before the
   oldest is dropped, and one message per stream;
-- `checkpoint`: the copies a checkpoint takes of parameters, outer state, residual and chain;
+- `checkpoint`: no copies (live tensors are written, one frozen fragment at a time): only the
+  header, built as text and padded into its room, and a buffer to move the data should it
+  outgrow that room;
 - `baseline`: the process itself (Python, torch, gRPC), measured idle;
 
 and `total`, their sum. The Synchronizer logs it, exports it as `diloco_memory_bytes{component}`
@@ -34,6 +37,7 @@ from protos import layout
 from protos.configload import ConfigError
 from protos.spec import ModelSpec
 from synchronizer.buffers import fp32_kept, payload_budget
+from synchronizer.checkpoint import HEADER_ROOM
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import kept_links
 
@@ -51,6 +55,7 @@ COMPONENTS = (
 )
 OUTER_STATE_BYTES = {"sgd": 0, "nesterov": 4, "delayed_nesterov": 8}  # per parameter
 SNAPSHOT_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)  # core.PULL_CODECS: one snapshot each
+RESIDUAL_BYTES = {"bf16": 2, "fp32": 4}  # per parameter, by update_residual_dtype
 # Resident bytes of an idle `diloco-synchronizer serve` (Python, torch, gRPC, prometheus): 246 MiB
 # measured on the reference machine, plus headroom for worker-thread stacks and allocator arenas.
 BASELINE_BYTES = 320 << 20
@@ -81,7 +86,7 @@ def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[s
     out = {
         "params": 4 * numel,
         "outer_state": OUTER_STATE_BYTES[cfg.outer] * numel,
-        "residual": 4 * numel if chain else 0,
+        "residual": RESIDUAL_BYTES[cfg.update_residual_dtype] * numel if chain else 0,
         "update_history": sum(
             kept_links(cfg.update_history, cfg.update_history_bytes, n, cfg.update_codec)
             * link_bytes(n)
@@ -98,10 +103,18 @@ def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[s
         per_thread += link_bytes(largest)
     streams = cfg.max_concurrent_streams * cfg.max_message_bytes
     out["scratch"] = cfg.apply_threads * per_thread + streams
-    out["checkpoint"] = out["params"] + out["outer_state"] + out["residual"] + out["update_history"]
+    out["checkpoint"] = checkpoint_bytes(cfg) if numel else 0
     out["baseline"] = BASELINE_BYTES
     out["total"] = sum(out.values())
     return out
+
+
+def checkpoint_bytes(cfg: SynchronizerConfig) -> int:
+    """What writing a checkpoint holds: its header (the spec in base64, a record per learner,
+    the tensor entries; as text and padded into its room) and the 1 MiB buffer that moves the
+    data behind a header that outgrew its room. The tensors are written from their own memory."""
+    header = HEADER_ROOM + -(-4 * cfg.max_spec_bytes // 3) + 512 * cfg.max_learners
+    return 2 * header + (1 << 20)
 
 
 def bytes_per_param(cfg: SynchronizerConfig) -> tuple[float, int]:

@@ -5,6 +5,11 @@ steps applied) and the `Downlink` that serves them. One condition variable guard
 outer steps are applied strictly in version order under it, and pullers wait on it for the
 version they want.
 
+A checkpoint writes a fragment's live tensors, not copies of them (`frozen`): while it does, the
+fragment is frozen, and its next outer step waits until the write is done (one fragment's write
+time at most; the other fragments' outer steps go on). Pushes into its open round and pulls,
+which only read the parameters, are served meanwhile.
+
 A failed outer step fails the fragment loudly (`fail`): the reason is kept, every waiter (a later
 round's outer step, a pull waiting for a version) is woken and gets `FragmentFailed` instead of
 waiting for a version that will never come, and nothing is served from parameters that may be
@@ -13,11 +18,12 @@ half-updated. Only a restart from the last checkpoint brings the fragment back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -70,9 +76,10 @@ class FragmentModel:
         self.merged = 0  # contributions merged into applied rounds, ever (checkpointed)
         self.failure: str | None = None
         self.stopping = False  # shutting down: pulls stop waiting for new versions
+        self.frozen = False  # a checkpoint is writing the live state: outer steps wait
         self.outer = make_outer(cfg.outer, numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
         kept = kept_links(cfg.update_history, cfg.update_history_bytes, numel, cfg.update_codec)
-        self.downlink = Downlink(numel, cfg.update_codec, kept)
+        self.downlink = Downlink(numel, cfg.update_codec, kept, cfg.update_residual_dtype)
 
     @property
     def initialized(self) -> bool:
@@ -99,9 +106,10 @@ class FragmentModel:
         delta in a buffer the outer step may write over (the round's own sums). A merged delta that is not finite or beyond
         `MAX_MERGED_ABS` is refused before it touches any state: the version still advances
         (by an empty update, so rounds and delta pulls keep their order) and the fragment stays
-        healthy. Raises `FragmentFailed` if the fragment failed while this round waited."""
+        healthy. Waits while a checkpoint writes the fragment (`frozen`). Raises
+        `FragmentFailed` if the fragment failed while this round waited."""
         with self.cv:
-            while self.version != start_version and self.failure is None:
+            while (self.version != start_version or self.frozen) and self.failure is None:
                 self.cv.wait()
             self._check_healthy()
             t0 = time.perf_counter()
@@ -214,18 +222,17 @@ class FragmentModel:
 
     # Durability ------------------------------------------------------------------------------
 
-    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """This fragment's checkpoint at one version: copies of what outer steps write
-        (parameters, outer state, residual) and the chain's links themselves (never written), so
-        a checkpoint copies one fragment at a time, not the whole model."""
+    @contextlib.contextmanager
+    def frozen_state(self) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+        """This fragment's checkpoint at one version: its live tensors by name (parameters,
+        outer state, residual, the chain's links), not copies, and its metadata. Until the block
+        ends the fragment is frozen: its outer steps wait, so the tensors hold that version."""
         with self.cv:
             self._check_healthy()
-            assert self.params is not None
+            assert self.params is not None and not self.frozen
             p = f"frag.{self.fid}."
-            tensors = {p + "params": self.params.clone()}
-            tensors.update(
-                {p + "outer." + k: v.clone() for k, v in self.outer.state_dict().items()}
-            )
+            tensors = {p + "params": self.params}
+            tensors.update({p + "outer." + k: v for k, v in self.outer.state_dict().items()})
             chain_tensors, chain = self.downlink.state(p)
             tensors.update(chain_tensors)
             meta = {
@@ -234,7 +241,13 @@ class FragmentModel:
                 "chain": chain,
                 "merged": self.merged,
             }
-            return tensors, meta
+            self.frozen = True
+        try:
+            yield tensors, meta
+        finally:
+            with self.cv:
+                self.frozen = False
+                self.cv.notify_all()
 
     def restore(self, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Takes this fragment's state from a checkpoint's `tensors` (read by name, one at a

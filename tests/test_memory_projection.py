@@ -21,6 +21,9 @@ from tests.helpers import Client, small_spec
 
 BASELINE = 320 << 20
 STREAMS = 32 * (8 << 20)  # max_concurrent_streams x max_message_bytes
+# A checkpoint copies no tensor: its header (room, the largest spec in base64, 512 B for each of
+# 256 learners) as text and padded, and the 1 MiB buffer that moves data behind a grown header.
+CHECKPOINT = 2 * ((64 << 10) + 1_398_102 + 512 * 256) + (1 << 20)
 
 
 def test_projection_of_two_fragments_with_defaults_matches_the_hand_count() -> None:
@@ -31,14 +34,14 @@ def test_projection_of_two_fragments_with_defaults_matches_the_hand_count() -> N
     expected = {
         "params": 6400,
         "outer_state": 6400,  # nesterov momentum
-        "residual": 6400,
+        "residual": 3200,  # BF16
         "update_history": history,
         "accumulators": 4000,  # one apply thread: one FP32 buffer of the largest fragment
         "payloads": 64 << 20,  # held and pooled together: at least 64 MiB
         "snapshots": 6400 + 3200,  # FP32 and BF16
         # one apply thread: a decode run (the whole largest fragment here) + a link (largest)
         "scratch": 4000 + 1016 + STREAMS,
-        "checkpoint": 3 * 6400 + history,
+        "checkpoint": CHECKPOINT,
         "baseline": BASELINE,
     }
     assert {k: v for k, v in p.items() if k != "total"} == expected
@@ -50,7 +53,14 @@ def test_projection_without_a_chain_or_outer_state_counts_only_what_remains() ->
     p = memory.project(cfg, [1000, 600])
     assert p["outer_state"] == p["residual"] == p["update_history"] == 0
     assert p["scratch"] == 4000 + STREAMS  # a decode run only
-    assert p["checkpoint"] == 6400
+    assert p["checkpoint"] == CHECKPOINT
+
+
+def test_fp32_residual_costs_four_bytes_and_the_checkpoint_does_not_grow_with_the_model() -> None:
+    fp32 = memory.project(SynchronizerConfig(update_residual_dtype="fp32"), [1000, 600])
+    assert fp32["residual"] == 6400
+    big = memory.project(SynchronizerConfig(), [1_000_000_000])
+    assert big["residual"] == 2_000_000_000 and big["checkpoint"] == CHECKPOINT
 
 
 def test_delayed_nesterov_keeps_two_buffers_and_more_threads_more_scratch() -> None:
