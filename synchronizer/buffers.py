@@ -11,6 +11,10 @@ sums, and radial merging's decode buffer): a round takes one when it starts addi
 back when its outer step ends, so the model holds `apply_threads` of them, not one or two per
 fragment. A round that must add on arrival (the payload budget is full) takes one while it is
 open; when none is free a buffer is allocated beyond the pool and counted.
+
+`Snapshots` bounds the full-pull snapshots alive at once (`snapshot_budget_bytes`): a full pull
+streams a consistent encoded copy of its fragment, shared by every puller of that version and
+freed when the last of them ends; one more that does not fit waits for one to end.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 AUTO_PAYLOAD_MIN_BYTES = 64 << 20  # payload_budget_bytes 0: at least this
 AUTO_PAYLOAD_FP32_SHARE = 1  # payload_budget_bytes 0: the largest fragment's FP32 bytes
+AUTO_SNAPSHOT_FP32_SHARE = 1  # snapshot_budget_bytes 0: the largest fragment's FP32 bytes
 
 
 def payload_budget(budget_bytes: int, largest_numel: int) -> int:
@@ -122,3 +127,36 @@ def fp32_kept(apply_threads: int, merge: str) -> int:
     """FP32 buffers the outer steps keep: one per apply thread for a round's sums, and one more
     for radial merging's decode buffer."""
     return apply_threads * (2 if merge == "radial" else 1)
+
+
+def snapshot_budget(budget_bytes: int, largest_numel: int) -> int:
+    """The full-pull snapshot budget in bytes: `budget_bytes`, or (0) the automatic one."""
+    return budget_bytes or AUTO_SNAPSHOT_FP32_SHARE * 4 * largest_numel
+
+
+class Snapshots:
+    """Bytes of full-pull snapshots alive at once, within a budget. One snapshot is always
+    allowed when none is alive, so a budget below a fragment's size slows full pulls down to
+    one at a time but never stops them."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.alive_bytes = 0
+        self._cv = threading.Condition()
+
+    def try_reserve(self, nbytes: int) -> bool:
+        with self._cv:
+            if self.alive_bytes and self.alive_bytes + nbytes > self.budget_bytes:
+                return False
+            self.alive_bytes += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._cv:
+            self.alive_bytes -= nbytes
+            self._cv.notify_all()
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a snapshot is freed, or timeout_s."""
+        with self._cv:
+            self._cv.wait(max(0.0, timeout_s))

@@ -196,6 +196,11 @@ class SynchronizerConfig(BaseModel):
         ge=0,
         description="Bytes of encoded pushes kept for all fragments together: payloads held for decoding at the outer step, and receive buffers pooled for reuse. A push past it is added to its round on arrival instead (one more FP32 buffer of the fragment while that round is open). 0: the largest fragment's FP32 bytes, at least 64 MiB",
     )
+    snapshot_budget_bytes: int = Field(
+        0,
+        ge=0,
+        description="Bytes of full-pull snapshots alive at once for all fragments (a full pull streams a consistent encoded copy of its fragment, shared by every puller of that version, freed when the last ends). A full pull past it waits for one to end, up to max_pull_wait_s, then RESOURCE_EXHAUSTED (retry). 0: the largest fragment's FP32 bytes",
+    )
     max_spec_bytes: int = Field(
         1 << 20,
         ge=1024,

@@ -34,7 +34,14 @@ from protos import diloco_pb2 as pb
 from protos import framing, layout
 from protos.spec import ModelSpec
 from synchronizer import checkpoint, memory, receive, wire
-from synchronizer.buffers import Fp32Buffers, Payloads, fp32_kept, payload_budget
+from synchronizer.buffers import (
+    Fp32Buffers,
+    Payloads,
+    Snapshots,
+    fp32_kept,
+    payload_budget,
+    snapshot_budget,
+)
 from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
@@ -152,6 +159,8 @@ class Synchronizer:
         self.streams.limit_per_learner(len(spec.fragments))
         largest = max((f.numel for f in spec.fragments), default=0)
         payloads = Payloads(payload_budget(self.cfg.payload_budget_bytes, largest))
+        self.snapshots = Snapshots(snapshot_budget(self.cfg.snapshot_budget_bytes, largest))
+        self.metrics.snapshot_bytes.set_function(lambda: self.snapshots.alive_bytes)
         kept = fp32_kept(self.cfg.apply_threads, self.cfg.merge)
         fp32 = Fp32Buffers(largest, kept, self.metrics.fp32_beyond.inc)
         self.metrics.watch_buffers(payloads, fp32)
@@ -588,12 +597,26 @@ class Synchronizer:
             self._require_initialized()
             frag = self.fragment(request.fragment_id)
             self._check_spec_hash(rec.spec_hash)  # the spec this learner joined with
-            try:
-                snap, links, version, checksum = frag.model.served(
-                    codec_id, request.have_version if request.delta_ok else None
-                )
-            except FragmentFailed:
-                raise self._unavailable(frag) from None
+            have = request.have_version if request.delta_ok else None
+            deadline = time.monotonic() + self.cfg.max_pull_wait_s
+            ended = threading.Event()
+            call.on_end(ended.set)
+            while True:
+                try:
+                    snap, links, version, checksum = frag.model.served(
+                        codec_id, have, self.snapshots
+                    )
+                except FragmentFailed:
+                    raise self._unavailable(frag) from None
+                if snap is not None or links is not None:
+                    break
+                if time.monotonic() >= deadline or ended.is_set():
+                    raise Rejected(
+                        Code.RESOURCE_EXHAUSTED,
+                        "snapshot_budget",
+                        f"full pulls in flight hold the whole snapshot_budget_bytes ({self.snapshots.budget_bytes}); retry with backoff",
+                    )
+                self.snapshots.wait(min(1.0, deadline - time.monotonic()))
             yield from stream.moving(
                 self._stream_pull(frag.fid, request.have_version, snap, links, version, checksum)
             )

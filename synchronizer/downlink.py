@@ -32,6 +32,7 @@ import torch
 
 from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
+from synchronizer.buffers import Snapshots
 
 Link = tuple[int, pb.PayloadHeader, torch.Tensor]  # (version it produces, header, encoded bytes)
 
@@ -113,17 +114,34 @@ class Downlink:
         """The parameters changed: cached snapshots are stale."""
         self._snapshots.clear()
 
-    def snapshot(self, params: torch.Tensor, version: int, codec_id: pb.Codec) -> Link:
+    def snapshot(
+        self,
+        params: torch.Tensor,
+        version: int,
+        codec_id: pb.Codec,
+        budget: Snapshots | None = None,
+    ) -> Link | None:
         """(version, header, encoded CPU bytes) of the parameters, shared by the pullers of this
-        version: the one already made while any of them still holds it, else a new one. Hold
-        the returned link as long as it is streamed, and no longer."""
+        version: the one already made while any of them still holds it, else a new one, or None
+        when a new one does not fit `budget` (whose bytes it holds until it is freed). Hold the
+        returned link as long as it is streamed, and no longer."""
         cached = self._snapshots.get(codec_id)
         if cached is not None and cached[0] == version:
             buf = cached[2]()
             if buf is not None:
                 return version, cached[1], buf
         header = layout.make_header(codec_id, self.numel)
-        buf = codec.encode(params, codec_id).cpu()
+        nbytes = int(header.total_bytes)
+        if budget is not None and not budget.try_reserve(nbytes):
+            return None
+        try:
+            buf = codec.encode(params, codec_id).cpu()
+        except BaseException:
+            if budget is not None:
+                budget.release(nbytes)
+            raise
+        if budget is not None:
+            weakref.finalize(buf, budget.release, nbytes)
         self._snapshots[codec_id] = (version, header, weakref.ref(buf))
         return version, header, buf
 

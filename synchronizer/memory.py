@@ -13,9 +13,9 @@ the code allocates, per fragment, at its bounds:
   a round that adds pushes on arrival (the payload budget full) takes one more while it is open;
 - `payloads`: encoded pushes held for the outer step and receive buffers pooled for reuse, all
   fragments together within `payload_budget_bytes` (`buffers.payload_budget`);
-- `snapshots`: full-pull snapshots, one FP32 and one BF16 per fragment at most for the pulls of
-  one version (shared by its pullers, freed when the last of them ends; a slow pull of an older
-  version keeps its own until it ends);
+- `snapshots`: full-pull snapshots alive at once, all fragments together, within
+  `snapshot_budget_bytes` (`buffers.snapshot_budget`; pullers of one version share one, freed
+  when the last of them ends; a pull past it waits);
 - `scratch`: per apply thread a decode run (about 1M FP32 elements) and the new link before the
   oldest is dropped, and one message per stream;
 - `checkpoint`: no copies (live tensors are written, one frozen fragment at a time): only the
@@ -32,11 +32,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from protos import codec as wire_codec
-from protos import diloco_pb2 as pb
 from protos import layout
 from protos.configload import ConfigError
 from protos.spec import ModelSpec
-from synchronizer.buffers import fp32_kept, payload_budget
+from synchronizer.buffers import fp32_kept, payload_budget, snapshot_budget
 from synchronizer.checkpoint import HEADER_ROOM
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import kept_links
@@ -54,7 +53,6 @@ COMPONENTS = (
     "baseline",
 )
 OUTER_STATE_BYTES = {"sgd": 0, "nesterov": 4, "delayed_nesterov": 8}  # per parameter
-SNAPSHOT_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)  # core.PULL_CODECS: one snapshot each
 RESIDUAL_BYTES = {"bf16": 2, "fp32": 4}  # per parameter, by update_residual_dtype
 # Resident bytes of an idle `diloco-synchronizer serve` (Python, torch, gRPC, prometheus): 246 MiB
 # measured on the reference machine, plus headroom for worker-thread stacks and allocator arenas.
@@ -94,7 +92,7 @@ def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[s
         ),
         "accumulators": fp32_kept(cfg.apply_threads, cfg.merge) * 4 * largest,
         "payloads": payload_budget(cfg.payload_budget_bytes, largest) if sizes else 0,
-        "snapshots": sum(layout.encoded_nbytes(c, n) for c in SNAPSHOT_CODECS for n in sizes),
+        "snapshots": snapshot_budget(cfg.snapshot_budget_bytes, largest) if sizes else 0,
     }
     # Per apply thread: a decode run (pushes, the new link, re-anchoring: one at a time), and
     # the newest link before the oldest is dropped.

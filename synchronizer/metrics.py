@@ -194,6 +194,11 @@ class Metrics:
             "FP32 buffers of the largest fragment's size allocated for round sums (apply_threads of them, more while rounds add pushes on arrival).",
             registry=r,
         )
+        self.snapshot_bytes = Gauge(
+            "diloco_snapshot_bytes",
+            "Bytes of full-pull snapshots alive (within snapshot_budget_bytes; pullers of one version share one).",
+            registry=r,
+        )
         self.fp32_beyond = Counter(
             "diloco_fp32_buffers_beyond_pool_total",
             "FP32 round buffers allocated beyond apply_threads: rounds that added pushes on arrival because the payload budget was full.",

@@ -30,6 +30,7 @@ import torch
 
 from protos import codec
 from protos import diloco_pb2 as pb
+from synchronizer.buffers import Snapshots
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink, Link, kept_links
 from synchronizer.outer import make_outer
@@ -201,10 +202,11 @@ class FragmentModel:
                 self.cv.wait(left)
 
     def served(
-        self, codec_id: pb.Codec, have_version: int | None
+        self, codec_id: pb.Codec, have_version: int | None, budget: Snapshots | None = None
     ) -> tuple[Link | None, list[Link] | None, int, int]:
         """What a pull gets, judged at one version: (full snapshot or None, delta links or None,
-        version, checksum). Links when `have_version` is given and the chain still covers it."""
+        version, checksum). Links when `have_version` is given and the chain still covers it;
+        neither when a new snapshot does not fit `budget` (wait for one to end, and ask again)."""
         with self.cv:
             self._check_healthy()
             assert self.params is not None
@@ -216,7 +218,7 @@ class FragmentModel:
             snap = (
                 None
                 if links is not None
-                else self.downlink.snapshot(self.params, self.version, codec_id)
+                else self.downlink.snapshot(self.params, self.version, codec_id, budget)
             )
             return snap, links, self.version, self.downlink.checksum(self.params, self.version)
 

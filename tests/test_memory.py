@@ -20,12 +20,12 @@ from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer import checkpoint, receive
-from synchronizer.buffers import Fp32Buffers, Payloads
+from synchronizer.buffers import Fp32Buffers, Payloads, Snapshots
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.downlink import Downlink, kept_links
 from synchronizer.model import FragmentModel
-from tests.helpers import Client, small_spec
+from tests.helpers import TIMEOUT, Client, small_spec
 
 
 def test_kept_links_follow_the_byte_budget() -> None:
@@ -410,6 +410,7 @@ def test_a_full_pull_snapshot_lives_only_while_a_pull_holds_it() -> None:
     params = torch.randn(1000)
     first = down.snapshot(params, 3, pb.CODEC_FP32)
     again = down.snapshot(params, 3, pb.CODEC_FP32)
+    assert first is not None and again is not None
     assert again[2] is first[2]  # shared by the pullers of one version
     assert len(down.snapshots_alive()) == 1
     del first, again
@@ -417,6 +418,7 @@ def test_a_full_pull_snapshot_lives_only_while_a_pull_holds_it() -> None:
     old = down.snapshot(params, 3, pb.CODEC_FP32)
     down.changed()
     new = down.snapshot(params, 4, pb.CODEC_FP32)
+    assert old is not None and new is not None
     assert new[2] is not old[2] and [t is new[2] for t in down.snapshots_alive()] == [True]
     del old  # the slow pull of version 3 ended
     assert [t is new[2] for t in down.snapshots_alive()] == [True]
@@ -449,3 +451,45 @@ def test_init_model_adopts_the_received_buffers_and_holds_only_params_and_outer_
         parts = fragment_bytes(frag)
         assert parts["params"] == parts["outer"] == 4 * frag.numel
         assert sum(parts.values()) == 8 * frag.numel, parts
+
+
+def test_snapshots_beyond_the_budget_wait_for_one_to_end() -> None:
+    budget = Snapshots(6000)  # one FP32 snapshot of 1000 elements, not two
+    a, b = Downlink(1000, "int8", 3), Downlink(1000, "int8", 3)
+    params = torch.randn(1000)
+    first = a.snapshot(params, 1, pb.CODEC_FP32, budget)
+    assert first is not None and budget.alive_bytes == 4000
+    shared = a.snapshot(params, 1, pb.CODEC_FP32, budget)
+    assert shared is not None and shared[2] is first[2] and budget.alive_bytes == 4000
+    del shared
+    assert b.snapshot(params, 1, pb.CODEC_FP32, budget) is None  # another fragment's: wait
+    bf16 = b.snapshot(params, 1, pb.CODEC_BF16, budget)  # 2000 B still fit
+    assert bf16 is not None and budget.alive_bytes == 6000
+    del first, bf16  # their pulls ended: freed
+    assert budget.alive_bytes == 0
+    assert b.snapshot(params, 1, pb.CODEC_FP32, budget) is not None
+    alone = Snapshots(100)  # below one snapshot: one at a time, never none
+    assert a.snapshot(params, 2, pb.CODEC_BF16, alone) is not None
+
+
+def test_a_full_pull_past_the_snapshot_budget_waits_and_is_served_when_one_ends(
+    make_server: Callable[..., Any],
+) -> None:
+    srv = make_server(snapshot_budget_bytes=1)  # one snapshot at a time
+    spec = small_spec()
+    client = Client(srv.address, spec)
+    client.join()
+    client.init([torch.randn(f.numel) for f in spec.fragments])
+    core = srv.synchronizer
+    held = core.fragments[0].model.served(pb.CODEC_FP32, None, core.snapshots)[0]  # a slow pull
+    assert held is not None
+    got: list[Any] = []
+    puller = threading.Thread(target=lambda: got.append(client.pull(1)))
+    puller.start()
+    assert core.snapshots.alive_bytes > 0
+    puller.join(0.3)
+    assert puller.is_alive(), "the second full pull waits while the first snapshot is alive"
+    del held  # the slow pull ended
+    puller.join(TIMEOUT)
+    client.close()
+    assert not puller.is_alive() and got and got[0][1].numel() == spec.fragments[1].numel

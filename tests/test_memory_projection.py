@@ -38,7 +38,7 @@ def test_projection_of_two_fragments_with_defaults_matches_the_hand_count() -> N
         "update_history": history,
         "accumulators": 4000,  # one apply thread: one FP32 buffer of the largest fragment
         "payloads": 64 << 20,  # held and pooled together: at least 64 MiB
-        "snapshots": 6400 + 3200,  # FP32 and BF16
+        "snapshots": 4000,  # the budget: the largest fragment's FP32 bytes
         # one apply thread: a decode run (the whole largest fragment here) + a link (largest)
         "scratch": 4000 + 1016 + STREAMS,
         "checkpoint": CHECKPOINT,
@@ -92,11 +92,11 @@ def test_update_history_is_what_the_downlink_keeps() -> None:
     assert kept_links(16, 5 * 1016, 600, "int8") == 8
 
 
-def test_a_spec_and_its_fragment_sizes_project_the_same_and_snapshots_are_the_pull_codecs() -> None:
+def test_a_spec_and_its_fragment_sizes_project_the_same() -> None:
     spec = small_spec()
     cfg = SynchronizerConfig()
     assert memory.project(cfg, spec) == memory.project(cfg, [f.numel for f in spec.fragments])
-    assert memory.SNAPSHOT_CODECS == core.PULL_CODECS
+    assert memory.project(SynchronizerConfig(snapshot_budget_bytes=123), spec)["snapshots"] == 123
     assert memory.project(cfg, [])["total"] == BASELINE + STREAMS
 
 
