@@ -53,6 +53,8 @@ def backoff_s(failures: int, initial_s: float, max_s: float) -> float:
 
 
 SERVED_KEPT = 100_000  # (epoch, fragment, version) checksums remembered
+# The slowest link a whole-model transfer is given time for: 4 GB of FP32 parameters get 4000 s.
+MIN_TRANSFER_BPS = 1_000_000
 
 
 class SyncClient:
@@ -110,6 +112,12 @@ class SyncClient:
         self.spec_hash = ""
 
     # Plumbing --------------------------------------------------------------------------------
+
+    def transfer_s(self, nbytes: int) -> float:
+        """The deadline of a call that moves `nbytes`: rpc_timeout_s, plus the time those bytes
+        take at MIN_TRANSFER_BPS, so a model of any size can be uploaded or pulled whole (a
+        stalled stream is cut by the server's stream_idle_s long before)."""
+        return self.rpc_timeout_s + nbytes / MIN_TRANSFER_BPS
 
     def _count(self, sent: int = 0, received: int = 0) -> None:
         with self._lock:
@@ -175,8 +183,9 @@ class SyncClient:
             messages = init_model_requests(
                 self.learner_id, self.session, self.spec_hash, fragments, self.chunk_bytes
             )
+            nbytes = sum(4 * f.numel() for f in fragments)
             reply = self.stub.InitModel(
-                self._counted(messages), timeout=self.rpc_timeout_s, metadata=self.metadata
+                self._counted(messages), timeout=self.transfer_s(nbytes), metadata=self.metadata
             )
             self._count(received=reply.ByteSize())
             return reply
@@ -227,7 +236,9 @@ class SyncClient:
 
         def call() -> pb.PushReply:
             reply = self.stub.PushFragment(
-                self._counted(messages()), timeout=self.rpc_timeout_s, metadata=self.metadata
+                self._counted(messages()),
+                timeout=self.transfer_s(encoded.numel()),
+                metadata=self.metadata,
             )
             self._count(received=reply.ByteSize())
             return reply
@@ -290,8 +301,9 @@ class SyncClient:
             have_version=have[0] if have is not None else 0,
         )
         self._count(sent=req.ByteSize())
+        full = 4 * (numel if numel is not None else out.numel() if out is not None else 0)
         stream = self.stub.PullFragment(
-            req, timeout=self.rpc_timeout_s + wait_s, metadata=self.metadata
+            req, timeout=self.transfer_s(full) + wait_s, metadata=self.metadata
         )
         messages = iter(stream)
         first = next(messages, None)

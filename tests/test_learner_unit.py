@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from learner.client import MIN_TRANSFER_BPS, SyncClient
 from learner.config import LearnerConfig
 from learner.fragments import (
     ErrorFeedback,
@@ -211,3 +212,15 @@ def test_config_file_with_an_unknown_setting_is_refused(tmp_path):
 def test_config_refuses_half_a_client_certificate(tmp_path):
     with pytest.raises(ValueError, match="tls_cert and tls_key"):
         LearnerConfig(tls_ca=tmp_path / "ca.pem", tls_cert=tmp_path / "c.pem")
+
+
+def test_a_transfers_deadline_grows_with_its_bytes():
+    # A whole 1B-parameter model (4 GB of FP32) cannot move in a fixed 30 s deadline; it is
+    # given time at MIN_TRANSFER_BPS on top (stalls are the server's stream_idle_s to cut).
+    client = SyncClient("127.0.0.1:1", rpc_timeout_s=30.0)
+    try:
+        assert client.transfer_s(0) == 30.0
+        assert client.transfer_s(4_000_000_000) == 30.0 + 4_000_000_000 / MIN_TRANSFER_BPS
+        assert client.transfer_s(4_000_000_000) >= 3600
+    finally:
+        client.close()
