@@ -469,9 +469,10 @@ class Synchronizer:
                 if self.init_claim is claim:
                     self.init_claim = None
         logger.info("model initialised by learner %s", first.start.learner_id)
-        self.registry.renew(rec)  # the first checkpoint is the server's time, not the learner's
-        self.save_checkpoint()
-        self.registry.renew(rec)
+        with self.registry.held(
+            rec
+        ):  # the first checkpoint is the server's time, not the learner's
+            self.save_checkpoint()
         return pb.InitModelReply(versions=self.versions())
 
     def push(self, messages: PushMessages, call: Call | None = None) -> pb.PushReply:

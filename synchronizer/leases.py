@@ -13,13 +13,16 @@ computes the Dynamic Local Updates directive from measured step times.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,6 +212,21 @@ class Registry:
         with self.lock:
             if rec.state == "alive" and now <= rec.lease_deadline:
                 rec.lease_deadline = now + self.lease_s
+
+    @contextlib.contextmanager
+    def held(self, rec: LearnerRecord) -> Iterator[None]:
+        """Keeps a live learner's lease for as long as the block runs (the server's own work on
+        its behalf, such as the first checkpoint of the model it uploaded), then renews it."""
+        with self.lock:
+            alive = rec.state == "alive" and time.monotonic() <= rec.lease_deadline
+            if alive:
+                rec.lease_deadline = math.inf
+        try:
+            yield
+        finally:
+            if alive:
+                with self.lock:
+                    rec.lease_deadline = time.monotonic() + self.lease_s
 
     def report(
         self, rec: LearnerRecord, counters: pb.LearnerCounters, step_time_s: float = 0.0

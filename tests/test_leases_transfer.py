@@ -64,6 +64,31 @@ def test_an_initmodel_upload_longer_than_several_leases_keeps_the_uploaders_leas
     assert torch.equal(c.pull(1)[1], flats[1])
 
 
+def test_a_first_checkpoint_longer_than_several_leases_keeps_the_uploaders_lease(
+    make_server, caplog, monkeypatch
+):
+    # At 1B parameters the checkpoint InitModel writes before it answers takes longer than a
+    # lease: that is the server's time, and the learner waiting for the reply must not die.
+    srv = make_server(lease_s=LEASE_S)
+    core = srv.synchronizer
+    original = core.save_checkpoint
+    reaped = threading.Event()
+
+    def slow_checkpoint() -> None:
+        # Slow enough that the reaper has run past several leases meanwhile.
+        reaped.wait(4 * LEASE_S)
+        core.registry.reap()
+        original()
+
+    monkeypatch.setattr(core, "save_checkpoint", slow_checkpoint)
+    c = Client(srv.address, SPEC, "uploader")
+    c.join()
+    c.init(params())
+    assert lapsed(caplog) == []
+    assert core.registry.learners[c.learner_id].state == "alive"
+    c.heartbeat()
+
+
 def test_a_push_longer_than_several_leases_keeps_the_pushers_lease(make_server, caplog):
     srv = make_server(lease_s=LEASE_S, quorum=1, grace="none")
     c = Client(srv.address, SPEC, "pusher")
