@@ -249,7 +249,10 @@ def _encode_run(
     if qmax is None:
         scales.copy_(absmax)
     else:
-        torch.div(absmax, qmax, out=scales)
+        # Divided by a tensor on v's device, not by a Python number: CUDA computes a division by
+        # a CPU scalar as a multiplication by its reciprocal, a bit off the CPU's quotient for
+        # some blocks, and GPU and CPU encodes must agree bit for bit.
+        torch.div(absmax, torch.full((1,), float(qmax), device=absmax.device), out=scales)
     if scale_dtype == pb.SCALE_FP16:
         scales.copy_(scales.to(torch.float16))  # quantise with the scale decode will see
     # A zero scale (all-zero block, or absmax below the scale format's range) must not divide:
