@@ -33,6 +33,7 @@ SMOKES = [
         [],
         ["rss_ratio", "init_s", "join_s", "outer_step_s", "apply_ratio", "learners_sustained"],
     ),
+    ("gpu", [], ["rss_ratio", "init_s", "join_s", "sync_vs_nosync"]),
 ]
 
 
