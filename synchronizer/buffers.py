@@ -20,6 +20,7 @@ freed when the last of them ends; one more that does not fit waits for one to en
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -43,6 +44,7 @@ class Payloads:
         self.pooled_bytes = 0  # free receive buffers kept for reuse
         self._free: dict[int, list[torch.Tensor]] = {}  # by size, oldest first
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when held bytes are released
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of `nbytes` to receive one push into: pooled when one is free."""
@@ -80,6 +82,19 @@ class Payloads:
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.held_bytes -= nbytes
+            self._room.notify_all()
+
+    def wait_reserve(self, nbytes: int, timeout_s: float) -> bool:
+        """`reserve`, waiting up to timeout_s for held payloads to be released."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self.held_bytes + nbytes > self.budget_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._room.wait(left):
+                    return False
+            self.held_bytes += nbytes
+            self._trim()
+            return True
 
     def _trim(self) -> None:
         """Drops pooled buffers, largest sizes first, until held and pooled fit the budget."""

@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 PUSH_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_FP4_E3M0)
 PULL_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)
+# A push past the payload budget, to a round that has its quorum, waits this long for outer
+# steps to free room before it is refused RESOURCE_EXHAUSTED (the learner retries it).
+PAYLOAD_WAIT_S = 10.0
 OUTCOME_LABEL = {
     pb.PUSH_ACCEPTED: "accepted",
     pb.PUSH_DROPPED_STALE: "dropped_stale",
@@ -513,13 +516,15 @@ class Synchronizer:
             return self._duplicate(rec, h.seq, seen), None
         receive.validate_payload(h.payload, frag.numel, PUSH_CODECS)
         nbytes = int(h.payload.total_bytes)
-        received = frag.payloads.take(nbytes)
-        reserved = kept = False
+        # Its bytes count against the payload budget from before they arrive: a push that does
+        # not fit is refused before it is received (see `_room_to_hold`).
+        reserved = self._room_to_hold(frag, nbytes)
+        kept = False
+        received: torch.Tensor | None = None
         try:
-            header = receive.payload(messages, h.payload, received)
+            received = frag.payloads.take(nbytes)
             # Validated now, decoded by the outer step: the reply need not wait for the decode.
-            # Past the payload budget it is added to its round here instead.
-            reserved = frag.payloads.reserve(nbytes)
+            header = receive.payload(messages, h.payload, received)
             self.metrics.bytes_in.labels(layout.codec_name(h.payload.codec)).inc(nbytes)
             with rec.push_lock:  # judging and recording a seq is atomic per learner
                 seen = self.registry.seen_reply(
@@ -560,8 +565,45 @@ class Synchronizer:
             if not kept:
                 if reserved:
                     frag.payloads.release(nbytes)
-                frag.payloads.give(received)
+                if received is not None:
+                    frag.payloads.give(received)
         return reply, frag if rnd is not None else None
+
+    def _room_to_hold(self, frag: Fragment, nbytes: int) -> bool:
+        """Room in the payload budget to hold a push for its outer step: True when it is held,
+        False when its round already adds on arrival (it has its sums: no more memory).
+
+        Past the budget the Synchronizer is behind (rounds wait for outer steps). A round that
+        has not reached its quorum needs this push to ever close: it is held past the budget, or
+        added on arrival when its held pushes would cost more than FP32 sums of the fragment.
+        Otherwise the push waits (up to PAYLOAD_WAIT_S) for outer steps to free room, and is
+        then refused RESOURCE_EXHAUSTED (the learner retries it, same seq): memory stays within
+        the budget plus what rounds need to reach their quorum."""
+        if frag.payloads.reserve(nbytes):
+            return True
+        deadline = time.monotonic() + PAYLOAD_WAIT_S
+        while True:
+            rnd, _, quorum = frag.admission.closability(
+                self.registry.live_ids(), frag.model.version
+            )
+            if rnd is not None and rnd.acc is not None:
+                return False
+            if not quorum:
+                held = sum(x.buf.numel() for x in rnd.held) if rnd is not None else 0
+                if held + nbytes > 4 * frag.numel:
+                    return False  # holding would cost more than the round's FP32 sums
+                frag.payloads.claim(nbytes)
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.metrics.payloads_refused.inc()
+                raise Rejected(
+                    Code.RESOURCE_EXHAUSTED,
+                    "payload_budget",
+                    f"pushes held for outer steps fill payload_budget_bytes ({frag.payloads.budget_bytes}): the Synchronizer is behind; retry this push (same seq) with backoff",
+                )
+            if frag.payloads.wait_reserve(nbytes, min(0.5, left)):
+                return True
 
     def _duplicate(self, rec: LearnerRecord, seq: int, seen: pb.PushReply) -> pb.PushReply:
         """The reply to a repeated seq, once what it repeats is durable."""

@@ -194,6 +194,11 @@ class Metrics:
             "FP32 buffers of the largest fragment's size allocated for round sums (apply_threads of them, more while rounds add pushes on arrival).",
             registry=r,
         )
+        self.payloads_refused = Counter(
+            "diloco_pushes_refused_payload_budget_total",
+            "Pushes refused RESOURCE_EXHAUSTED because held pushes filled payload_budget_bytes for longer than the wait (the Synchronizer is behind; learners retry).",
+            registry=r,
+        )
         self.snapshot_bytes = Gauge(
             "diloco_snapshot_bytes",
             "Bytes of full-pull snapshots alive (within snapshot_budget_bytes; pullers of one version share one).",

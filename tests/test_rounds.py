@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import pytest
 import torch
 
 from protos import codec, layout
 from protos import diloco_pb2 as pb
-from tests.helpers import Client, small_spec
+from synchronizer import core as core_module
+from tests.helpers import Client, small_spec, wait_until
 
 SPEC = small_spec(fragments=1)
 N = SPEC.fragments[0].numel
@@ -361,3 +363,34 @@ def test_adaptive_grace_is_sized_by_the_tau_the_learners_report(make_server, tmp
     )
     clients[0].heartbeat(step_time_s=0.05, overlap_steps=100)
     assert srv.synchronizer.grace.seconds() == pytest.approx(2.5)
+
+
+def test_past_the_payload_budget_a_round_with_its_quorum_makes_pushes_wait_then_refuses_them(
+    make_server, monkeypatch
+):
+    # The Synchronizer is behind: held pushes fill the budget. A round short of its quorum still
+    # takes pushes (held past the budget), one that has its quorum makes the next wait for room
+    # and then refuses it RESOURCE_EXHAUSTED before receiving it: no FP32 sums are taken, the
+    # learner retries the same seq, and once the round closed and freed its bytes, it is in.
+    monkeypatch.setattr(core_module, "PAYLOAD_WAIT_S", 0.5)
+    link = layout.encoded_nbytes(pb.CODEC_INT8, N)
+    srv, clients, _ = _setup(
+        make_server, 3, payload_budget_bytes=link, quorum=2, grace="fixed", grace_max_s=60.0
+    )
+    core = srv.synchronizer
+    frag = core.fragments[0]
+    assert clients[0].push(0, _vec(1), codec_id=pb.CODEC_INT8).outcome == pb.PUSH_ACCEPTED
+    assert clients[1].push(0, _vec(2), codec_id=pb.CODEC_INT8).outcome == pb.PUSH_ACCEPTED
+    assert frag.payloads.held_bytes == 2 * link  # the second held past the budget: quorum needs it
+    seq = clients[2].seq + 1
+    with pytest.raises(grpc.RpcError) as refused:
+        clients[2].push(0, _vec(3), codec_id=pb.CODEC_INT8, seq=seq)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "payload_budget_bytes" in (refused.value.details() or "")
+    assert core.metrics.payloads_refused._value.get() == 1
+    assert frag.admission.round is not None and frag.admission.round.acc is None
+    assert frag.version == 0 and len(frag.admission.round.contributions) == 2
+    core.rounds._expire(frag, frag.admission.round)  # the grace window ends: the round closes
+    assert wait_until(lambda: frag.version == 1 and frag.payloads.held_bytes == 0)
+    again = clients[2].push(0, _vec(3), codec_id=pb.CODEC_INT8, seq=seq)
+    assert again.outcome == pb.PUSH_ACCEPTED and again.round_version == 2
