@@ -57,6 +57,7 @@ INNER_STEPS = 100  # H
 STEP_S = 0.5  # seconds per inner step
 PUSH_EVERY_S = INNER_STEPS * STEP_S / FRAGMENTS  # one learner: one fragment push every 12.5 s
 PUSH_METHOD = "/diloco.v1.Synchronizer/PushFragment"
+RETRY_S = 0.5  # a push refused RESOURCE_EXHAUSTED (payload budget full) is retried after this
 WINDOW_COLUMNS = [
     "learners",
     "pushes_per_s",
@@ -188,7 +189,7 @@ def client(address: str, params: int, index: int, commands: Any, results: Any) -
         have: dict[tuple[int, int], int] = {}  # (learner, fragment) -> version it pulled
         late: list[float] = []
         done_at: list[float] = []
-        due_by_end = pushed = pulled = accepted = 0
+        due_by_end = pushed = pulled = accepted = refused = 0
         op = -1
         while True:
             op += 1
@@ -220,7 +221,17 @@ def client(address: str, params: int, index: int, commands: Any, results: Any) -
                 payload=header,
             )
             started = time.time()
-            reply = push(iter([pb.PushRequest(header=h).SerializeToString(), *wire]), timeout=600)
+            while True:
+                try:
+                    reply = push(
+                        iter([pb.PushRequest(header=h).SerializeToString(), *wire]), timeout=600
+                    )
+                    break
+                except grpc.RpcError as e:  # the Synchronizer is behind: back off, same seq
+                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    refused += 1
+                    time.sleep(RETRY_S)
             accepted += reply.outcome == pb.PUSH_ACCEPTED
             pushed += header.total_bytes
             known[fid] = max(known[fid], reply.current_version)
@@ -238,6 +249,7 @@ def client(address: str, params: int, index: int, commands: Any, results: Any) -
                     "done": sum(t <= t0 + window for t in done_at),
                     "finished": len(done_at),
                     "accepted": accepted,
+                    "refused": refused,
                     "late": late,
                     "pushed_bytes": pushed,
                     "pulled_bytes": pulled,
@@ -288,6 +300,7 @@ class Clients:
             "backlog": due - done,
             "sustained": due - done <= CLIENTS,  # at most one op in hand per client
             "accepted": sum(p["accepted"] for p in parts),
+            "refused": sum(p["refused"] for p in parts),
             "late_p50_s": statistics.median(late) if late else math.nan,
             "late_max_s": max(late, default=math.nan),
             "in_MBps": sum(p["pushed_bytes"] for p in parts) / elapsed / 1e6,
