@@ -43,6 +43,7 @@ from synchronizer.buffers import (
     snapshot_budget,
 )
 from synchronizer.config import SynchronizerConfig
+from synchronizer.downlink import Link
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
 from synchronizer.goodput import Goodput
@@ -641,28 +642,36 @@ class Synchronizer:
             frag = self.fragment(request.fragment_id)
             self._check_spec_hash(rec.spec_hash)  # the spec this learner joined with
             have = request.have_version if request.delta_ok else None
-            deadline = time.monotonic() + self.cfg.max_pull_wait_s
-            ended = threading.Event()
-            call.on_end(ended.set)
-            while True:
-                try:
-                    snap, links, version, checksum = frag.model.served(
-                        codec_id, have, self.snapshots
-                    )
-                except FragmentFailed:
-                    raise self._unavailable(frag) from None
-                if snap is not None or links is not None:
-                    break
-                if time.monotonic() >= deadline or ended.is_set():
-                    raise Rejected(
-                        Code.RESOURCE_EXHAUSTED,
-                        "snapshot_budget",
-                        f"full pulls in flight hold the whole snapshot_budget_bytes ({self.snapshots.budget_bytes}); retry with backoff",
-                    )
-                self.snapshots.wait(min(1.0, deadline - time.monotonic()))
+            snap, links, version, checksum = self._served(frag, codec_id, have, call)
             yield from stream.moving(
                 self._stream_pull(frag.fid, request.have_version, snap, links, version, checksum)
             )
+
+    def _served(
+        self, frag: Fragment, codec_id: pb.Codec, have: int | None, call: Call
+    ) -> tuple[Link | None, list[Link] | None, int, int]:
+        """`FragmentModel.served` within the snapshot budget: a full pull that finds it spent
+        waits (up to max_pull_wait_s, or until its client cancels) for a snapshot to end, then
+        is refused RESOURCE_EXHAUSTED."""
+        deadline = time.monotonic() + self.cfg.max_pull_wait_s
+        ended: threading.Event | None = None
+        while True:
+            try:
+                snap, links, version, checksum = frag.model.served(codec_id, have, self.snapshots)
+            except FragmentFailed:
+                raise self._unavailable(frag) from None
+            if snap is not None or links is not None:
+                return snap, links, version, checksum
+            if ended is None:  # only a pull that waits hears when its call ends
+                ended = threading.Event()
+                call.on_end(ended.set)
+            if time.monotonic() >= deadline or ended.is_set():
+                raise Rejected(
+                    Code.RESOURCE_EXHAUSTED,
+                    "snapshot_budget",
+                    f"full pulls in flight hold the whole snapshot_budget_bytes ({self.snapshots.budget_bytes}); retry with backoff",
+                )
+            self.snapshots.wait(min(1.0, deadline - time.monotonic()))
 
     def _wait_for_pull(self, request: pb.PullRequest, call: Call) -> None:
         """Waits (up to the bounded wait) until the model is initialised and the fragment at
