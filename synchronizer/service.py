@@ -11,6 +11,7 @@ with PushFragment's chunks read without copies (`synchronizer.wire`).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -23,6 +24,18 @@ from synchronizer.errors import Rejected
 from synchronizer.streams import Call
 
 logger = logging.getLogger(__name__)
+CANCEL_HEARD_S = 1.0  # a push stream that ended short waits this long to hear of a cancel
+
+
+def _went_away(context: grpc.ServicerContext) -> bool:
+    """Whether a request stream that ended short was the client going away: a cancelled call
+    can end its request stream before the handler hears of the cancellation, so wait up to
+    CANCEL_HEARD_S for it."""
+    ended = threading.Event()
+    if not context.add_callback(ended.set):
+        return True  # already terminated
+    ended.wait(CANCEL_HEARD_S)
+    return not context.is_active()
 
 
 def _call(context: grpc.ServicerContext) -> Call:
@@ -37,6 +50,8 @@ class SynchronizerService:
     def _finish(
         self, method: str, context: grpc.ServicerContext, exc: BaseException | None
     ) -> NoReturn | None:
+        if isinstance(exc, Rejected) and exc.reason == "incomplete" and _went_away(context):
+            exc = grpc.RpcError()  # a cancelled upload ends its request stream as if short
         if isinstance(exc, Rejected):
             self.metrics.rejections.labels(exc.code.name, exc.reason).inc()
             self.metrics.rpcs.labels(method, exc.code.name).inc()

@@ -41,12 +41,14 @@ def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server, caplo
     streams_open = srv.synchronizer.metrics.streams_open
     assert wait_until(lambda: streams_open._value.get() == 1, TIMEOUT)
     future.cancel()
-    never.set()
     assert future.cancelled() or future.exception() is not None
     cancelled = srv.synchronizer.metrics.rpcs.labels("PushFragment", "CANCELLED")
     deadline = time.monotonic() + 30
     while cancelled._value.get() < 1 and time.monotonic() < deadline:  # the handler sees it soon
         time.sleep(0.01)
+    # Only now may the request generator end: ending it earlier can half-close the stream
+    # before the cancellation reaches the server, which then sees a push cut short instead.
+    never.set()
     assert cancelled._value.get() == 1
     # An expected event: one warning line, no error with a traceback.
     records = [r for r in caplog.records if r.name == "synchronizer.service"]
