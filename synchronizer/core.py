@@ -138,6 +138,9 @@ class Synchronizer:
         self.init_cv = threading.Condition(self.model_lock)  # notified once initialised
         self.failures: dict[int, str] = {}  # fragment id -> why its outer step failed
         self.checkpoint_failure: str | None = None  # why the last checkpoint could not be written
+        self.checkpointed: dict[
+            int, int
+        ] = {}  # fragment id -> its version in the newest checkpoint
         self.health_listeners: list[Callable[[str], None]] = []  # told the reason once unhealthy
         self.stopping = threading.Event()
         self.checkpoint_lock = threading.Lock()
@@ -830,10 +833,11 @@ class Synchronizer:
                     "learners": self.registry.snapshot(),
                 }
                 path = writer.finish(meta)
-            self.journal.release(
-                sealed,
-                {f.fid: int(m["version"]) for f, m in zip(self.fragments, frag_meta, strict=True)},
-            )
+            versions = {
+                f.fid: int(m["version"]) for f, m in zip(self.fragments, frag_meta, strict=True)
+            }
+            self.journal.release(sealed, versions)
+            self.checkpointed = versions
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
         logger.info(
@@ -848,6 +852,7 @@ class Synchronizer:
         self._set_spec(_spec_of(meta))
         for frag, fmeta in zip(self.fragments, meta["fragments"], strict=True):
             frag.restore(tensors, fmeta)
+        self.checkpointed = {frag.fid: frag.version for frag in self.fragments}
         self.initialized = True
         self.registry.restore(meta.get("learners", []))
         logger.info("restored %s: versions %s", path, [f.version for f in self.fragments])
@@ -868,6 +873,17 @@ class Synchronizer:
                 self.epoch,
             )
         self.journal.start()
+
+    def unsaved(self) -> str:
+        """The versions served since the newest checkpoint, fragment by fragment ('' if none)."""
+        spans = []
+        for f in self.fragments:
+            first = self.checkpointed.get(f.fid, 0) + 1
+            if f.version > first:
+                spans.append(f"fragment {f.fid} versions {first}-{f.version}")
+            elif f.version == first:
+                spans.append(f"fragment {f.fid} version {first}")
+        return ", ".join(spans)
 
     def close(self) -> bool:
         """Stops housekeeping, answers waiting pulls, merges every acknowledged contribution,

@@ -309,5 +309,10 @@ class Journal:
             self.wal.close()
 
     @property
+    def holds_everything(self) -> bool:
+        """Whether every acknowledged push since the last checkpoint is in a healthy log."""
+        return self.wal is not None and self.wal.failure is None
+
+    @property
     def failure(self) -> str | None:
         return self.wal.failure if self.wal is not None else None

@@ -195,21 +195,38 @@ def start(
 
 
 def stop(running: RunningServer, grace_s: float) -> bool:
-    """Health NOT_SERVING, stop RPCs within grace, merge acknowledged work, checkpoint; False if
-    the final checkpoint could not be written (the log says why)."""
+    """Health NOT_SERVING, stop RPCs within grace, merge acknowledged work, checkpoint. True if
+    nothing acknowledged is lost: the final checkpoint was written, or it could not be and the
+    write-ahead log holds what it would have saved (the next start replays it). Either way the log
+    says what was not saved."""
     running.health.enter_graceful_shutdown()
     running.server.stop(grace_s).wait()
-    saved = running.synchronizer.close()
+    core = running.synchronizer
+    saved = core.close()
     if running.metrics_httpd is not None:
         running.metrics_httpd.shutdown()
         running.metrics_httpd.server_close()
     if saved:
         logger.info("Synchronizer stopped")
-    else:
+        return True
+    why = core.checkpoint_failure or core.unhealthy or "see the errors above"
+    unsaved = core.unsaved() or "no version"
+    if core.journal.holds_everything:
         logger.error(
-            "Synchronizer stopped without its final checkpoint: what it acknowledged since the newest checkpoint on disk is lost"
+            "Synchronizer stopped without its final checkpoint (%s): %s are not in a checkpoint; "
+            "the write-ahead log holds them and the next start replays them, so nothing "
+            "acknowledged is lost",
+            why,
+            unsaved,
         )
-    return saved
+        return True
+    logger.error(
+        "Synchronizer stopped without its final checkpoint (%s): %s, acknowledged since the "
+        "newest checkpoint on disk, are lost (no write-ahead log holds them)",
+        why,
+        unsaved,
+    )
+    return False
 
 
 @contextlib.contextmanager
@@ -222,8 +239,8 @@ def serving(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> Iterator
 
 
 def serve(cfg: SynchronizerConfig, on_ready: Callable[[RunningServer], None] | None = None) -> bool:
-    """Runs until SIGTERM or SIGINT, then shuts down cleanly; False if the final checkpoint could
-    not be written. Owns the process: sets its signal handlers and torch's thread count
+    """Runs until SIGTERM or SIGINT, then shuts down cleanly; False if acknowledged work is lost
+    (the final checkpoint could not be written and no write-ahead log holds it). Owns the process: sets its signal handlers and torch's thread count
     (`compute_threads`)."""
     torch.set_num_threads(cfg.compute_threads)
     done = threading.Event()

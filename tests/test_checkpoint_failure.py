@@ -59,11 +59,44 @@ def test_a_checkpoint_that_cannot_be_written_is_loud_and_the_service_keeps_servi
     monkeypatch.undo()  # the disk has room again: the next checkpoint clears the alarm
     assert core.save_checkpoint() and c.status().unhealthy == ""
 
+    # SIGTERM with the disk full again: the write-ahead log holds what the final checkpoint could
+    # not, so the exit is clean (status 0) and the log says which versions only the WAL holds.
     monkeypatch.setattr(checkpoint.Writer, "add", _full_disk)
+    assert c.push(0, torch.full((SPEC.fragments[0].numel,), 0.1)).outcome == pb.PUSH_ACCEPTED
+    assert c.pull(0, min_version=2, wait_s=TIMEOUT)[0] == 2
     caplog.clear()
-    assert stop(srv, 1.0) is False  # what SIGTERM runs: the exit status says it
+    assert stop(srv, 1.0) is True
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any(
-        "without its final checkpoint" in r.getMessage()
-        for r in caplog.records
-        if r.levelno == logging.ERROR
-    )
+        "without its final checkpoint" in m
+        and "fragment 0 version 2 " in m
+        and "the write-ahead log holds them" in m
+        for m in errors
+    ), errors
+    monkeypatch.undo()
+    again = make_server(state_dir=state, checkpoint_interval_s=0, quorum=1, grace="none")
+    assert again.synchronizer.fragments[0].version == 2  # checkpoint 1 + the log's round
+
+
+def test_without_a_write_ahead_log_a_failed_final_checkpoint_says_which_versions_are_lost(
+    make_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "state"
+    srv = make_server(state_dir=state, checkpoint_interval_s=0, quorum=1, grace="none", wal=False)
+    c = Client(srv.address, SPEC, "l0")
+    c.join()
+    c.init([torch.zeros(SPEC.fragments[0].numel)])
+    monkeypatch.setattr(checkpoint.Writer, "add", _full_disk)
+    for v in (1, 2):
+        assert c.push(0, torch.full((SPEC.fragments[0].numel,), 0.1)).outcome == pb.PUSH_ACCEPTED
+        assert c.pull(0, min_version=v, wait_s=TIMEOUT)[0] == v
+    caplog.set_level(logging.ERROR, logger="synchronizer")
+    assert stop(srv, 1.0) is False  # what SIGTERM runs: exit status 1, one ERROR line, no traceback
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(
+        "without its final checkpoint" in m
+        and "No space left on device" in m
+        and "fragment 0 versions 1-2" in m
+        and "are lost" in m
+        for m in errors
+    ), errors
