@@ -115,19 +115,23 @@ class LearnerCounters(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., blocked_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_name", "spec", "learner_id", "session")
+    __slots__ = ("learner_name", "spec", "learner_id", "session", "shards", "fragment_shards")
     LEARNER_NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_SHARDS_FIELD_NUMBER: _ClassVar[int]
     learner_name: str
     spec: ModelSpec
     learner_id: str
     session: str
-    def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+    shards: int
+    fragment_shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ..., session: _Optional[str] = ..., shards: _Optional[int] = ..., fragment_shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("learner_id", "lease_s", "heartbeat_interval_s", "server_epoch", "versions", "needs_init", "inner_steps", "next_seq", "session", "inner_steps_scale")
+    __slots__ = ("learner_id", "lease_s", "heartbeat_interval_s", "server_epoch", "versions", "needs_init", "inner_steps", "next_seq", "session", "inner_steps_scale", "shards", "shard_index", "owned_fragments")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +142,9 @@ class JoinReply(_message.Message):
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     lease_s: float
     heartbeat_interval_s: float
@@ -148,7 +155,10 @@ class JoinReply(_message.Message):
     next_seq: int
     session: str
     inner_steps_scale: float
-    def __init__(self, learner_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., server_epoch: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., needs_init: _Optional[bool] = ..., inner_steps: _Optional[int] = ..., next_seq: _Optional[int] = ..., session: _Optional[str] = ..., inner_steps_scale: _Optional[float] = ...) -> None: ...
+    shards: int
+    shard_index: int
+    owned_fragments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, learner_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., server_epoch: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., needs_init: _Optional[bool] = ..., inner_steps: _Optional[int] = ..., next_seq: _Optional[int] = ..., session: _Optional[str] = ..., inner_steps_scale: _Optional[float] = ..., shards: _Optional[int] = ..., shard_index: _Optional[int] = ..., owned_fragments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitStart(_message.Message):
     __slots__ = ("learner_id", "spec_hash", "session")
@@ -349,7 +359,7 @@ class LearnerStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., inner_steps: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("server_epoch", "initialized", "spec_hash", "versions", "learners", "outer_steps", "goodput", "unhealthy")
+    __slots__ = ("server_epoch", "initialized", "spec_hash", "versions", "learners", "outer_steps", "goodput", "unhealthy", "shards", "shard_index")
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +368,8 @@ class StatusReply(_message.Message):
     OUTER_STEPS_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     server_epoch: str
     initialized: bool
     spec_hash: str
@@ -366,4 +378,6 @@ class StatusReply(_message.Message):
     outer_steps: int
     goodput: float
     unhealthy: str
-    def __init__(self, server_epoch: _Optional[str] = ..., initialized: _Optional[bool] = ..., spec_hash: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., goodput: _Optional[float] = ..., unhealthy: _Optional[str] = ...) -> None: ...
+    shards: int
+    shard_index: int
+    def __init__(self, server_epoch: _Optional[str] = ..., initialized: _Optional[bool] = ..., spec_hash: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., goodput: _Optional[float] = ..., unhealthy: _Optional[str] = ..., shards: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...

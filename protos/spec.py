@@ -189,3 +189,29 @@ def plan_fragments(
             done += t.numel
     bins = [sorted(b, key=lambda t: order[t.name]) for b in bins if b]
     return ModelSpec(tuple(tensors), tuple(Fragment(i, tuple(b)) for i, b in enumerate(bins)))
+
+
+def shard_owners(spec: ModelSpec, shards: int) -> list[int]:
+    """The shard that owns each fragment (index = fragment id) when `shards` Synchronizer
+    processes share the model: largest fragment first onto the shard with the fewest bytes so far
+    (ties by fragment id, then shard index). A pure function of the fragments' sizes and the shard
+    count, so learners and shards compute it alike; every shard owns at least one fragment."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if shards > len(spec.fragments):
+        raise ValueError(
+            f"{shards} shards for a model of {len(spec.fragments)} fragments would leave a shard "
+            "with none; use at most as many shards as fragments"
+        )
+    owners = [0] * len(spec.fragments)
+    load = [0] * shards
+    for f in sorted(spec.fragments, key=lambda f: (-f.numel, f.fragment_id)):
+        s = min(range(shards), key=lambda j: (load[j], j))
+        owners[f.fragment_id] = s
+        load[s] += f.numel
+    return owners
+
+
+def owned_fragments(spec: ModelSpec, shards: int, index: int) -> list[int]:
+    """The fragment ids shard `index` of `shards` owns, in id order."""
+    return [fid for fid, s in enumerate(shard_owners(spec, shards)) if s == index]
