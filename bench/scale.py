@@ -48,6 +48,8 @@ from demo.procs import Procs, metric, scrape, start_synchronizer
 from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
+from protos.initmodel import init_model_requests
+from protos.spec import ModelSpec, shard_owners
 from synchronizer import memory
 from synchronizer.config import SynchronizerConfig
 
@@ -140,26 +142,73 @@ def _pull(
     return header, codec.decode(asm.finish(), header.payload, out), int(header.payload.total_bytes)
 
 
-def join_and_pull(address: str, params: int) -> float:
-    """Seconds from Join to every fragment's parameters in hand (full FP32 pulls)."""
+class Shards:
+    """One learner's standing with every shard (one Synchronizer is one shard): a channel, stub
+    and Join reply per shard, in shard order, and which shard serves each fragment."""
+
+    def __init__(self, addresses: list[str], spec: ModelSpec, name: str) -> None:
+        self.channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in addresses]
+        stubs = [pb_grpc.SynchronizerStub(c) for c in self.channels]
+        owners = shard_owners(spec, len(addresses))
+        request = pb.JoinRequest(
+            learner_name=name, spec=spec.to_proto(), shards=len(addresses), fragment_shards=owners
+        )
+        replies = [stub.Join(request, timeout=60) for stub in stubs]
+        order = sorted(range(len(stubs)), key=lambda i: replies[i].shard_index)
+        self.addresses = [addresses[i] for i in order]
+        self.channels = [self.channels[i] for i in order]
+        self.stubs = [stubs[i] for i in order]
+        self.joined = [replies[i] for i in order]
+        self.owner = owners  # fragment id -> shard index
+
+    def of(self, fid: int) -> tuple[pb_grpc.SynchronizerStub, pb.JoinReply]:
+        s = self.owner[fid]
+        return self.stubs[s], self.joined[s]
+
+    def leave(self) -> None:
+        for stub, joined in zip(self.stubs, self.joined, strict=True):
+            stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id, session=joined.session), 60)
+        for c in self.channels:
+            c.close()
+
+
+def init_shards(addresses: list[str], params: int) -> list[str]:
+    """Uploads the model (zeros) to every shard, each its own fragments; returns the
+    addresses in shard order."""
     spec = model_spec(params, FRAGMENTS)
-    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-    stub = pb_grpc.SynchronizerStub(channel)
+    shards = Shards(addresses, spec, "init")
+    for stub, joined in zip(shards.stubs, shards.joined, strict=True):
+        owned = list(joined.owned_fragments)
+        zeros = (torch.zeros(spec.fragments[f].numel) for f in owned)
+        stub.InitModel(
+            init_model_requests(
+                joined.learner_id, joined.session, spec.spec_hash, zeros, fragment_ids=owned
+            ),
+            timeout=600,
+        )
+    shards.leave()
+    return shards.addresses
+
+
+def join_and_pull(addresses: list[str], params: int) -> float:
+    """Seconds from Join (to every shard) to every fragment's parameters in hand (full FP32
+    pulls)."""
+    spec = model_spec(params, FRAGMENTS)
     t0 = time.perf_counter()
-    joined = stub.Join(pb.JoinRequest(learner_name="joiner", spec=spec.to_proto()), timeout=60)
-    held = [_pull(stub, joined, f.fragment_id, None)[1] for f in spec.fragments]
+    shards = Shards(addresses, spec, "joiner")
+    held = [_pull(*shards.of(f.fragment_id), f.fragment_id, None)[1] for f in spec.fragments]
     seconds = time.perf_counter() - t0
     assert all(t is not None for t in held)
-    stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id, session=joined.session), timeout=60)
-    channel.close()
+    shards.leave()
     return seconds
 
 
-def client(address: str, params: int, index: int, commands: Any, results: Any) -> None:
+def client(addresses: list[str], params: int, index: int, commands: Any, results: Any) -> None:
     """One client process: one Synchronizer learner that acts for its share of the N simulated
     learners. Per window command (N, rate, t0, window): op g (at t0 + g / rate) is learner
-    g % N's push of fragment (g // N) % 4, then its pull of that fragment; the ops of learners
-    l with l % CLIENTS == index are this process's, done in order, never early."""
+    g % N's push of fragment (g // N) % 4 (to the shard that serves it), then its pull of that
+    fragment; the ops of learners l with l % CLIENTS == index are this process's, done in
+    order, never early."""
     torch.set_num_threads(1)
     spec = model_spec(params, FRAGMENTS)
     g = torch.Generator().manual_seed(index)
@@ -168,19 +217,21 @@ def client(address: str, params: int, index: int, commands: Any, results: Any) -
         buf = codec.encode(torch.randn(f.numel, generator=g) * 1e-3, pb.CODEC_INT4)
         wire = [pb.PushRequest(chunk=c).SerializeToString() for c in framing.iter_chunks(buf)]
         payloads.append((layout.make_header(pb.CODEC_INT4, f.numel), wire))
-    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-    stub = pb_grpc.SynchronizerStub(channel)
-    push = channel.stream_unary(PUSH_METHOD, response_deserializer=pb.PushReply.FromString)
-    joined = stub.Join(pb.JoinRequest(learner_name=f"client{index}", spec=spec.to_proto()), 60)
-    seq = joined.next_seq - 1
-    known = {v.fragment_id: v.version for v in joined.versions}
+    shards = Shards(addresses, spec, f"client{index}")
+    pushes = [
+        c.stream_unary(PUSH_METHOD, response_deserializer=pb.PushReply.FromString)
+        for c in shards.channels
+    ]
+    seq = max(j.next_seq for j in shards.joined) - 1
+    known = {v.fragment_id: v.version for j in shards.joined for v in j.versions}
     stop = threading.Event()
 
     def heartbeat() -> None:  # slow windows leave a learner idle for longer than its lease
-        while not stop.wait(joined.heartbeat_interval_s):
-            stub.Heartbeat(
-                pb.HeartbeatRequest(learner_id=joined.learner_id, session=joined.session), 30
-            )
+        while not stop.wait(shards.joined[0].heartbeat_interval_s):
+            for stub, joined in zip(shards.stubs, shards.joined, strict=True):
+                stub.Heartbeat(
+                    pb.HeartbeatRequest(learner_id=joined.learner_id, session=joined.session), 30
+                )
 
     threading.Thread(target=heartbeat, daemon=True).start()
     results.put(("ready", index))
@@ -206,6 +257,8 @@ def client(address: str, params: int, index: int, commands: Any, results: Any) -
             if now < at:
                 time.sleep(at - now)
             fid = (op // n) % FRAGMENTS
+            stub, joined = shards.of(fid)
+            push = pushes[shards.owner[fid]]
             header, wire = payloads[fid]
             seq += 1
             h = pb.PushHeader(
@@ -257,19 +310,18 @@ def client(address: str, params: int, index: int, commands: Any, results: Any) -
             )
         )
     stop.set()
-    stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id, session=joined.session), 30)
-    channel.close()
+    shards.leave()
 
 
 class Clients:
     """The CLIENTS client processes, kept across windows (they pre-encode their payloads once)."""
 
-    def __init__(self, address: str, params: int) -> None:
+    def __init__(self, addresses: list[str], params: int) -> None:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(CLIENTS)]
         self.procs = [
-            ctx.Process(target=client, args=(address, params, i, self.commands[i], self.results))
+            ctx.Process(target=client, args=(addresses, params, i, self.commands[i], self.results))
             for i in range(CLIENTS)
         ]
         for p in self.procs:
@@ -382,9 +434,9 @@ def run(params: int, mode: str) -> dict[str, Any]:
             init_synchronizer(info["address"], params, FRAGMENTS)
             init_s = time.perf_counter() - t0
             rss.phase = "join"
-            join_s = join_and_pull(info["address"], params)
+            join_s = join_and_pull([info["address"]], params)
             rss.phase = "clients"
-            clients = Clients(info["address"], params)
+            clients = Clients([info["address"]], params)
             try:
                 rss.phase = "serve"  # what the memory target is about: 4 learners on schedule
                 serving = clients.window(CLIENTS, serve_s)
@@ -429,9 +481,18 @@ def run(params: int, mode: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--params", type=int, help="model parameters (FP32 elements)")
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="S > 1: the same model served by one Synchronizer and by S shards, one after the "
+        "other (peak RSS per shard, pushes/s, CPU seconds per pushed GB; bench/scale_shards.py)",
+    )
     args = p.parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     params = args.params or MODES[mode][0]
+    if args.shards > 1:
+        return shards_main(params, args.shards, mode, args.json)
     result = {"mode": mode, **run(params, mode), "machine": machine()}
     print()
     print(table(result["windows"], WINDOW_COLUMNS))
@@ -459,6 +520,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + f"); {result['learners_sustained']:.0f} learners sustained (H={INNER_STEPS}, {STEP_S} s/step)"
     )
     write_json(args.json, result)
+    return result
+
+
+def shards_main(params: int, shards: int, mode: str, json_path: Path | None) -> dict[str, Any]:
+    from bench import scale_shards  # imports this module
+
+    result = {"mode": mode, **scale_shards.run(params, shards, mode), "machine": machine()}
+    rows = []
+    for config in (result["single"], result["sharded"]):
+        for i, peak in enumerate(config["rss_peak_bytes"]):
+            rows.append(
+                {
+                    "shards": config["shards"],
+                    "process": i,
+                    "rss_peak_GiB": peak / (1 << 30),
+                    "init_s": config["init_s"],
+                    "join_s": config["join_s"],
+                    "pushes_per_s": config["pushes_per_s"],
+                    "cpu_s": config["cpu_s"][i],
+                    "received_GB": config["received_GB"][i],
+                    "cpu_s_per_gb": config["cpu_s_per_gb"][i],
+                }
+            )
+    print()
+    print(table(rows, list(rows[0])))
+    print(
+        f"\nshard_rss_ratio = {result['shard_rss_ratio']:.3f} (largest shard's peak over the single "
+        f"Synchronizer's; goal <= 0.55)   pushes/s: 1 process {result['pushes_per_s_1']:.3g}, "
+        f"{shards} shards {result[f'pushes_per_s_{shards}']:.3g} (same 2 cores)"
+    )
+    write_json(json_path, result)
     return result
 
 
