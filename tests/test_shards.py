@@ -1,6 +1,6 @@
 """A model sharded across Synchronizer processes, server side: each shard holds and serves only
 its own fragments, refuses requests for another shard's and Joins that route otherwise, keeps
-and keeps its own state directory."""
+its own state directory, and `diloco-synchronizer init` uploads each shard its part."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from protos import diloco_pb2 as pb
 from protos.configload import ConfigError, load
 from protos.initmodel import init_model_requests
-from protos.spec import owned_fragments, shard_owners
+from protos.spec import TensorInfo, owned_fragments, plan_fragments, shard_owners
 from synchronizer.cli import main
 from synchronizer.config import SynchronizerConfig
 from synchronizer.server import RunningServer
@@ -272,6 +273,61 @@ def test_start_on_another_layouts_state_is_one_line_and_exit_2(
     assert out.returncode == 2, out.stderr
     assert "holds shard 0 of 2 (fragments [0, 3])" in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_init_with_every_shards_address_uploads_each_its_part(
+    make_server: Start, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    weights = {t.name: torch.randn(t.shape) for t in SPEC.tensors}
+    model = tmp_path / "model.safetensors"
+    save_file(weights, str(model))
+    servers = [_shard(make_server, tmp_path, i) for i in range(2)]
+    a, b = (s.address for s in servers)
+
+    rc = main(["init", str(model), "--synchronizer", f"{a},{a}", "--fragments", "4"])
+    assert rc == 2
+    assert "both shard 0 (shards [1] not named); nothing was changed" in capsys.readouterr().err
+    assert main(["init", str(model), "--synchronizer", f"{a},{b},{b}", "--fragments", "4"]) == 2
+    assert "routes to 3 shards" in capsys.readouterr().err
+    assert not any(s.synchronizer.initialized for s in servers)
+
+    rc = main(["init", str(model), "--synchronizer", f"{b}, {a}", "--fragments", "4"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "in 4 fragments over 2 shards" in out and "versions [0, 0, 0, 0]" in out
+    spec = plan_fragments([TensorInfo(n, tuple(t.shape)) for n, t in weights.items()], 4)
+    assert spec.spec_hash == SPEC.spec_hash
+    for srv, ids in zip(servers, OWNED, strict=True):
+        assert [f.fid for f in srv.synchronizer.fragments] == ids
+        c = Client(srv.address, SPEC)
+        _join(c, 2)
+        for fid in ids:
+            expected = torch.cat([weights[t.name].reshape(-1) for t in SPEC.fragments[fid].tensors])
+            assert torch.equal(c.pull(fid)[1], expected)
+        c.close()
+    assert main(["init", str(model), "--synchronizer", f"{a},{b}", "--fragments", "4"]) == 2
+    assert "already initialised" in capsys.readouterr().err
+
+
+def test_init_after_a_partial_one_uploads_only_to_the_empty_shards(
+    make_server: Start, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model.safetensors"
+    save_file({t.name: torch.ones(t.shape) for t in SPEC.tensors}, str(model))
+    servers = [_shard(make_server, tmp_path, i) for i in range(2)]
+    c = Client(servers[0].address, SPEC)
+    _join(c, 2)
+    _init(c, OWNED[0])
+    c.close()
+    rc = main(["init", str(model), "--synchronizer", ",".join(s.address for s in servers)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "(shards [0] were already initialised and left as they were)" in out
+    for srv, fid, expected in [(servers[0], 0, _values(0)), (servers[1], 1, torch.ones(257))]:
+        c = Client(srv.address, SPEC)
+        _join(c, 2)
+        assert torch.equal(c.pull(fid)[1], expected)  # shard 0 kept its own upload
+        c.close()
 
 
 def test_shard_index_comes_from_the_host_names_ordinal_or_is_a_clear_error(
