@@ -184,6 +184,7 @@ class Synchronizer:
                 numel,
                 spec.numel,
             )
+        self.goodput.fraction = numel / max(spec.numel, 1)
         self.streams.limit_per_learner(len(owned))
         largest = max((f.numel for f in owned), default=0)
         payloads = Payloads(payload_budget(self.cfg.payload_budget_bytes, largest))
@@ -397,7 +398,7 @@ class Synchronizer:
         ):
             raise invalid("bad_counters", "counters and step time must be finite and non-negative")
         blocked = self.registry.report(rec, counters, step_time_s)
-        self.metrics.blocked.inc(blocked)
+        self.metrics.blocked.inc(blocked * self.goodput.fraction)  # a shard counts its part
         self.goodput.report(rec.learner_id, float(rec.tokens), rec.compute_s)
         if step_time_s > 0:
             self.grace.observe(step_time=step_time_s)

@@ -110,6 +110,21 @@ def test_two_shards_each_hold_only_their_fragments(make_server: Start, tmp_path:
         c.close()
 
 
+def test_shards_count_their_part_of_the_learners_work_so_shards_add_up(
+    make_server: Start, tmp_path: Path
+) -> None:
+    servers = _initialised_pair(make_server, tmp_path)
+    assert [s.synchronizer.goodput.fraction for s in servers] == [340 / 697, 357 / 697]
+    for srv in servers:
+        c = Client(srv.address, SPEC)
+        _join(c, 2)
+        c.heartbeat(steps=10, tokens=1000, compute_s=10.0)
+        c.close()
+    flights = [s.synchronizer.goodput.in_flight() for s in servers]
+    assert sum(t for t, _ in flights) == pytest.approx(1000)
+    assert sum(c for _, c in flights) == pytest.approx(10.0)
+
+
 def test_push_or_pull_of_another_shards_fragment_is_refused_and_changes_nothing(
     make_server: Start, tmp_path: Path
 ) -> None:
