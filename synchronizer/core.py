@@ -433,6 +433,7 @@ class Synchronizer:
             learners=learners,
             outer_steps=sum(f.version for f in self.fragments),
             goodput=self.goodput.ratio(),
+            model_fraction=self.goodput.fraction,
             unhealthy=self.unhealthy or "",
             shards=self.cfg.shards,
             shard_index=self.cfg.shard_index,

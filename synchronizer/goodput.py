@@ -48,6 +48,7 @@ class Goodput:
         metrics.tokens_in_flight.set_function(lambda: self.in_flight()[0])
         metrics.compute_in_flight.set_function(lambda: self.in_flight()[1])
         metrics.goodput.set_function(self.ratio)
+        metrics.model_fraction.set_function(lambda: self.fraction)
 
     def report(self, learner_id: str, tokens: float, compute_s: float) -> None:
         with self.lock:

@@ -215,6 +215,11 @@ class Metrics:
             ["shard", "shards"],
             registry=r,
         )
+        self.model_fraction = Gauge(
+            "diloco_model_fraction",
+            "Share of the model's parameters this Synchronizer serves (1 unsharded): a shard's goodput counts that share of the learners' capacity and work, so the run's goodput is sum(diloco_goodput_ratio * diloco_model_fraction).",
+            registry=r,
+        )
         for state in LEARNER_STATES:
             self.learners.labels(state).set(0)
         for outcome in PUSH_OUTCOMES:
