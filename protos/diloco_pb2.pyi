@@ -359,7 +359,7 @@ class LearnerStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., inner_steps: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("server_epoch", "initialized", "spec_hash", "versions", "learners", "outer_steps", "goodput", "unhealthy", "shards", "shard_index")
+    __slots__ = ("server_epoch", "initialized", "spec_hash", "versions", "learners", "outer_steps", "goodput", "unhealthy", "shards", "shard_index", "model_fraction")
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,7 @@ class StatusReply(_message.Message):
     UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FRACTION_FIELD_NUMBER: _ClassVar[int]
     server_epoch: str
     initialized: bool
     spec_hash: str
@@ -380,4 +381,5 @@ class StatusReply(_message.Message):
     unhealthy: str
     shards: int
     shard_index: int
-    def __init__(self, server_epoch: _Optional[str] = ..., initialized: _Optional[bool] = ..., spec_hash: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., goodput: _Optional[float] = ..., unhealthy: _Optional[str] = ..., shards: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    model_fraction: float
+    def __init__(self, server_epoch: _Optional[str] = ..., initialized: _Optional[bool] = ..., spec_hash: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., goodput: _Optional[float] = ..., unhealthy: _Optional[str] = ..., shards: _Optional[int] = ..., shard_index: _Optional[int] = ..., model_fraction: _Optional[float] = ...) -> None: ...

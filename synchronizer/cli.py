@@ -1,16 +1,18 @@
 """`diloco-synchronizer`: serve the Synchronizer, initialise its model from a file, show status.
 
     diloco-synchronizer serve [--config FILE] [--host H --port P --metrics-port M --state-dir DIR ...]
-    diloco-synchronizer init FILE [--synchronizer HOST:PORT] [--fragments N] [connection flags]
-    diloco-synchronizer status [--synchronizer HOST:PORT] [--json] [connection flags]
+    diloco-synchronizer init FILE [--synchronizer HOST:PORT[,HOST:PORT...]] [--fragments N] [connection flags]
+    diloco-synchronizer status [--synchronizer HOST:PORT[,HOST:PORT...]] [--json] [connection flags]
 
 Every `serve` option can also come from the config file (TOML/YAML) or a `DILOCO_<OPTION>`
 environment variable; flags win over the environment, which wins over the file. `init` and
 `status` reach a running Synchronizer as a learner does (`RemoteConfig`: `--tls-ca` for TLS,
 `--tls-cert`/`--tls-key` for mutual TLS, `--auth-token` for the learner RPCs `init` makes,
 `--admin-token` for `status`), each also from its `DILOCO_<OPTION>` variable. `status` prints a
-table, or with `--json` the object `status_json` documents. A bad setting, an unreadable file or
-a Synchronizer that cannot be reached or refuses prints one line and exits 2.
+table, or with `--json` the object `status_json` documents; given every shard of a sharded
+Synchronizer (`--synchronizer a:50051,b:50051`), one view of them all (`shards_json`), where a
+shard that does not answer is shown as down. A bad setting, an unreadable file, a Synchronizer
+that refuses, or one that cannot be reached (every shard, for a list) prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from protos import diloco_pb2_grpc as pb_grpc
 from protos.channel import ClientTLS, bearer, open_channel
 from protos.configload import ConfigError, add_flags, load
 from protos.initmodel import init_model_requests
-from protos.spec import ModelSpec, TensorInfo, plan_fragments
+from protos.spec import ModelSpec, TensorInfo, plan_fragments, shard_owners
 from synchronizer.config import SynchronizerConfig
 from synchronizer.server import RunningServer, serve
 
@@ -45,7 +48,8 @@ class RemoteConfig(ClientTLS):
     model_config = ConfigDict(extra="forbid")
 
     synchronizer: str = Field(
-        default="127.0.0.1:50051", description="host:port of the Synchronizer's gRPC endpoint"
+        default="127.0.0.1:50051",
+        description="host:port of the Synchronizer's gRPC endpoint; for a sharded one every shard's, comma-separated, in any order (init uploads each shard its fragments; status shows them all)",
     )
     auth_token: str | None = Field(
         default=None,
@@ -59,12 +63,18 @@ class RemoteConfig(ClientTLS):
     @field_validator("synchronizer")
     @classmethod
     def _host_port(cls, v: str) -> str:
-        host, _, port = v.rpartition(":")
-        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(
-                f"must be host:port with a port in 1..65535 (e.g. 127.0.0.1:50051), got {v!r}"
-            )
+        for address in v.split(","):
+            host, _, port = address.strip().rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(
+                    f"must be host:port with a port in 1..65535 (e.g. 127.0.0.1:50051), or several comma-separated, got {address.strip()!r}"
+                )
         return v
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every address `synchronizer` names (one per shard of a sharded Synchronizer)."""
+        return [a.strip() for a in self.synchronizer.split(",")]
 
 
 class Parser(argparse.ArgumentParser):
@@ -133,27 +143,28 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser(
         "status",
         help="print fragments, versions and learners as a table (or --json)",
-        description="Show a running Synchronizer's epoch, fragment versions and learners, as a table or as JSON.",
+        description="Show a running Synchronizer's epoch, fragment versions and learners, as a table or as JSON; "
+        "with --synchronizer a:PORT,b:PORT, every shard of a sharded Synchronizer in one view.",
     )
     st.add_argument(
         "--json",
         action="store_true",
-        help="print the status as one JSON object (fields documented in synchronizer/cli.py: status_json)",
+        help="print the status as one JSON object (fields documented in synchronizer/cli.py: status_json, and shards_json for several shards)",
     )
     st.add_argument(
         "--timeout-s",
         type=_positive(float),
         default=10.0,
-        help="deadline of the RPC (default: %(default)s)",
+        help="deadline of the RPC, to each shard at once (default: %(default)s)",
     )
     add_flags(st.add_argument_group("connection (also from DILOCO_* variables)"), RemoteConfig)
     return parser
 
 
-def _connect(cfg: RemoteConfig) -> pb_grpc.SynchronizerStub:
+def _connect(cfg: RemoteConfig, address: str | None = None) -> pb_grpc.SynchronizerStub:
     try:
         channel = open_channel(
-            cfg.synchronizer,
+            address or cfg.synchronizer,
             tls_ca=cfg.tls_ca,
             tls_cert=cfg.tls_cert,
             tls_key=cfg.tls_key,
@@ -200,44 +211,98 @@ def _read_model(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any]]:
     return spec, tensors
 
 
+@dataclass
+class _Joined:
+    """`init`'s learner at one Synchronizer (one shard of a sharded one)."""
+
+    address: str
+    stub: pb_grpc.SynchronizerStub
+    reply: pb.JoinReply
+
+
+def _one_per_shard(joined: list[_Joined]) -> list[_Joined]:
+    """The joined shards by index; ConfigError unless they are shards 0..S-1 of S, once each."""
+    count = len(joined)
+    by_index: dict[int, _Joined] = {}
+    for j in joined:
+        if (j.reply.shards or 1) != count:
+            raise ConfigError(
+                f"{j.address} answered as shard {j.reply.shard_index} of {j.reply.shards or 1}, not of the {count} addresses given; nothing was changed"
+            )
+        other = by_index.setdefault(j.reply.shard_index, j)
+        if other is not j:
+            missing = sorted(set(range(count)) - set(by_index))
+            raise ConfigError(
+                f"--synchronizer must name each of the {count} shards once: {other.address} and {j.address} are both shard {j.reply.shard_index} "
+                f"(shards {missing} not named); nothing was changed"
+            )
+    return [by_index[i] for i in range(count)]
+
+
 def _init(args: argparse.Namespace, cfg: RemoteConfig) -> int:
+    """Joins every shard named (one: an unsharded Synchronizer), checks they are the model's
+    shards once each, then uploads to each uninitialised one its own fragments."""
     import torch
 
     spec, tensors = _read_model(args)
-    stub = _connect(cfg)
-    md = bearer(cfg.auth_token or cfg.admin_token)
-    joined = stub.Join(
-        pb.JoinRequest(learner_name="init", spec=spec.to_proto()),
-        timeout=args.timeout_s,
-        metadata=md,
-    )
+    count = len(cfg.addresses)
     try:
-        if not joined.needs_init:
+        owners = shard_owners(spec, count)
+    except ValueError as e:
+        raise ConfigError(f"--synchronizer names {count} shards: {e}") from None
+    md = bearer(cfg.auth_token or cfg.admin_token)
+    request = pb.JoinRequest(learner_name="init", spec=spec.to_proto())
+    if count > 1:
+        request.shards = count
+        request.fragment_shards.extend(owners)
+    joined: list[_Joined] = []
+
+    def flat(fid: int) -> torch.Tensor:
+        parts = spec.fragments[fid].tensors
+        return torch.cat([tensors[t.name].to(torch.float32).reshape(-1) for t in parts])
+
+    try:
+        for address in cfg.addresses:
+            stub = _connect(cfg, address)
+            joined.append(
+                _Joined(address, stub, stub.Join(request, timeout=args.timeout_s, metadata=md))
+            )
+        shards = _one_per_shard(joined)
+        todo = [j for j in shards if j.reply.needs_init]
+        if not todo:
             raise ConfigError(
                 "the Synchronizer's model is already initialised; nothing was changed"
             )
-
-        def fragments() -> Iterator[torch.Tensor]:
-            for frag in spec.fragments:
-                yield torch.cat(
-                    [tensors[t.name].to(torch.float32).reshape(-1) for t in frag.tensors]
-                )
-
-        requests = init_model_requests(
-            joined.learner_id, joined.session, spec.spec_hash, fragments()
-        )
-        reply = stub.InitModel(requests, timeout=args.timeout_s, metadata=md)
-    finally:
-        try:
-            stub.Leave(
-                pb.LeaveRequest(learner_id=joined.learner_id, session=joined.session),
-                timeout=args.timeout_s,
-                metadata=md,
+        versions: dict[int, int] = {}
+        for j in todo:
+            ids = [fid for fid, owner in enumerate(owners) if owner == j.reply.shard_index]
+            requests = init_model_requests(
+                j.reply.learner_id,
+                j.reply.session,
+                spec.spec_hash,
+                (flat(fid) for fid in ids),
+                fragment_ids=ids,
             )
-        except grpc.RpcError:
-            pass  # its lease lapses instead; the error that matters is the one above
+            reply = j.stub.InitModel(requests, timeout=args.timeout_s, metadata=md)
+            versions.update({v.fragment_id: v.version for v in reply.versions})
+    finally:
+        for j in joined:
+            try:
+                j.stub.Leave(
+                    pb.LeaveRequest(learner_id=j.reply.learner_id, session=j.reply.session),
+                    timeout=args.timeout_s,
+                    metadata=md,
+                )
+            except grpc.RpcError:
+                pass  # its lease lapses instead; the error that matters is the one above
+    where = ""
+    if count > 1:
+        skipped = [j.reply.shard_index for j in shards if not j.reply.needs_init]
+        where = f" over {count} shards" + (
+            f" (shards {skipped} were already initialised and left as they were)" if skipped else ""
+        )
     print(
-        f"initialised {spec.numel} parameters in {len(spec.fragments)} fragments (spec {spec.spec_hash[:12]}); versions {[v.version for v in reply.versions]}"
+        f"initialised {spec.numel} parameters in {len(spec.fragments)} fragments{where} (spec {spec.spec_hash[:12]}); versions {[versions[f] for f in sorted(versions)]}"
     )
     return 0
 
@@ -246,13 +311,16 @@ def status_json(reply: pb.StatusReply) -> dict[str, Any]:
     """The Status reply as `status --json` prints it:
 
     - `server_epoch` (str, new at every start), `initialized` (bool), `spec_hash` (str, "" before
-      the first learner), `outer_steps` (int, summed over fragments);
-    - `fragments`: [{`fragment_id`, `version`}] in id order;
+      the first learner), `outer_steps` (int, summed over its fragments);
+    - `shards` (int, 1 when unsharded) and `shard_index` (int): which shard of how many answered;
+    - `fragments`: [{`fragment_id`, `version`}] in id order (a shard's own fragments only);
     - `learners`: [{`learner_id`, `name`, `state` ("alive", "dead" or "left"), `steps`, `tokens`,
       `compute_s`, `blocked_s`}], their cumulative counters as last reported;
     - `totals`: `learners` by state, and `steps`, `tokens`, `compute_s`, `blocked_s` summed;
     - `goodput`: the Synchronizer's goodput, merged compute / learner capacity over its goodput
-      window (0-1; `diloco_goodput_ratio`), which discounts dropped, lost and blocked work;
+      window (0-1; `diloco_goodput_ratio`), which discounts dropped, lost and blocked work; a
+      shard's counts its `model_fraction` (share of the parameters it serves; 1 unsharded) of
+      the learners' work and capacity;
     - `loop_goodput`: compute_s / (compute_s + blocked_s) over every learner (null before any
       step): the share of the learners' training time spent in inner steps rather than waiting
       on syncs;
@@ -283,6 +351,8 @@ def status_json(reply: pb.StatusReply) -> dict[str, Any]:
         "initialized": reply.initialized,
         "spec_hash": reply.spec_hash,
         "outer_steps": reply.outer_steps,
+        "shards": max(reply.shards, 1),
+        "shard_index": reply.shard_index,
         "fragments": [
             {"fragment_id": v.fragment_id, "version": v.version}
             for v in sorted(reply.versions, key=lambda v: v.fragment_id)
@@ -290,6 +360,7 @@ def status_json(reply: pb.StatusReply) -> dict[str, Any]:
         "learners": learners,
         "totals": totals,
         "goodput": reply.goodput,
+        "model_fraction": reply.model_fraction or 1.0,
         "loop_goodput": totals["compute_s"] / busy if busy > 0 else None,
         "unhealthy": reply.unhealthy or None,
     }
@@ -313,8 +384,9 @@ def _share(part: float, whole: float) -> str:
 
 def status_table(s: dict[str, Any]) -> str:
     """`status_json`'s object for people: a summary line, fragments, learners, goodput."""
+    shard = f"shard {s['shard_index']} of {s['shards']}, " if s["shards"] > 1 else ""
     lines = [
-        f"Synchronizer epoch {s['server_epoch']}: "
+        f"Synchronizer {shard}epoch {s['server_epoch']}: "
         + (
             f"initialised, spec {s['spec_hash'][:12]}, {s['outer_steps']} outer steps"
             if s["initialized"]
@@ -364,23 +436,132 @@ def status_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _status(args: argparse.Namespace, cfg: RemoteConfig) -> int:
-    reply = _connect(cfg).Status(
-        pb.StatusRequest(),
-        timeout=args.timeout_s,
-        metadata=bearer(cfg.admin_token or cfg.auth_token),
-    )
-    s = status_json(reply)
-    print(json.dumps(s, indent=2) if args.json else status_table(s))
-    return 0
-
-
 HINTS = {
     grpc.StatusCode.UNAVAILABLE: "is a Synchronizer serving there, with TLS exactly when --tls-ca is given?",
     grpc.StatusCode.UNAUTHENTICATED: "give its token with --auth-token or --admin-token (or DILOCO_AUTH_TOKEN / DILOCO_ADMIN_TOKEN)",
     grpc.StatusCode.PERMISSION_DENIED: "status needs the admin token: --admin-token or DILOCO_ADMIN_TOKEN",
     grpc.StatusCode.DEADLINE_EXCEEDED: "no answer within --timeout-s; raise it or check the network",
 }
+DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # no shard there to ask
+
+
+def _rpc_error_text(e: grpc.RpcError) -> str:
+    """A failed RPC as every command reports it: code, the first line of its details, a hint."""
+    code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
+    details = ((e.details() or "").splitlines() or [""])[0]  # type: ignore[attr-defined]
+    hint = f" ({HINTS[code]})" if code in HINTS else ""
+    return f"{code.name}: {details}{hint}"
+
+
+class RemoteError(Exception):
+    """A refused RPC to one of several addresses, reported as `_remote` reports any other."""
+
+    def __init__(self, address: str, error: grpc.RpcError) -> None:
+        super().__init__(f"{address}: {_rpc_error_text(error)}")
+        self.address = address
+        self.error = error
+
+
+def shards_json(answers: list[tuple[str, pb.StatusReply | grpc.RpcError]]) -> dict[str, Any]:
+    """Every shard's status, by address in the order given, as `status --json` prints it for
+    several addresses:
+
+    - `shards`: [{`address`, `up` (bool), `error` ("CODE: details" of a shard that did not
+      answer, else null), and for a shard that answered every field of `status_json`}];
+    - `totals`: `shards` (addresses given), `up`, `down`; over the shards that answered:
+      `fragments` and `outer_steps` summed (each shard serves its own fragments), `goodput`
+      the shards' goodputs weighted by their `model_fraction` (a shard that is down counts as
+      merging nothing: its fraction of the model is learners' work going nowhere), `learners`
+      by state, the most any shard counts (every learner joins every shard);
+    - `problems`: what does not add up, each a sentence: shards on different model specs, two
+      addresses answering as one shard index, a shard count other than the addresses given.
+    """
+    shards: list[dict[str, Any]] = [
+        {"address": address, "up": False, "error": _rpc_error_text(answer)}
+        if isinstance(answer, grpc.RpcError)
+        else {"address": address, "up": True, "error": None, **status_json(answer)}
+        for address, answer in answers
+    ]
+    up = [x for x in shards if x["up"]]
+    totals = {
+        "shards": len(shards),
+        "up": len(up),
+        "down": len(shards) - len(up),
+        "fragments": sum(len(x["fragments"]) for x in up),
+        "outer_steps": sum(x["outer_steps"] for x in up),
+        "goodput": sum(x["goodput"] * x["model_fraction"] for x in up),
+        "learners": {
+            state: max((x["totals"]["learners"][state] for x in up), default=0)
+            for state in ("alive", "dead", "left")
+        },
+    }
+    problems = []
+    specs = sorted({x["spec_hash"][:12] for x in up if x["spec_hash"]})
+    if len(specs) > 1:
+        problems.append(f"the shards hold different model specs ({', '.join(specs)})")
+    for index in sorted({x["shard_index"] for x in up}):
+        at = [x["address"] for x in up if x["shard_index"] == index]
+        if len(at) > 1:
+            problems.append(f"shard index {index} answers at {len(at)} addresses: {', '.join(at)}")
+    for count in sorted({x["shards"] for x in up} - {len(shards)}):
+        at = [x["address"] for x in up if x["shards"] == count]
+        problems.append(f"{', '.join(at)}: shards {count}, but {len(shards)} addresses were given")
+    return {"shards": shards, "totals": totals, "problems": problems}
+
+
+def shards_table(view: dict[str, Any]) -> str:
+    """`shards_json`'s object for people: totals and problems, then each shard's `status_table`."""
+    t = view["totals"]
+    lines = [
+        f"shards: {t['shards']} given, {t['up']} up, {t['down']} down; "
+        f"{t['fragments']} fragments, {t['outer_steps']} outer steps",
+        f"goodput: {t['goodput']:.1%} of learner capacity merged (each shard's for its part of the model)",
+        f"learners: {t['learners']['alive']} alive, {t['learners']['dead']} dead, "
+        f"{t['learners']['left']} left (the most any shard counts)",
+        *(f"PROBLEM: {p}" for p in view["problems"]),
+    ]
+    for shard in view["shards"]:
+        body = status_table(shard) if shard["up"] else f"DOWN: {shard['error']}"
+        lines += ["", shard["address"], *(f"  {line}".rstrip() for line in body.splitlines())]
+    return "\n".join(lines)
+
+
+def _status(args: argparse.Namespace, cfg: RemoteConfig) -> int:
+    def ask(address: str) -> pb.StatusReply:
+        reply: pb.StatusReply = _connect(cfg, address).Status(
+            pb.StatusRequest(),
+            timeout=args.timeout_s,
+            metadata=bearer(cfg.admin_token or cfg.auth_token),
+        )
+        return reply
+
+    addresses = cfg.addresses
+    if len(addresses) == 1:
+        s = status_json(ask(addresses[0]))
+        print(json.dumps(s, indent=2) if args.json else status_table(s))
+        return 0
+
+    def answer(address: str) -> pb.StatusReply | grpc.RpcError:
+        try:
+            return ask(address)
+        except grpc.RpcError as e:
+            if e.code() in DOWN:  # type: ignore[attr-defined]
+                return e
+            raise RemoteError(address, e) from None  # refused: a setting to fix, not a dead shard
+
+    with ThreadPoolExecutor(
+        len(addresses)
+    ) as pool:  # a dead shard costs one deadline, not one each
+        view = shards_json(list(zip(addresses, pool.map(answer, addresses), strict=True)))
+    print(json.dumps(view, indent=2) if args.json else shards_table(view))
+    if view["totals"]["up"] == 0:
+        print(
+            f"diloco-synchronizer: status: none of the {len(addresses)} shards answered "
+            f"({HINTS[grpc.StatusCode.UNAVAILABLE]})",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
 
 
 def _remote(args: argparse.Namespace) -> int:
@@ -389,14 +570,14 @@ def _remote(args: argparse.Namespace) -> int:
     try:
         return _init(args, cfg) if args.command == "init" else _status(args, cfg)
     except grpc.RpcError as e:
-        code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
-        details = ((e.details() or "").splitlines() or [""])[0]  # type: ignore[attr-defined]
-        hint = f" ({HINTS[code]})" if code in HINTS else ""
-        print(
-            f"diloco-synchronizer: {args.command} at {cfg.synchronizer}: {code.name}: {details}{hint}",
-            file=sys.stderr,
-        )
-        return 2
+        address, error = cfg.synchronizer, e
+    except RemoteError as e:
+        address, error = e.address, e.error
+    print(
+        f"diloco-synchronizer: {args.command} at {address}: {_rpc_error_text(error)}",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -7,6 +7,10 @@ into pending; a closed round moves its contributions' pending shares into `merge
 lapses, what the learner reported processing but never pushed becomes `lost`. Everything else is
 in flight. Capacity is wall-clock seconds of every joined learner, alive or dead (until it leaves
 or is forgotten); goodput = merged compute / capacity over a sliding window.
+
+A shard of a sharded Synchronizer serves `fraction` of the model: what learners report and their
+capacity count that fraction, as its pushes do, so every shard's goodput is its own and the
+shards' counters add up to the learners' totals (unsharded, the fraction is 1).
 """
 
 from __future__ import annotations
@@ -40,13 +44,15 @@ class Goodput:
         self.reported: dict[str, list[float]] = {}  # learner -> [tokens, compute] reported
         self.samples: deque[tuple[float, float, float]] = deque()
         self.last_tick = time.monotonic()
+        self.fraction = 1.0  # of the model this Synchronizer serves (a shard's part)
         metrics.tokens_in_flight.set_function(lambda: self.in_flight()[0])
         metrics.compute_in_flight.set_function(lambda: self.in_flight()[1])
         metrics.goodput.set_function(self.ratio)
+        metrics.model_fraction.set_function(lambda: self.fraction)
 
     def report(self, learner_id: str, tokens: float, compute_s: float) -> None:
         with self.lock:
-            self.reported[learner_id] = [tokens, compute_s]
+            self.reported[learner_id] = [tokens * self.fraction, compute_s * self.fraction]
 
     def _account(self, learner_id: str, share: Share) -> None:
         acc = self.accounted.setdefault(learner_id, [0.0, 0.0])
@@ -99,8 +105,9 @@ class Goodput:
         """Adds capacity for `slots` learners since the last tick and samples the window."""
         now = time.monotonic()
         with self.lock:
-            self.capacity_s += (now - self.last_tick) * slots
-            self.metrics.capacity.inc((now - self.last_tick) * slots)
+            added = (now - self.last_tick) * slots * self.fraction
+            self.capacity_s += added
+            self.metrics.capacity.inc(added)
             self.last_tick = now
             self.samples.append((now, self.merged_compute, self.capacity_s))
             while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:

@@ -1,5 +1,6 @@
 """`diloco-synchronizer` as operators use it: real processes, SIGTERM, clear config errors; `init`
-and `status` against a Synchronizer with mutual TLS and tokens, the status table and its JSON."""
+and `status` against a Synchronizer with mutual TLS and tokens, the status table and its JSON;
+`status` over every shard of a sharded Synchronizer, one of them down."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from safetensors.torch import save_file
 from learner.client import SyncClient
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
-from synchronizer.cli import main
-from tests.helpers import Client, serve_process
+from synchronizer.cli import main, shards_json, shards_table
+from tests.helpers import Client, serve_process, small_spec
 
 
 def _start(
@@ -291,14 +292,18 @@ def test_init_and_status_json_reach_a_mutual_tls_server_with_learner_and_admin_t
         "initialized",
         "spec_hash",
         "outer_steps",
+        "shards",
+        "shard_index",
         "fragments",
         "learners",
         "totals",
         "goodput",
+        "model_fraction",
         "loop_goodput",
         "unhealthy",
     }
     assert 0.0 <= status["goodput"] <= 1.0 and status["unhealthy"] is None
+    assert status["shards"] == 1 and status["shard_index"] == 0  # unsharded
     assert (
         status["initialized"] and status["server_epoch"] and status["spec_hash"] == client.spec_hash
     )
@@ -440,6 +445,16 @@ def _free_port() -> int:
             "tls_cert and tls_key must be given together",
         ),
         ("mtls", ["status", "--synchronizer", "localhost"], "invalid setting synchronizer"),
+        (
+            "mtls",
+            ["status", "--synchronizer", "127.0.0.1:50051,localhost"],
+            "invalid setting synchronizer",
+        ),
+        (
+            "mtls",
+            ["init", "{weights}", "--synchronizer", "127.0.0.1:{free},127.0.0.1:{free}"],
+            "UNAVAILABLE",
+        ),
         ("mtls", ["status", "--synchronizer", "127.0.0.1:{free}"], "UNAVAILABLE"),
         ("mtls", ["status", "--timeout-s", "0"], "--timeout-s: must be > 0"),
         (
@@ -457,6 +472,8 @@ def _free_port() -> int:
         "ca-not-pem",
         "cert-without-key",
         "bad-address",
+        "bad-address-in-list",
+        "init-to-a-list",
         "nothing-listening",
         "bad-timeout",
         "unreadable-file",
@@ -479,3 +496,150 @@ def test_bad_input_or_unreachable_server_is_one_line_and_exit_2(
     assert rc == 2
     assert words in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+# status over the shards of a sharded Synchronizer ------------------------------------------------
+
+
+def test_status_over_shards_shows_each_shard_and_one_that_does_not_answer_as_down(
+    make_server, tmp_path, capsys
+):
+    """Two in-process Synchronizers (unsharded here: each serves the whole model, so the view
+    flags them as two answers of shard 0) and an address where nothing listens, in that order."""
+    spec = small_spec()
+    servers = [make_server(state_dir=tmp_path / f"shard-{i}") for i in range(2)]
+    learners = []
+    for srv in servers:
+        learner = Client(srv.address, spec, "l0")
+        learner.join()
+        learner.init([torch.zeros(f.numel) for f in spec.fragments])
+        learners.append(learner)
+    dead = f"127.0.0.1:{_free_port()}"
+    addresses = [servers[0].address, dead, servers[1].address]
+    try:
+        rc, out, err = _run(capsys, "status", "--synchronizer", ",".join(addresses), "--json")
+        rc_table, table, err_table = _run(capsys, "status", "--synchronizer", ",".join(addresses))
+    finally:
+        for learner in learners:
+            learner.close()
+    assert rc == 0 and rc_table == 0 and not err and not err_table, err + err_table
+    view = json.loads(out)
+    assert set(view) == {"shards", "totals", "problems"}
+    shards = view["shards"]
+    assert [(x["address"], x["up"]) for x in shards] == [
+        (addresses[0], True),
+        (dead, False),
+        (addresses[2], True),
+    ]
+    assert shards[1]["error"].startswith("UNAVAILABLE: ") and set(shards[1]) == {
+        "address",
+        "up",
+        "error",
+    }
+    for shard in (shards[0], shards[2]):
+        assert shard["error"] is None and shard["initialized"] and shard["unhealthy"] is None
+        assert shard["spec_hash"] == spec.spec_hash
+        assert shard["fragments"] == [
+            {"fragment_id": 0, "version": 0},
+            {"fragment_id": 1, "version": 0},
+        ]
+        assert [(x["name"], x["state"]) for x in shard["learners"]] == [("l0", "alive")]
+    assert shards[0]["server_epoch"] != shards[2]["server_epoch"]
+    assert view["totals"] == {
+        "shards": 3,
+        "up": 2,
+        "down": 1,
+        "fragments": 4,
+        "outer_steps": 0,
+        "goodput": shards[0]["goodput"] + shards[2]["goodput"],  # unsharded: fraction 1
+        "learners": {"alive": 1, "dead": 0, "left": 0},
+    }
+    assert view["problems"] == [
+        f"shard index 0 answers at 2 addresses: {addresses[0]}, {addresses[2]}",
+        f"{addresses[0]}, {addresses[2]}: shards 1, but 3 addresses were given",
+    ]
+    lines = table.splitlines()
+    assert lines[0] == "shards: 3 given, 2 up, 1 down; 4 fragments, 0 outer steps"
+    assert f"PROBLEM: shard index 0 answers at 2 addresses: {addresses[0]}, {addresses[2]}" in lines
+    for address in addresses:
+        body = lines[lines.index(address) + 1]
+        if address == dead:
+            assert body.startswith("  DOWN: UNAVAILABLE: ")
+        else:
+            assert body.startswith("  Synchronizer epoch ") and "0 outer steps" in body
+
+
+def test_status_over_shards_totals_their_parts_and_names_what_does_not_add_up():
+    """The view of a real two-shard layout (Status replies as shards send them): each lists its
+    own fragments, goodputs weigh by the share of the model each serves, learners are counted
+    once; then three mistakes."""
+
+    def reply(index: int, fragments: dict[int, int], spec: str = "a" * 64, shards: int = 2):
+        return pb.StatusReply(
+            server_epoch=f"epoch-{index}",
+            initialized=True,
+            spec_hash=spec,
+            versions=[pb.FragmentVersion(fragment_id=f, version=v) for f, v in fragments.items()],
+            outer_steps=sum(fragments.values()),
+            goodput=0.25 * (index + 1),
+            model_fraction=(0.6, 0.4)[index],
+            shards=shards,
+            shard_index=index,
+            learners=[
+                pb.LearnerStatus(learner_id=f"{index}-{i}", name=f"l{i}", state="alive")
+                for i in range(2)
+            ],
+        )
+
+    view = shards_json([("s0:50051", reply(0, {0: 5, 2: 4})), ("s1:50051", reply(1, {1: 5, 3: 3}))])
+    assert view["problems"] == []
+    assert view["totals"] == {
+        "shards": 2,
+        "up": 2,
+        "down": 0,
+        "fragments": 4,
+        "outer_steps": 17,
+        "goodput": pytest.approx(0.25 * 0.6 + 0.5 * 0.4),
+        "learners": {"alive": 2, "dead": 0, "left": 0},
+    }
+    assert [(x["shard_index"], x["shards"]) for x in view["shards"]] == [(0, 2), (1, 2)]
+    table = shards_table(view)
+    assert (
+        "goodput: 35.0% of learner capacity merged (each shard's for its part of the model)"
+        in table
+    )
+    assert (
+        "  Synchronizer shard 1 of 2, epoch epoch-1: initialised, spec aaaaaaaaaaaa, 8 outer steps"
+        in table.splitlines()
+    )
+
+    wrong = shards_json(
+        [
+            ("s0:50051", reply(0, {0: 5}, shards=3)),
+            ("s1:50051", reply(0, {1: 5}, spec="b" * 64)),
+        ]
+    )
+    assert wrong["problems"] == [
+        "the shards hold different model specs (aaaaaaaaaaaa, bbbbbbbbbbbb)",
+        "shard index 0 answers at 2 addresses: s0:50051, s1:50051",
+        "s0:50051: shards 3, but 2 addresses were given",
+    ]
+
+
+def test_status_exits_2_when_no_shard_answers_or_one_refuses(make_server, tmp_path, capsys):
+    down = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
+    rc, out, err = _run(capsys, "status", "--synchronizer", ",".join(down), "--timeout-s", "5")
+    assert rc == 2
+    assert err.strip() == (
+        "diloco-synchronizer: status: none of the 2 shards answered (is a Synchronizer serving "
+        "there, with TLS exactly when --tls-ca is given?)"
+    )
+    assert out.count("  DOWN: ") == out.count("  DOWN: UNAVAILABLE: ") == 2
+
+    open_ = make_server(state_dir=tmp_path / "open")
+    locked = make_server(state_dir=tmp_path / "locked", admin_token=ADMIN_TOKEN)
+    addresses = f"{open_.address},{locked.address}"
+    rc, out, err = _run(capsys, "status", "--synchronizer", addresses, "--admin-token", "wrong")
+    assert rc == 2 and not out
+    assert err.startswith(f"diloco-synchronizer: status at {locked.address}: UNAUTHENTICATED: ")
+    assert len(err.strip().splitlines()) == 1
