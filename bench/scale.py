@@ -334,9 +334,10 @@ class Clients:
         assert got == kind, (got, value)
         return value
 
-    def window(self, learners: int, window_s: float) -> dict[str, Any]:
-        """Runs `learners` simulated learners for `window_s`; whether the pushes kept up."""
-        rate = learners / PUSH_EVERY_S
+    def window(self, learners: int, window_s: float, rate: float = 0.0) -> dict[str, Any]:
+        """Runs `learners` simulated learners for `window_s` (ops due at `rate` per second, by
+        default their schedule's); whether the pushes kept up."""
+        rate = rate or learners / PUSH_EVERY_S
         t0 = time.time() + 0.5
         for q in self.commands:
             q.put((learners, rate, t0, window_s))

@@ -8,8 +8,8 @@ pushes and pulls each fragment at the shard that serves it):
   bench.scale; the peak resident memory (VmRSS sampled every 50 ms, and VmHWM) of every process
   over those phases. `shard_rss_ratio`: the largest shard's peak over the single Synchronizer's
   (goal: at most 0.55);
-- `saturate`: the 4 client processes push and pull back to back for a window (far more
-  learners due than they can serve). `pushes_per_s`: pushes (each with its pull) done in the
+- `saturate`: the 4 client processes push and pull back to back for a window, each fragment in
+  turn (ops due far faster than they can be done). `pushes_per_s`: pushes (each with its pull) done in the
   window; `cpu_s_per_gb`: each process's CPU seconds (utime + stime, /proc) in the window per GB
   of payload it received. On this 2-core machine the shards share the cores the single process
   had, so pushes/s cannot scale here; the CPU seconds per GB project what S shards on S
@@ -27,7 +27,7 @@ from typing import Any
 from bench.scale import FRAGMENTS, PUSH_EVERY_S, Clients, RssSampler, init_shards, join_and_pull
 from demo.procs import Procs, metric, scrape, start_synchronizer
 
-SATURATING_LEARNERS = 100_000  # ops due far faster than 4 clients can do them: back to back
+SATURATING_RATE = 10_000.0  # ops due per second, far beyond 4 clients: they go back to back
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -82,7 +82,8 @@ def run_config(params: int, shards: int, serve_s: float, saturate_s: float) -> d
                 phase("saturate")
                 cpu0 = [cpu_s(proc.pid) for proc, _ in ordered]
                 bytes0 = [received_bytes(u) for u in urls]
-                saturated = clients.window(SATURATING_LEARNERS, saturate_s)
+                # One learner per client, every fragment in turn, as fast as they can.
+                saturated = clients.window(4, saturate_s, rate=SATURATING_RATE)
                 cpu = [cpu_s(proc.pid) - c for (proc, _), c in zip(ordered, cpu0, strict=True)]
                 got = [received_bytes(u) - b for u, b in zip(urls, bytes0, strict=True)]
             finally:

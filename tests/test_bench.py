@@ -33,13 +33,20 @@ SMOKES = [
         [],
         ["rss_ratio", "init_s", "join_s", "outer_step_s", "apply_ratio", "learners_sustained"],
     ),
+    (
+        "scale",
+        ["--shards", "2"],
+        ["shard_rss_ratio", "pushes_per_s_1", "pushes_per_s_2", "cpu_s_per_gb_1"],
+    ),
     ("gpu", [], ["rss_ratio", "init_s", "join_s", "sync_vs_nosync"]),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("name", "extra", "keys"), SMOKES, ids=[s[0] for s in SMOKES])
+@pytest.mark.parametrize(
+    ("name", "extra", "keys"), SMOKES, ids=[" ".join([s[0], *s[1]]) for s in SMOKES]
+)
 def test_benchmark_smoke_mode_exits_0_and_writes_its_headline_figures(
     tmp_path: Path, name: str, extra: list[str], keys: list[str]
 ) -> None:
