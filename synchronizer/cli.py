@@ -1,7 +1,7 @@
 """`diloco-synchronizer`: serve the Synchronizer, initialise its model from a file, show status.
 
     diloco-synchronizer serve [--config FILE] [--host H --port P --metrics-port M --state-dir DIR ...]
-    diloco-synchronizer init FILE [--synchronizer HOST:PORT] [--fragments N] [connection flags]
+    diloco-synchronizer init FILE [--synchronizer HOST:PORT[,HOST:PORT...]] [--fragments N] [connection flags]
     diloco-synchronizer status [--synchronizer HOST:PORT] [--json] [connection flags]
 
 Every `serve` option can also come from the config file (TOML/YAML) or a `DILOCO_<OPTION>`
@@ -19,7 +19,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from protos import diloco_pb2_grpc as pb_grpc
 from protos.channel import ClientTLS, bearer, open_channel
 from protos.configload import ConfigError, add_flags, load
 from protos.initmodel import init_model_requests
-from protos.spec import ModelSpec, TensorInfo, plan_fragments
+from protos.spec import ModelSpec, TensorInfo, plan_fragments, shard_owners
 from synchronizer.config import SynchronizerConfig
 from synchronizer.server import RunningServer, serve
 
@@ -45,7 +45,8 @@ class RemoteConfig(ClientTLS):
     model_config = ConfigDict(extra="forbid")
 
     synchronizer: str = Field(
-        default="127.0.0.1:50051", description="host:port of the Synchronizer's gRPC endpoint"
+        default="127.0.0.1:50051",
+        description="host:port of the Synchronizer's gRPC endpoint; for a sharded one (init) every shard's, comma-separated, in any order",
     )
     auth_token: str | None = Field(
         default=None,
@@ -59,12 +60,18 @@ class RemoteConfig(ClientTLS):
     @field_validator("synchronizer")
     @classmethod
     def _host_port(cls, v: str) -> str:
-        host, _, port = v.rpartition(":")
-        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(
-                f"must be host:port with a port in 1..65535 (e.g. 127.0.0.1:50051), got {v!r}"
-            )
+        for address in v.split(","):
+            host, _, port = address.strip().rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(
+                    f"must be host:port with a port in 1..65535 (e.g. 127.0.0.1:50051), or several comma-separated, got {address.strip()!r}"
+                )
         return v
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every address `synchronizer` names (one per shard of a sharded Synchronizer)."""
+        return [a.strip() for a in self.synchronizer.split(",")]
 
 
 class Parser(argparse.ArgumentParser):
@@ -150,10 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _connect(cfg: RemoteConfig) -> pb_grpc.SynchronizerStub:
+def _connect(cfg: RemoteConfig, address: str | None = None) -> pb_grpc.SynchronizerStub:
     try:
         channel = open_channel(
-            cfg.synchronizer,
+            address or cfg.synchronizer,
             tls_ca=cfg.tls_ca,
             tls_cert=cfg.tls_cert,
             tls_key=cfg.tls_key,
@@ -200,44 +207,98 @@ def _read_model(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any]]:
     return spec, tensors
 
 
+@dataclass
+class _Joined:
+    """`init`'s learner at one Synchronizer (one shard of a sharded one)."""
+
+    address: str
+    stub: pb_grpc.SynchronizerStub
+    reply: pb.JoinReply
+
+
+def _one_per_shard(joined: list[_Joined]) -> list[_Joined]:
+    """The joined shards by index; ConfigError unless they are shards 0..S-1 of S, once each."""
+    count = len(joined)
+    by_index: dict[int, _Joined] = {}
+    for j in joined:
+        if (j.reply.shards or 1) != count:
+            raise ConfigError(
+                f"{j.address} answered as shard {j.reply.shard_index} of {j.reply.shards or 1}, not of the {count} addresses given; nothing was changed"
+            )
+        other = by_index.setdefault(j.reply.shard_index, j)
+        if other is not j:
+            missing = sorted(set(range(count)) - set(by_index))
+            raise ConfigError(
+                f"--synchronizer must name each of the {count} shards once: {other.address} and {j.address} are both shard {j.reply.shard_index} "
+                f"(shards {missing} not named); nothing was changed"
+            )
+    return [by_index[i] for i in range(count)]
+
+
 def _init(args: argparse.Namespace, cfg: RemoteConfig) -> int:
+    """Joins every shard named (one: an unsharded Synchronizer), checks they are the model's
+    shards once each, then uploads to each uninitialised one its own fragments."""
     import torch
 
     spec, tensors = _read_model(args)
-    stub = _connect(cfg)
-    md = bearer(cfg.auth_token or cfg.admin_token)
-    joined = stub.Join(
-        pb.JoinRequest(learner_name="init", spec=spec.to_proto()),
-        timeout=args.timeout_s,
-        metadata=md,
-    )
+    count = len(cfg.addresses)
     try:
-        if not joined.needs_init:
+        owners = shard_owners(spec, count)
+    except ValueError as e:
+        raise ConfigError(f"--synchronizer names {count} shards: {e}") from None
+    md = bearer(cfg.auth_token or cfg.admin_token)
+    request = pb.JoinRequest(learner_name="init", spec=spec.to_proto())
+    if count > 1:
+        request.shards = count
+        request.fragment_shards.extend(owners)
+    joined: list[_Joined] = []
+
+    def flat(fid: int) -> torch.Tensor:
+        parts = spec.fragments[fid].tensors
+        return torch.cat([tensors[t.name].to(torch.float32).reshape(-1) for t in parts])
+
+    try:
+        for address in cfg.addresses:
+            stub = _connect(cfg, address)
+            joined.append(
+                _Joined(address, stub, stub.Join(request, timeout=args.timeout_s, metadata=md))
+            )
+        shards = _one_per_shard(joined)
+        todo = [j for j in shards if j.reply.needs_init]
+        if not todo:
             raise ConfigError(
                 "the Synchronizer's model is already initialised; nothing was changed"
             )
-
-        def fragments() -> Iterator[torch.Tensor]:
-            for frag in spec.fragments:
-                yield torch.cat(
-                    [tensors[t.name].to(torch.float32).reshape(-1) for t in frag.tensors]
-                )
-
-        requests = init_model_requests(
-            joined.learner_id, joined.session, spec.spec_hash, fragments()
-        )
-        reply = stub.InitModel(requests, timeout=args.timeout_s, metadata=md)
-    finally:
-        try:
-            stub.Leave(
-                pb.LeaveRequest(learner_id=joined.learner_id, session=joined.session),
-                timeout=args.timeout_s,
-                metadata=md,
+        versions: dict[int, int] = {}
+        for j in todo:
+            ids = [fid for fid, owner in enumerate(owners) if owner == j.reply.shard_index]
+            requests = init_model_requests(
+                j.reply.learner_id,
+                j.reply.session,
+                spec.spec_hash,
+                (flat(fid) for fid in ids),
+                fragment_ids=ids,
             )
-        except grpc.RpcError:
-            pass  # its lease lapses instead; the error that matters is the one above
+            reply = j.stub.InitModel(requests, timeout=args.timeout_s, metadata=md)
+            versions.update({v.fragment_id: v.version for v in reply.versions})
+    finally:
+        for j in joined:
+            try:
+                j.stub.Leave(
+                    pb.LeaveRequest(learner_id=j.reply.learner_id, session=j.reply.session),
+                    timeout=args.timeout_s,
+                    metadata=md,
+                )
+            except grpc.RpcError:
+                pass  # its lease lapses instead; the error that matters is the one above
+    where = ""
+    if count > 1:
+        skipped = [j.reply.shard_index for j in shards if not j.reply.needs_init]
+        where = f" over {count} shards" + (
+            f" (shards {skipped} were already initialised and left as they were)" if skipped else ""
+        )
     print(
-        f"initialised {spec.numel} parameters in {len(spec.fragments)} fragments (spec {spec.spec_hash[:12]}); versions {[v.version for v in reply.versions]}"
+        f"initialised {spec.numel} parameters in {len(spec.fragments)} fragments{where} (spec {spec.spec_hash[:12]}); versions {[versions[f] for f in sorted(versions)]}"
     )
     return 0
 

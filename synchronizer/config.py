@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protos.framing import CHUNK_BYTES
+from synchronizer.shards import resolve_index
 
 RESERVED_WORKERS = 8  # gRPC workers no stream may take: heartbeats, joins, health checks
 MIN_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)  # one wire chunk plus its framing
@@ -41,6 +42,18 @@ class SynchronizerConfig(BaseModel):
     state_dir: Path = Field(
         Path("diloco-state"),
         description="Directory for checkpoints and the write-ahead log; on start the newest complete checkpoint is restored and the log replayed",
+    )
+
+    # Sharding
+    shards: int = Field(
+        1,
+        ge=1,
+        description="Synchronizer processes the model's fragments are sharded across; each serves the fragments protos.spec.shard_owners gives its index (byte-balanced), and learners must be given every shard's address. 1: this process serves the whole model",
+    )
+    shard_index: int = Field(
+        -1,
+        ge=-1,
+        description="Which shard this process is, 0..shards-1; each needs its own state_dir. -1: 0 when shards is 1, else the StatefulSet ordinal, the trailing -N of the host name (HOSTNAME)",
     )
 
     # Rounds
@@ -280,6 +293,7 @@ class SynchronizerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> SynchronizerConfig:
+        self.shard_index = resolve_index(self.shards, self.shard_index)
         for name in ("max_norm_ratio", "max_weight_ratio"):
             ratio = getattr(self, name)
             if 0 < ratio < 1:

@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from protos import diloco_pb2 as pb
 from protos import framing, layout
 from protos.spec import ModelSpec
-from synchronizer import checkpoint, memory, receive, wire
+from synchronizer import checkpoint, memory, receive, shards, wire
 from synchronizer.buffers import (
     Fp32Buffers,
     Payloads,
@@ -53,6 +53,7 @@ from synchronizer.leases import DLU_RATIO, LearnerRecord, Registry
 from synchronizer.metrics import Metrics
 from synchronizer.model import FragmentFailed
 from synchronizer.rounds import Rounds
+from synchronizer.shards import Layout
 from synchronizer.streams import SLOT_PATIENCE_S, Call, Stream, Streams
 from synchronizer.wal import Disk
 
@@ -100,15 +101,16 @@ def _spec_of(meta: dict[str, Any]) -> ModelSpec:
     return ModelSpec.from_proto(msg)
 
 
-def _stored_spec(state_dir: Path) -> ModelSpec | None:
-    """The newest checkpoint's spec, from its metadata alone (None when there is none, or it
-    cannot be read: restoring then decides)."""
+def _stored(state_dir: Path) -> tuple[dict[str, Any], ModelSpec] | None:
+    """The newest checkpoint's metadata and spec, read without its tensors (None when there is
+    none, or it cannot be read: restoring then decides)."""
     found = checkpoint.list_checkpoints(state_dir)
     if not found:
         return None
     try:
         with safe_open(str(found[-1][1]), framework="pt") as f:
-            return _spec_of(json.loads((f.metadata() or {})[checkpoint.META_KEY]))
+            meta = json.loads((f.metadata() or {})[checkpoint.META_KEY])
+        return meta, _spec_of(meta)
     except (SafetensorError, OSError, KeyError, ValueError, DecodeError):
         return None
 
@@ -120,7 +122,9 @@ class Synchronizer:
         """`disk`: the write-ahead log's file operations (tests inject faults there)."""
         self.cfg = cfg
         self.metrics = metrics or Metrics()
-        self._check_memory_at_start()
+        self._check_state_at_start()
+        self.metrics.shard_info.labels(str(cfg.shard_index), str(cfg.shards)).set(1)
+        logger.info("shard %d of %d", cfg.shard_index, cfg.shards)
         self.journal = Journal(cfg, self.metrics, disk)
         # A history of versions starts with the checkpoint an initialisation writes.
         self.epoch = load_epoch(cfg, bool(checkpoint.list_checkpoints(cfg.state_dir)))
@@ -129,7 +133,9 @@ class Synchronizer:
         self.grace = GraceWindow(cfg)
         self.model_lock = threading.Lock()
         self.spec: ModelSpec | None = None
-        self.fragments: list[Fragment] = []
+        self.layout: Layout | None = None  # this shard's fragments of the served spec
+        self.fragments: list[Fragment] = []  # the fragments this shard owns, in id order
+        self.by_id: dict[int, Fragment] = {}
         self.rounds: Rounds | None = None
         self.initialized = False
         self.init_claim: InitClaim | None = None  # the InitModel upload under way, if any
@@ -153,18 +159,33 @@ class Synchronizer:
 
     # Model -----------------------------------------------------------------------------------
 
+    def _layout(self, spec: ModelSpec) -> Layout:
+        return Layout.of(spec, self.cfg.shards, self.cfg.shard_index)
+
     def _set_spec(self, spec: ModelSpec) -> None:
+        """Serves `spec`: state (parameters, outer state, buffers) for this shard's fragments
+        only, sized by them."""
         self.spec = spec
-        projection = memory.project(self.cfg, spec)
+        self.layout = self._layout(spec)
+        owned = [spec.fragments[fid] for fid in self.layout.owned]
+        numel = sum(f.numel for f in owned)
+        projection = memory.project(self.cfg, [f.numel for f in owned])
         self._export_memory(projection)
         logger.info(
             "memory projection for %d parameters in %d fragments: %s",
-            spec.numel,
-            len(spec.fragments),
-            memory.describe(projection, spec.numel),
+            numel,
+            len(owned),
+            memory.describe(projection, numel),
         )
-        self.streams.limit_per_learner(len(spec.fragments))
-        largest = max((f.numel for f in spec.fragments), default=0)
+        if self.cfg.shards > 1:
+            logger.info(
+                "serving as %s: %d of the model's %d parameters",
+                self.layout.describe(),
+                numel,
+                spec.numel,
+            )
+        self.streams.limit_per_learner(len(owned))
+        largest = max((f.numel for f in owned), default=0)
         payloads = Payloads(payload_budget(self.cfg.payload_budget_bytes, largest))
         self.snapshots = Snapshots(snapshot_budget(self.cfg.snapshot_budget_bytes, largest))
         self.metrics.snapshot_bytes.set_function(lambda: self.snapshots.alive_bytes)
@@ -173,8 +194,9 @@ class Synchronizer:
         self.metrics.watch_buffers(payloads, fp32)
         self.fragments = [
             Fragment(f, self.cfg, self.metrics, self.goodput, spec.numel, payloads, fp32)
-            for f in spec.fragments
+            for f in owned
         ]
+        self.by_id = {frag.fid: frag for frag in self.fragments}
         self.rounds = Rounds(
             self.fragments,
             self.grace,
@@ -188,12 +210,18 @@ class Synchronizer:
         for frag in self.fragments:
             frag.admission.journal = self.journal.round_journal(frag)
 
-    def _check_memory_at_start(self) -> None:
-        """Refuses to start (`MemoryLimitError`, before anything is loaded or written) when the
-        fixed costs, or the model the state directory holds, cannot fit `memory_limit_bytes`;
-        logs what each parameter of a model will cost."""
-        stored = _stored_spec(self.cfg.state_dir)
-        why = memory.over_limit(self.cfg, stored if stored is not None else [])
+    def _check_state_at_start(self) -> None:
+        """Refuses to start, before anything is loaded or written, on a state directory of
+        another shard layout (`ShardLayoutError`), or when the fixed costs, or this shard's
+        part of the model the state directory holds, cannot fit `memory_limit_bytes`
+        (`MemoryLimitError`); logs what each parameter of a model will cost."""
+        stored = _stored(self.cfg.state_dir)
+        sizes: list[int] = []
+        if stored is not None:
+            meta, spec = stored
+            shards.check_stored(meta, spec, self.cfg.shards, self.cfg.shard_index)
+            sizes = [spec.fragments[fid].numel for fid in self._layout(spec).owned]
+        why = memory.over_limit(self.cfg, sizes)
         if why is not None:
             raise memory.MemoryLimitError(f"refusing to start: {why}")
         self._export_memory(memory.project(self.cfg, []))
@@ -217,8 +245,12 @@ class Synchronizer:
         return [pb.FragmentVersion(fragment_id=f.fid, version=f.version) for f in self.fragments]
 
     def fragment(self, fragment_id: int) -> Fragment:
-        _known_fragment(fragment_id, len(self.fragments))
-        return self.fragments[fragment_id]
+        """This shard's fragment `fragment_id`: NOT_FOUND outside the model, `wrong_shard`
+        when another shard serves it."""
+        _known_fragment(fragment_id, len(self.spec.fragments) if self.spec is not None else 0)
+        if self.layout is not None:
+            self.layout.refuse_unowned(fragment_id)
+        return self.by_id[fragment_id]
 
     def _require_initialized(self) -> None:
         if not self.initialized:
@@ -292,8 +324,11 @@ class Synchronizer:
                 "model_too_large",
                 f"the model has {spec.numel} parameters; this Synchronizer serves at most max_model_params={self.cfg.max_model_params}",
             )
-        too_big = memory.over_limit(self.cfg, spec)
+        layout = shards.check_join(request, spec, self.cfg.shards, self.cfg.shard_index)
+        too_big = memory.over_limit(self.cfg, [spec.fragments[fid].numel for fid in layout.owned])
         if too_big is not None:
+            if self.cfg.shards > 1:
+                too_big = f"{layout.describe()}: {too_big}"
             raise Rejected(Code.RESOURCE_EXHAUSTED, "over_memory_limit", too_big)
         with self.model_lock:
             if self.spec is not None and spec.spec_hash != self.spec.spec_hash:
@@ -326,6 +361,9 @@ class Synchronizer:
             needs_init=needs_init,
             next_seq=rec.max_seq + 1,
             session=session,
+            shards=layout.shards,
+            shard_index=layout.index,
+            owned_fragments=layout.owned,
             **self._inner_steps(rec),
         )
 
@@ -395,6 +433,8 @@ class Synchronizer:
             outer_steps=sum(f.version for f in self.fragments),
             goodput=self.goodput.ratio(),
             unhealthy=self.unhealthy or "",
+            shards=self.cfg.shards,
+            shard_index=self.cfg.shard_index,
         )
 
     # Model transfer --------------------------------------------------------------------------
@@ -442,15 +482,18 @@ class Synchronizer:
                 )
             self.init_claim = claim
         try:
-            numels = [f.numel for f in spec.fragments]
+            layout = self._layout(spec)
+            numels = {fid: spec.fragments[fid].numel for fid in layout.owned}
 
             def progress() -> None:  # an upload longer than a lease keeps it while it moves
                 claim.touch()
                 self.registry.renew(rec)
 
-            received = receive.init_fragments(
-                messages, lambda fid: _known_fragment(fid, len(numels)), numels, progress
-            )
+            def known(fid: int) -> None:
+                _known_fragment(fid, len(spec.fragments))
+                layout.refuse_unowned(fid)
+
+            received = receive.init_fragments(messages, known, numels, progress)
             with self.model_lock:
                 if self.init_claim is not claim:
                     raise Rejected(
@@ -466,10 +509,11 @@ class Synchronizer:
                 self.proposed.clear()
                 self.init_cv.notify_all()
                 logger.info(
-                    "serving a model of %d parameters in %d fragments (spec %s)",
+                    "serving a model of %d parameters in %d fragments (spec %s)%s",
                     spec.numel,
                     len(spec.fragments),
                     spec.spec_hash[:12],
+                    f" as {layout.describe()}" if layout.shards > 1 else "",
                 )
         finally:
             with self.model_lock:
@@ -683,8 +727,8 @@ class Synchronizer:
         fid = request.fragment_id
         if wait_s <= 0 or (
             self.initialized
-            and fid < len(self.fragments)
-            and request.min_version <= self.fragments[fid].version
+            and fid in self.by_id
+            and request.min_version <= self.by_id[fid].version
         ):
             return
         deadline = time.monotonic() + wait_s
@@ -702,10 +746,8 @@ class Synchronizer:
             while not self.initialized and not ended.is_set() and not self.stopping.is_set():
                 if not self.init_cv.wait(max(0.0, deadline - time.monotonic())):
                     return
-        if self.initialized and fid < len(self.fragments):
-            self.fragments[fid].model.wait_for(
-                request.min_version, deadline - time.monotonic(), ended
-            )
+        if self.initialized and fid in self.by_id:
+            self.by_id[fid].model.wait_for(request.min_version, deadline - time.monotonic(), ended)
 
     def _stream_pull(
         self,
@@ -831,6 +873,7 @@ class Synchronizer:
                     "spec": spec_text,
                     "fragments": frag_meta,
                     "learners": self.registry.snapshot(),
+                    **self._layout(spec).meta(),
                 }
                 path = writer.finish(meta)
             versions = {
@@ -849,7 +892,10 @@ class Synchronizer:
         if found is None:
             return
         tensors, meta, path = found
-        self._set_spec(_spec_of(meta))
+        spec = _spec_of(meta)
+        # Checked at start against the newest checkpoint; again for the one that loaded.
+        shards.check_stored(meta, spec, self.cfg.shards, self.cfg.shard_index)
+        self._set_spec(spec)
         for frag, fmeta in zip(self.fragments, meta["fragments"], strict=True):
             frag.restore(tensors, fmeta)
         self.checkpointed = {frag.fid: frag.version for frag in self.fragments}
@@ -860,7 +906,7 @@ class Synchronizer:
     def _replay(self) -> None:
         """Repeats what the write-ahead log holds beyond the checkpoint, then starts the log."""
         pushes, rounds = self.journal.replay(
-            self.fragments, self.registry, self.goodput, self._fragment_failed
+            self.by_id, self.registry, self.goodput, self._fragment_failed
         )
         for frag in self.fragments:
             frag.settled()

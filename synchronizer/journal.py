@@ -27,7 +27,7 @@ import logging
 import os
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,8 +68,13 @@ REPLAY_SETTINGS = (
 
 
 def replay_settings(cfg: SynchronizerConfig) -> dict[str, Any]:
-    """The settings outer-step arithmetic depends on: a replay under others could differ."""
-    return {name: getattr(cfg, name) for name in REPLAY_SETTINGS}
+    """The settings outer-step arithmetic depends on: a replay under others could differ. A
+    shard's log holds its own fragments only, so its layout is one of them (unsharded state
+    keeps the settings it always had)."""
+    settings = {name: getattr(cfg, name) for name in REPLAY_SETTINGS}
+    if cfg.shards > 1:
+        settings["shard_layout"] = [cfg.shards, cfg.shard_index]
+    return settings
 
 
 def load_epoch(cfg: SynchronizerConfig, has_state: bool) -> str:
@@ -206,13 +211,13 @@ class Journal:
 
     def replay(
         self,
-        fragments: list[Fragment],
+        fragments: Mapping[int, Fragment],
         registry: Registry,
         goodput: Goodput,
         on_failure: Callable[[Fragment, str], None],
     ) -> tuple[int, int]:
-        """Replays the log on top of the restored checkpoint; returns (pushes, rounds) replayed.
-        A round whose outer step raises fails its fragment (`on_failure`), as it did when it
+        """Replays the log on top of the restored checkpoint, into `fragments` (this shard's, by
+        id); returns (pushes, rounds) replayed. A round whose outer step raises fails its fragment (`on_failure`), as it did when it
         was first applied; the other fragments replay on. Call before `start`."""
         if self.wal is None:
             return 0, 0
@@ -222,9 +227,9 @@ class Journal:
             if record.kind == JOIN:
                 registry.joined_record(meta)
                 continue
-            if not fragments:
+            frag = fragments.get(int(meta["fid"]))
+            if frag is None:
                 continue  # logged before a model existed (an initialisation never saved)
-            frag = fragments[int(meta["fid"])]
             version = int(meta["version"])
             if version <= frag.version or frag.model.failure is not None:
                 continue  # the checkpoint holds it, or its fragment failed

@@ -209,6 +209,12 @@ class Metrics:
             "FP32 round buffers allocated beyond apply_threads: rounds that added pushes on arrival because the payload budget was full.",
             registry=r,
         )
+        self.shard_info = Gauge(
+            "diloco_shard_info",
+            "1, labelled with this Synchronizer's shard index and shard count (unsharded: shard 0 of 1), so dashboards can join other series by shard.",
+            ["shard", "shards"],
+            registry=r,
+        )
         for state in LEARNER_STATES:
             self.learners.labels(state).set(0)
         for outcome in PUSH_OUTCOMES:

@@ -9,7 +9,7 @@ with the precise code and a message a person can act on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -92,13 +92,14 @@ def payload(
 def init_fragments(
     messages: Iterator[pb.InitModelRequest],
     known: Callable[[int], object],
-    numels: list[int],
+    numels: Mapping[int, int],
     progress: Callable[[], None] = lambda: None,
 ) -> list[torch.Tensor]:
-    """Every fragment's FP32 parameters from an InitModel stream, each exactly once, checked
-    finite: the received buffers themselves, viewed as FP32 (hand them over, no copy needed).
-    `known(fid)` raises for a fragment id the model does not have; `progress()` is called for
-    every message that arrives."""
+    """The FP32 parameters of every fragment in `numels` (id -> elements) from an InitModel
+    stream, in the order of `numels`, each exactly once, checked finite: the received buffers
+    themselves, viewed as FP32 (hand them over, no copy needed). `known(fid)` raises for a
+    fragment id that is not to be uploaded here (not in the model, or another shard's);
+    `progress()` is called for every message that arrives."""
     got: dict[int, torch.Tensor] = {}
     asm: framing.Assembler | None = None
     header = pb.PayloadHeader()
@@ -140,7 +141,7 @@ def init_fragments(
             "bad_stream",
             f"stream ended after {asm.received} of {asm.total_bytes} bytes of fragment {fid}",
         )
-    missing = [f for f in range(len(numels)) if f not in got]
+    missing = [f for f in numels if f not in got]
     if missing:
         raise invalid("bad_stream", f"InitModel ended without fragments {missing}")
-    return [got[f] for f in range(len(numels))]
+    return [got[f] for f in numels]
