@@ -3,6 +3,7 @@
     diloco-learner train [--synchronizer HOST:PORT] [--steps S] [--data DIR] [--model pkg.mod:fn] ...
     diloco-learner train --no-sync ...        the same loop without syncing (overhead baseline)
     diloco-learner local [--learners N] [--steps S] [--out DIR]   Synchronizer + N learners here
+    diloco-learner local --shards 2 ...       the same with the Synchronizer split into 2 shards
 
 `python -m demo` is the same command. `train` takes every Learner setting as a flag, from `--config FILE` (TOML/YAML) or from
 `DILOCO_<SETTING>` environment variables (flags win over the environment, which wins over the
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from demo.example.data import DataError
 from demo.train import EXAMPLE_SYNC_DEFAULTS, TrainOptions, load_factory, train
+from learner.client import ShardMismatch
 from learner.config import LearnerConfig
 from protos.configload import ConfigError, add_flags, from_env, load, read_file
 
@@ -63,14 +65,17 @@ def _float_at_least(lo: float, exclusive: bool = False):
     return parse
 
 
-def check_address(address: str) -> str:
-    """HOST:PORT with a port in 1..65535 ([v6]:PORT too); UsageError otherwise."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UsageError(
-            f"--synchronizer must be HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:50051), got {address!r}"
-        )
-    return address
+def check_address(addresses: str) -> str:
+    """HOST:PORT with a port in 1..65535 ([v6]:PORT too), or several comma-separated (one per
+    shard of a sharded Synchronizer); UsageError otherwise."""
+    for address in addresses.split(","):
+        host, sep, port = address.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise UsageError(
+                "--synchronizer must be HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:50051), "
+                f"or one per shard, comma-separated; got {address!r}"
+            )
+    return addresses
 
 
 def check_data(path: str | None) -> str | None:
@@ -254,13 +259,22 @@ def _parser() -> argparse.ArgumentParser:
         "local",
         help="run a Synchronizer and N learners on this machine (the demo)",
         description="Start a Synchronizer and N learner processes on this host, make one learner slow and "
-        "kill and restart another, show live progress, and write OUT/summary.json and OUT/summary.png.",
+        "kill and restart another, show live progress, and write OUT/summary.json and OUT/summary.png. "
+        "With --shards S the Synchronizer is S processes (diloco-synchronizer serve --shards S "
+        "--shard-index i, each with its own port and state directory), each serving its share "
+        "of the fragments; every learner is given all S addresses.",
     )
     loc.add_argument(
         "--learners",
         type=_int_at_least(1),
         default=4,
         help="learner processes (default: %(default)s)",
+    )
+    loc.add_argument(
+        "--shards",
+        type=_int_at_least(1),
+        default=1,
+        help="Synchronizer processes sharing the fragments (at most --fragments); 1 = one unsharded Synchronizer (default: %(default)s)",
     )
     loc.add_argument(
         "--steps",
@@ -446,6 +460,10 @@ def _local(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"{flag} {index} must be -1 (none) or a learner index below --learners {args.learners}"
             )
+    if args.shards > args.fragments:
+        raise UsageError(
+            f"--shards {args.shards} is more than --fragments {args.fragments}: a shard would own no fragment"
+        )
     if args.kill_at >= 1:
         raise UsageError(f"--kill-at must be a fraction below 1, got {args.kill_at}")
     load(LearnerConfig, None, {"codec": args.codec})  # ConfigError names the allowed codecs
@@ -458,6 +476,7 @@ def _local(args: argparse.Namespace) -> int:
         raise UsageError(f"--train-args/--synchronizer-args: {e}") from None
     options = LocalOptions(
         learners=args.learners,
+        shards=args.shards,
         steps=args.steps,
         out=args.out,
         slow_learner=args.slow_learner,
@@ -492,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return _train(args) if args.command == "train" else _local(args)
-    except (UsageError, ConfigError, DataError) as e:
+    except (UsageError, ConfigError, DataError, ShardMismatch) as e:
         print(f"diloco-learner: error: {e}", file=sys.stderr)
         return 2
     except (ValueError, RuntimeError, TimeoutError, OSError) as e:

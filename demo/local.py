@@ -13,6 +13,10 @@ learner process with zero steps joins, adopts it, evaluates it, leaves) and writ
 Synchronizer's metrics endpoint, bytes each learner sent against what data-parallel ring
 all-reduce of the same model and steps would have sent; and `OUT/summary.png`. Every child runs in
 its own process group and is terminated (then killed) when the job ends, however it ends.
+
+With `shards` > 1 the Synchronizer is that many processes (`serve --shards S --shard-index i`, each
+with its own port and state directory), every learner is given all their addresses, and the
+figures add up the shards' metrics.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demo.procs import Procs, metric, read_json, rejoin_args, scrape, start_synchronizer
+from demo.procs import Procs, Samples, metric, read_json, rejoin_args, scrape, start_synchronizer
 
 
 @dataclass
 class LocalOptions:
     learners: int = 4
+    shards: int = 1  # Synchronizer processes sharing the fragments
     steps: int = 1000
     out: Path = Path("runs/local")
     slow_learner: int = 1  # index of the learner that runs slow_factor x slower; -1: none
@@ -185,12 +190,15 @@ def kill_or_restart(o: LocalOptions, procs: Procs, address: str, slot: Slot) -> 
         print(f"-- restarted {slot.name} from step {slot.killed_at_step}", flush=True)
 
 
-def check_exits(procs: Procs, sync_proc: subprocess.Popen, slots: list[Slot]) -> None:
-    """RuntimeError naming the log to read if the Synchronizer or a learner failed."""
-    if sync_proc.poll() is not None:
-        raise RuntimeError(
-            f"the Synchronizer exited with code {sync_proc.returncode}; see {procs.log('synchronizer')}"
-        )
+def check_exits(
+    procs: Procs, shards: list[tuple[str, subprocess.Popen]], slots: list[Slot]
+) -> None:
+    """RuntimeError naming the log to read if a Synchronizer process or a learner failed."""
+    for name, proc in shards:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the Synchronizer exited with code {proc.returncode}; see {procs.log(name)}"
+            )
     for s in slots:
         if s.proc is not None and s.proc.poll() not in (None, 0) and not s.awaiting_restart():
             raise RuntimeError(
@@ -240,6 +248,48 @@ class Display:
         self.shown, self.last = len(lines), time.monotonic()
 
 
+def start_shards(
+    o: LocalOptions, procs: Procs, state_dir: Path
+) -> tuple[list[tuple[str, subprocess.Popen]], list[str], list[str]]:
+    """The Synchronizer: one process, or o.shards of them, each with its own port and state
+    directory. Returns (name, process)s, addresses and metrics URLs, in shard order."""
+    started, addresses, metrics_urls = [], [], []
+    for i in range(o.shards):
+        name = "synchronizer" if o.shards == 1 else f"synchronizer-{i}"
+        flags = synchronizer_flags(o)
+        if o.shards > 1:
+            flags += ["--shards", str(o.shards), "--shard-index", str(i)]
+        proc, info = start_synchronizer(
+            procs,
+            flags,
+            state_dir=state_dir if o.shards == 1 else state_dir / f"shard-{i}",
+            name=name,
+        )
+        started.append((name, proc))
+        addresses.append(info["address"])
+        metrics_urls.append(f"http://127.0.0.1:{info['metrics_port']}/metrics")
+    return started, addresses, metrics_urls
+
+
+# The same on every shard (each sees every learner): not added up across shards.
+PER_LEARNER = {"diloco_learner_capacity_seconds_total", "diloco_learners"}
+
+
+def scrape_all(metrics_urls: list[str]) -> Samples:
+    """The samples of every shard added up, which is the whole Synchronizer's: each shard counts
+    its own fragments' pushes, tokens and compute (in proportion to their share of the model,
+    so the goodput ratios add up too), and labels its own fragments' versions. What every shard
+    measures alike (learner capacity, learners) is taken once."""
+    merged: Samples = {}
+    for url in metrics_urls:
+        for name, values in scrape(url).items():
+            into = merged.setdefault(name, {})
+            for labels, v in values.items():
+                old = into.get(labels)
+                into[labels] = v if old is None else max(old, v) if name in PER_LEARNER else old + v
+    return merged
+
+
 def run(o: LocalOptions) -> dict:
     """Runs the job; returns the summary (also written to OUT/summary.json)."""
     if o.learners < 1 or o.steps < 1:
@@ -263,10 +313,12 @@ def run(o: LocalOptions) -> dict:
     )  # a fresh run: nothing to resume
     t0 = time.time()
     try:
-        sync_proc, info = start_synchronizer(procs, synchronizer_flags(o), state_dir=state_dir)
-        address, metrics_url = info["address"], f"http://127.0.0.1:{info['metrics_port']}/metrics"
+        shards, addresses, metrics_urls = start_shards(o, procs, state_dir)
+        address = ",".join(addresses)
         print(
-            f"Synchronizer at {address}, metrics at {metrics_url}; logs in {o.out / 'logs'}",
+            f"Synchronizer at {address}, metrics at {', '.join(metrics_urls)}"
+            + (f" ({o.shards} shards)" if o.shards > 1 else "")
+            + f"; logs in {o.out / 'logs'}",
             flush=True,
         )
 
@@ -286,20 +338,20 @@ def run(o: LocalOptions) -> dict:
         samples: dict = {}
         while any(s.running() or s.awaiting_restart() for s in slots):
             time.sleep(0.5)
-            check_exits(procs, sync_proc, slots)
+            check_exits(procs, shards, slots)
             if victim is not None:
                 kill_or_restart(o, procs, address, victim)
             try:
-                samples = scrape(metrics_url)
+                samples = scrape_all(metrics_urls)
                 goodput_series.append(
                     {"t": time.time(), "goodput": metric(samples, "diloco_goodput_ratio")}
                 )
             except OSError:
                 pass
             display.show(slots, samples, time.time() - t0)
-        check_exits(procs, sync_proc, slots)
+        check_exits(procs, shards, slots)
 
-        samples = scrape(metrics_url)  # before the final pull joins as one more learner
+        samples = scrape_all(metrics_urls)  # before the final pull joins as one more learner
         final_out = (
             o.out / "final.json"
         )  # zero steps: join, adopt the served model, evaluate, leave
@@ -378,6 +430,7 @@ def summarize(
     mean_sent = sum(sent.values()) / max(1, len(sent))
     return {
         "learners": n,
+        "shards": o.shards,
         "steps": o.steps,
         "params": params,
         "wall_s": round(time.time() - t0, 1),

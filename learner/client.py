@@ -8,7 +8,8 @@ received (the serialized size of every message, payload chunks included). It kno
 training: payloads come in already encoded, and pulls decode straight into a preallocated FP32
 tensor, either from the whole fragment or, given the exact parameters of an earlier version, from
 the chain of outer updates since that version (checked by the server's crc32; any mismatch falls
-back to a full pull).
+back to a full pull). A sharded Synchronizer is one `SyncClient` per shard under
+`learner.shards.ShardedClient`; a `SyncClient` alone is the whole (unsharded) Synchronizer.
 """
 
 from __future__ import annotations
@@ -50,6 +51,29 @@ def backoff_s(failures: int, initial_s: float, max_s: float) -> float:
     """Exponential backoff with jitter: uniform in [d/2, d], d = min(max, initial * 2**failures)."""
     d = min(max_s, initial_s * (2 ** min(failures, 30)))
     return d * (0.5 + 0.5 * random.random())
+
+
+class ShardMismatch(ValueError):
+    """The Synchronizer's shards are not the ones this learner was configured with (how many,
+    which index): a configuration error that no retry mends."""
+
+
+def check_shards(address: str, expected: int, shards: int, index: int) -> None:
+    """ShardMismatch unless the Synchronizer at `address`, shard `index` of `shards` (0 or 1:
+    unsharded), is what a learner routing to `expected` shards (0: unsharded) may talk to."""
+    if max(shards, 1) == max(expected, 1):
+        return
+    if expected <= 1:
+        raise ShardMismatch(
+            f"the Synchronizer at {address} is shard {index} of {shards}, but this learner was "
+            f"given only it: give all {shards} shards' addresses (synchronizer='host:port,...', "
+            f"any order), or shards={shards} with a name that resolves to every shard"
+        )
+    raise ShardMismatch(
+        f"the Synchronizer at {address} is "
+        + (f"one of {shards} shards" if shards > 1 else "not sharded")
+        + f", but this learner was given {expected} shards: give exactly one address per shard"
+    )
 
 
 SERVED_KEPT = 100_000  # (epoch, fragment, version) checksums remembered
@@ -163,25 +187,65 @@ class SyncClient:
 
     # RPCs ------------------------------------------------------------------------------------
 
-    def join(self, name: str, spec: ModelSpec, learner_id: str = "") -> pb.JoinReply:
-        """Joins as a new learner, or re-joins under `learner_id` with the session it holds."""
+    def join(
+        self,
+        name: str,
+        spec: ModelSpec,
+        learner_id: str = "",
+        *,
+        shards: int = 0,
+        fragment_shards: Sequence[int] = (),
+    ) -> pb.JoinReply:
+        """Joins as a new learner, or re-joins under `learner_id` with the session it holds.
+        `shards` > 0: this is one of that many shards, which own the fragments as
+        `fragment_shards` says. ShardMismatch when the Synchronizer's shard count is not
+        `shards` (0: unsharded)."""
         req = pb.JoinRequest(
             learner_name=name,
             spec=spec.to_proto(),
             learner_id=learner_id,
             session=self.session if learner_id else "",
+            shards=shards,
+            fragment_shards=fragment_shards,
         )
-        reply = self._unary("Join", self.stub.Join, req)
+        try:
+            reply = self._unary("Join", self.stub.Join, req)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._explain_refusal(shards)
+            raise
+        check_shards(self.address, shards, reply.shards, reply.shard_index)
         self.learner_id, self.session = reply.learner_id, reply.session
         self.spec_hash = spec.spec_hash
         return reply
 
-    def init_model(self, fragments: Sequence[torch.Tensor]) -> pb.InitModelReply:
-        """Uploads every fragment's flat FP32 parameters (CPU tensors, in fragment order)."""
+    def _explain_refusal(self, shards: int) -> None:
+        """A refused Join: ShardMismatch if that is because this is not the shard count the
+        Synchronizer has (its Status says), else nothing (the caller raises the refusal)."""
+        try:
+            status = self.status()
+        except grpc.RpcError:
+            return
+        check_shards(self.address, shards, status.shards, status.shard_index)
+
+    def shard_of(self, fragment_id: int) -> int:
+        """Every fragment is served here: one shard."""
+        return 0
+
+    def init_model(
+        self, fragments: Sequence[torch.Tensor], fragment_ids: Sequence[int] | None = None
+    ) -> pb.InitModelReply:
+        """Uploads every fragment's flat FP32 parameters (CPU tensors, in fragment order), or,
+        to a shard, the fragments it owns (`fragments[i]` is fragment `fragment_ids[i]`)."""
 
         def call() -> pb.InitModelReply:
             messages = init_model_requests(
-                self.learner_id, self.session, self.spec_hash, fragments, self.chunk_bytes
+                self.learner_id,
+                self.session,
+                self.spec_hash,
+                fragments,
+                self.chunk_bytes,
+                fragment_ids,
             )
             nbytes = sum(4 * f.numel() for f in fragments)
             reply = self.stub.InitModel(
@@ -408,3 +472,9 @@ class SyncClient:
 
     def status(self) -> pb.StatusReply:
         return self._unary("Status", self.stub.Status, pb.StatusRequest())
+
+    @property
+    def versions_checked(self) -> int:
+        """(epoch, fragment, version)s pulled with a checksum, remembered."""
+        with self._lock:
+            return len(self.served)

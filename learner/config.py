@@ -21,7 +21,13 @@ class LearnerConfig(ClientTLS):
 
     # Where and who
     synchronizer: str = Field(
-        default="127.0.0.1:50051", description="host:port of the Synchronizer's gRPC endpoint"
+        default="127.0.0.1:50051",
+        description="host:port of the Synchronizer's gRPC endpoint; a sharded Synchronizer: every shard's, comma-separated in any order, or one name that resolves to all of them (a Kubernetes headless Service) with shards set",
+    )
+    shards: int = Field(
+        default=0,
+        ge=0,
+        description="Shards of the Synchronizer; 0 = one per address in synchronizer. With one address, > 1 resolves its name to that many shards",
     )
     name: str = Field(
         default="",
@@ -176,6 +182,17 @@ class LearnerConfig(ClientTLS):
     def _consistent(self) -> LearnerConfig:
         if self.retry_max_s < self.retry_initial_s:
             raise ValueError("retry_max_s must be >= retry_initial_s")
-        if ":" not in self.synchronizer:
-            raise ValueError(f"synchronizer must be host:port, got {self.synchronizer!r}")
+        addresses = [a.strip() for a in self.synchronizer.split(",")]
+        for a in addresses:
+            if ":" not in a:
+                raise ValueError(
+                    f"synchronizer must be host:port (or several, comma-separated), got {a!r}"
+                )
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"synchronizer lists an address twice: {self.synchronizer!r}")
+        if len(addresses) > 1 and self.shards and self.shards != len(addresses):
+            raise ValueError(
+                f"shards={self.shards} but synchronizer lists {len(addresses)} addresses: give "
+                "one address per shard (or shards=0 to count them)"
+            )
         return self

@@ -12,6 +12,8 @@ synchronous run is reproducible bit for bit).
 
 The background side is `learner.sync.SyncEngine` (pushes, pulls, retries), within a
 `learner.session.Session` (joins, re-joins, heartbeats); `Learner` uses only their public methods.
+Against a sharded Synchronizer (several addresses in `synchronizer`) the transport is a
+`learner.shards.ShardedClient`, which routes each fragment to its shard; nothing else changes.
 
 Multi-GPU islands (torchrun, default process group initialised, replicated parameters as in
 DDP): rank 0 alone talks to the Synchronizer. At the end of every `step()` all ranks take part in
@@ -45,6 +47,7 @@ from learner.fragments import (
     schedule_offsets,
 )
 from learner.session import Clock
+from learner.shards import ShardedClient, client_for
 from learner.sync import Arrival, PushJob, SyncEngine
 from protos import codec, layout
 from protos import diloco_pb2 as pb
@@ -137,7 +140,7 @@ class Learner:
             self.device,
             cfg.error_feedback,
         )
-        self.client: SyncClient | None = None
+        self.client: SyncClient | ShardedClient | None = None
         self.engine: SyncEngine | None = None
         self.closed = False
         self.metrics_port: int | None = None  # bound port of the /metrics endpoint, if serving
@@ -161,21 +164,7 @@ class Learner:
 
     def _connect(self) -> None:
         cfg = self.cfg
-        self.client = SyncClient(
-            cfg.synchronizer,
-            rpc_timeout_s=cfg.rpc_timeout_s,
-            attempts=cfg.rpc_attempts,
-            retry_initial_s=cfg.retry_initial_s,
-            retry_max_s=cfg.retry_max_s,
-            auth_token=cfg.auth_token,
-            tls_ca=cfg.tls_ca,
-            tls_cert=cfg.tls_cert,
-            tls_key=cfg.tls_key,
-            tls_server_name=cfg.tls_server_name,
-            chunk_bytes=cfg.chunk_bytes,
-        )
-        self.client.learner_id = cfg.learner_id  # empty: the Synchronizer assigns one
-        self.client.session = cfg.learner_session
+        self.client = client_for(cfg)
         name = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = SyncEngine(
             self.client,
@@ -187,6 +176,8 @@ class Learner:
             pin=self.device.type == "cuda",
         )
         try:
+            self.client.learner_id = cfg.learner_id  # empty: the Synchronizer assigns one
+            self.client.session = cfg.learner_session
             versions, fetched = self.engine.connect(
                 cfg.join_timeout_s,
                 lambda: [self.plan.gather(p, "cpu") for p in range(self.num_fragments)],
@@ -496,20 +487,23 @@ class Learner:
         self.flush(timeout_s)
         if self.leader and self.engine is not None:
             self.engine.stop()
-            reachable = True
+            client = self.engine.client
+            unreachable: set[int] = set()  # shards
             for p in range(self.num_fragments):
+                if client.shard_of(p) in unreachable:
+                    continue  # out of reach: do not wait on every fragment of it
                 try:
                     version, _, fresh = self.engine.pull(p, self.versions[p], exact=True)
                 except (grpc.RpcError, layout.CodecError) as e:
                     self.engine.session.failed(
                         f"final pull failed, keeping local parameters: {e}", p
                     )
-                    reachable = False
-                    break  # the Synchronizer is out of reach: do not wait on every fragment
+                    unreachable.add(client.shard_of(p))
+                    continue
                 self.plan.scatter(p, fresh)
                 self.base[p] = fresh.to(self.device)
                 self.versions[p] = version
-            if reachable:
+            if len(unreachable) < len({client.shard_of(p) for p in range(self.num_fragments)}):
                 self.engine.session.leave()
             logger.info(
                 "learner=%s finished at step %d with versions %s",
@@ -574,6 +568,6 @@ class Learner:
             fragment_versions=tuple(self.versions),
             sync_every=self.sync_every,
             sync_state=("closed" if self.closed else e.sync_state()) if e else "island member",
-            versions_checked=len(self.client.served) if self.client else 0,
+            versions_checked=self.client.versions_checked if self.client else 0,
             version_conflicts=self.client.version_conflicts if self.client else 0,
         )

@@ -7,8 +7,11 @@ its lease with heartbeats that report the training loop's `Clock`, and records f
 error count and whether the last RPC went through. When a lapsed lease, an unknown id or a new
 server epoch is noticed, `recover` re-joins once however many threads noticed, and on a new epoch
 tells the push/pull engine (`learner.sync`) to forget its unfinished syncs and re-pull every
-fragment. It talks through a `Transport`: `learner.client.SyncClient`, or an in-memory fake in
-tests. Its heartbeat loop runs on a thread the engine starts and stops.
+fragment. It talks through a `Transport`: `learner.client.SyncClient`, `learner.shards.ShardedClient`
+(one per shard of a sharded Synchronizer), or an in-memory fake in tests. A sharded transport's
+server epoch is its shards' epochs joined by EPOCH_SEP in shard order: a shard restarted with a new
+epoch makes the engine forget and re-pull only that shard's fragments. Its heartbeat loop runs on
+a thread the engine starts and stops.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from learner.client import backoff_s
+from learner.client import ShardMismatch, backoff_s
 from learner.config import LearnerConfig
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec
@@ -33,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 # Refusals that mean the Synchronizer no longer knows this learner as it stands: re-join.
 REJOIN_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+EPOCH_SEP = ","  # between the shards' epochs in a sharded transport's server epoch
 
 
 class Transport(Protocol):
@@ -78,6 +82,11 @@ class Transport(Protocol):
 
     def close(self) -> None: ...
 
+    def shard_of(self, fragment_id: int) -> int:
+        """The shard that serves the fragment (0 when there is one): syncs of fragments on
+        different shards never wait on one another."""
+        ...
+
 
 @dataclass
 class Clock:
@@ -111,13 +120,14 @@ class Session:
         *,
         lock: threading.Condition,
         stopping: threading.Event,
-        on_new_epoch: Callable[[], int],
+        on_new_epoch: Callable[[list[int]], int],
     ) -> None:
         self.client, self.cfg, self.spec, self.name, self.clock = client, cfg, spec, name, clock
         self.global_params = global_params  # what to upload if a restarted server has no model
         # The engine's state lock: a re-join's generation bump and the engine's reaction to a new
-        # epoch (`on_new_epoch`, called with it held; returns the unfinished syncs it dropped)
-        # are one step for the engine's threads. It also guards `errors`.
+        # epoch (`on_new_epoch(fragments whose shard restarted)`, called with it held; returns the
+        # unfinished syncs it dropped) are one step for the engine's threads. It also guards
+        # `errors`.
         self.lock = lock
         self.stopping = stopping
         self.on_new_epoch = on_new_epoch
@@ -240,10 +250,13 @@ class Session:
             except grpc.RpcError as e:
                 self.failed(f"re-join failed: {e.code().name} {e.details()}")
                 return
-            new_epoch = reply.server_epoch != old_epoch
+            except ShardMismatch as e:  # the shards were redeployed differently: say so, retry
+                self.failed(f"re-join failed: {e}")
+                return
+            restarted = self.restarted(old_epoch, reply.server_epoch)
             with self.lock:
                 self.generation += 1
-                dropped = self.on_new_epoch() if new_epoch else 0
+                dropped = self.on_new_epoch(restarted) if restarted else 0
                 self.lock.notify_all()
             self.healthy = True
             logger.warning(
@@ -251,10 +264,19 @@ class Session:
                 old_id,
                 reply.learner_id,
                 reply.server_epoch,
-                f", new: re-pulling every fragment, {dropped} unfinished syncs dropped"
-                if new_epoch
+                f", new: re-pulling fragments {restarted}, {dropped} unfinished syncs dropped"
+                if restarted
                 else "",
             )
+
+    def restarted(self, old_epoch: str, new_epoch: str) -> list[int]:
+        """The fragments whose shard's epoch differs between two server epochs: all of them
+        when unsharded, only the restarted shard's when sharded."""
+        old, new = old_epoch.split(EPOCH_SEP), new_epoch.split(EPOCH_SEP)
+        if len(old) != len(new):
+            return list(range(self.num))
+        changed = {s for s, (a, b) in enumerate(zip(old, new, strict=True)) if a != b}
+        return [p for p in range(self.num) if self.client.shard_of(p) in changed]
 
     def new_seq(self) -> int:
         """The next push sequence number; the caller holds `lock`."""

@@ -5,12 +5,14 @@ yet answered; a push still unsent when the next one comes due is superseded by i
 its sequence number, so at most one of them is ever applied), awaiting the round that includes
 an answered push, or due for a re-sync (a re-pull at the current version, after a dropped push
 or a new server epoch); then an `Arrival` waits in the inbox until the training loop has merged
-it. One sender thread streams queued pushes in sequence order, one puller thread per fragment
+it. One sender thread per shard streams that shard's queued pushes in sequence order (so a shard
+that is down holds back only its own fragments' pushes), one puller thread per fragment
 fetches "the round that includes my push" (as a delta from the version it holds when the
 Synchronizer still keeps the updates), and one thread runs the session's heartbeat
 (`learner.session`, which also owns joins and re-joins). Failures are recorded and retried with
 backoff, never raised into the training thread; a lapsed lease, an unknown id or a new server
-epoch goes to `Session.recover`. The training thread (`learner.learner`) uses only the public
+epoch goes to `Session.recover` (a new epoch of one shard re-pulls that shard's fragments). The
+training thread (`learner.learner`) uses only the public
 methods: it submits `PushJob`s and takes `Arrival`s.
 """
 
@@ -211,9 +213,10 @@ class SyncEngine:
         return version, epoch, params
 
     def start(self) -> None:
-        """Starts the sender, one puller per fragment and the heartbeat."""
+        """Starts a sender per shard, a puller per fragment and the heartbeat."""
+        shards = sorted({self.client.shard_of(p) for p in range(self.num)})
         loops: list[tuple[str, Callable[..., None], tuple[int, ...]]] = [
-            ("push", self._send_loop, ())
+            ("push" if len(shards) == 1 else f"push-{s}", self._send_loop, (s,)) for s in shards
         ]
         loops += [(f"pull-{p}", self._pull_loop, (p,)) for p in range(self.num)]
         loops.append(("heartbeat", self.session.heartbeat_loop, ()))
@@ -260,25 +263,32 @@ class SyncEngine:
             backoff_s(failures, self.cfg.retry_initial_s, self.cfg.retry_max_s)
         )
 
-    def _forget_unfinished(self) -> int:
-        """A new server epoch (the session calls this with cv held): unanswered and awaited
-        pushes are dropped, their progress staying in the local parameters, and every fragment
-        is re-pulled. Returns how many syncs were dropped."""
-        dropped = len(self.queued) + len(self.awaiting)
-        self.queued.clear()
-        self.awaiting.clear()
-        self.resync.update(range(self.num))
+    def _forget_unfinished(self, fragments: list[int]) -> int:
+        """A new server epoch of these fragments' shard (the session calls this with cv held):
+        their unanswered and awaited pushes are dropped, the progress staying in the local
+        parameters, and they are re-pulled. Returns how many syncs were dropped."""
+        dropped = 0
+        for p in fragments:
+            dropped += (self.queued.pop(p, None) is not None) + (
+                self.awaiting.pop(p, None) is not None
+            )
+        self.resync.update(fragments)
         return dropped
 
-    def _send_loop(self) -> None:
+    def _next_push(self, shard: int) -> PushJob | None:
+        """The queued push of this shard's fragments with the lowest seq; the caller holds cv."""
+        jobs = [j for p, j in self.queued.items() if self.client.shard_of(p) == shard]
+        return min(jobs, key=lambda j: j.seq, default=None)
+
+    def _send_loop(self, shard: int) -> None:
         failures, refused = 0, 0
         while True:
             with self.cv:
-                while not self.stopping.is_set() and not self.queued:
+                job = None
+                while not self.stopping.is_set() and (job := self._next_push(shard)) is None:
                     self.cv.wait()
-                if self.stopping.is_set():
+                if self.stopping.is_set() or job is None:
                     return
-                job = min(self.queued.values(), key=lambda j: j.seq)
                 generation = self.session.generation
             p = job.fragment
             if job.ready is not None:

@@ -209,6 +209,9 @@ class FakeClient:
             self.closed = True
             self.cv.notify_all()
 
+    def shard_of(self, fragment_id: int) -> int:
+        return 0
+
 
 def as_transport(fake: FakeClient) -> Transport:
     return fake  # the type checker holds the fake to the protocol the engine needs
