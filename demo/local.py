@@ -272,19 +272,25 @@ def start_shards(
 
 
 # The same on every shard (each sees every learner): not added up across shards.
-PER_LEARNER = {"diloco_learner_capacity_seconds_total", "diloco_learners"}
+PER_LEARNER = {"diloco_learners"}
+# A shard's own ratio, for the share of the model it serves: weighted by that share.
+PER_FRACTION = {"diloco_goodput_ratio"}
 
 
 def scrape_all(metrics_urls: list[str]) -> Samples:
     """The samples of every shard added up, which is the whole Synchronizer's: each shard counts
-    its own fragments' pushes, tokens and compute (in proportion to their share of the model,
-    so the goodput ratios add up too), and labels its own fragments' versions. What every shard
-    measures alike (learner capacity, learners) is taken once."""
+    its own fragments' pushes, tokens and compute, and the learners' capacity in proportion to
+    its share of the model (`diloco_model_fraction`), so counters add up and its goodput ratio
+    weighs by that share; it labels its own fragments' versions. What every shard measures alike
+    (the learners) is taken once."""
     merged: Samples = {}
     for url in metrics_urls:
-        for name, values in scrape(url).items():
+        samples = scrape(url)
+        fraction = metric(samples, "diloco_model_fraction") or 1.0
+        for name, values in samples.items():
             into = merged.setdefault(name, {})
             for labels, v in values.items():
+                v = v * fraction if name in PER_FRACTION else v
                 old = into.get(labels)
                 into[labels] = v if old is None else max(old, v) if name in PER_LEARNER else old + v
     return merged
