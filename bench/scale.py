@@ -173,11 +173,24 @@ class Shards:
 
 
 def init_shards(addresses: list[str], params: int) -> list[str]:
-    """Uploads the model (zeros) to every shard, each its own fragments; returns the
-    addresses in shard order."""
+    """Uploads the model (zeros) to every shard, each its own fragments (joined just before its
+    upload: a join's lease is shorter than another shard's upload of a large model); returns
+    the addresses in shard order."""
     spec = model_spec(params, FRAGMENTS)
-    shards = Shards(addresses, spec, "init")
-    for stub, joined in zip(shards.stubs, shards.joined, strict=True):
+    owners = shard_owners(spec, len(addresses))
+    ordered = [""] * len(addresses)
+    for address in addresses:
+        channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        stub = pb_grpc.SynchronizerStub(channel)
+        joined = stub.Join(
+            pb.JoinRequest(
+                learner_name="init",
+                spec=spec.to_proto(),
+                shards=len(addresses),
+                fragment_shards=owners,
+            ),
+            timeout=60,
+        )
         owned = list(joined.owned_fragments)
         zeros = (torch.zeros(spec.fragments[f].numel) for f in owned)
         stub.InitModel(
@@ -186,8 +199,10 @@ def init_shards(addresses: list[str], params: int) -> list[str]:
             ),
             timeout=600,
         )
-    shards.leave()
-    return shards.addresses
+        stub.Leave(pb.LeaveRequest(learner_id=joined.learner_id, session=joined.session), 60)
+        channel.close()
+        ordered[joined.shard_index] = address
+    return ordered
 
 
 def join_and_pull(addresses: list[str], params: int) -> float:

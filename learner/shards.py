@@ -268,11 +268,13 @@ class ShardedClient:
     # The model -----------------------------------------------------------------------------
 
     def init_model(self, fragments: Sequence[torch.Tensor]) -> pb.InitModelReply:
-        """Uploads to each shard that had no model at its last join the fragments it owns. When
-        a shard already had one (or answers ALREADY_EXISTS) the others still get theirs, then
-        ALREADY_EXISTS goes up: the caller pulls the fragments it did not upload."""
-        versions: list[pb.FragmentVersion] = []
+        """Uploads to each shard that had no model at its last join the fragments it owns, to all
+        of them at once: each upload keeps its own shard's lease (one after another, a large
+        model's first upload and checkpoint outlast the next shard's lease before its turn).
+        When a shard already had one (or answers ALREADY_EXISTS) the others still get theirs,
+        then ALREADY_EXISTS goes up: the caller pulls the fragments it did not upload."""
         exists: grpc.RpcError | None = None
+        uploads: list[tuple[list[int], Future[pb.InitModelReply]]] = []
         for i, s in enumerate(self.shards):
             r = self.replies[i]
             if r is not None and not r.needs_init:
@@ -282,14 +284,21 @@ class ShardedClient:
                 )
                 continue
             ids = [p for p, owner in enumerate(self.owners) if owner == i]
+            uploads.append((ids, self.pool.submit(s.init_model, [fragments[p] for p in ids], ids)))
+        versions: list[pb.FragmentVersion] = []
+        failed: grpc.RpcError | None = None
+        for ids, upload in uploads:
             try:
-                reply = s.init_model([fragments[p] for p in ids], ids)
+                reply = upload.result()
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.ALREADY_EXISTS:
-                    raise
-                exists = exists or e
+                if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    exists = exists or e
+                else:
+                    failed = failed or e
                 continue
             versions += [fv for fv in reply.versions if fv.fragment_id in ids]
+        if failed is not None:
+            raise failed
         if exists is not None:
             raise exists
         versions.sort(key=lambda fv: fv.fragment_id)

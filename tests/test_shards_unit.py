@@ -5,6 +5,7 @@ restarted, and the `synchronizer`/`shards` settings."""
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -252,6 +253,27 @@ def test_init_model_sends_each_shard_only_its_own_fragments(shards):
     assert a.inits == [ON_0] and b.inits == [ON_1]
     assert [fv.fragment_id for fv in reply.versions] == [0, 1, 2]
     assert torch.equal(b.params[ON_1[0]], params[ON_1[0]])
+
+
+def test_init_model_uploads_to_every_shard_at_once(shards):
+    """Each upload keeps only its own shard's lease: one after another, a large model's first
+    upload and checkpoint outlast the next shard's lease before its turn."""
+    a, b = shards
+    a.needs_init = b.needs_init = True
+    client = ShardedClient([a, b])
+    client.join("l0", SPEC)
+    both = threading.Barrier(2, timeout=DEADLINE_S)  # broken (BrokenBarrierError) if one at a time
+    for shard in (a, b):
+        upload = shard.init_model
+
+        def meeting(fragments, fragment_ids=None, upload=upload):  # type: ignore[no-untyped-def]
+            both.wait()
+            return upload(fragments, fragment_ids)
+
+        shard.init_model = meeting  # type: ignore[method-assign]
+    reply = client.init_model([torch.zeros(n) for n in SIZES])
+    assert [fv.fragment_id for fv in reply.versions] == [0, 1, 2]
+    assert a.inits == [ON_0] and b.inits == [ON_1]
 
 
 def test_init_model_refused_by_one_shard_still_initialises_the_other_then_says_already_exists(
