@@ -59,7 +59,9 @@ INNER_STEPS = 100  # H
 STEP_S = 0.5  # seconds per inner step
 PUSH_EVERY_S = INNER_STEPS * STEP_S / FRAGMENTS  # one learner: one fragment push every 12.5 s
 PUSH_METHOD = "/diloco.v1.Synchronizer/PushFragment"
-RETRY_S = 0.5  # a push refused RESOURCE_EXHAUSTED (payload budget full) is retried after this
+RETRY_S = 0.5  # a push refused for now (BEHIND) is retried after this, with the same seq
+# The payload budget is full, or the write-ahead log took longer than wal_wait_s to reach the disk
+BEHIND = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 WINDOW_COLUMNS = [
     "learners",
     "pushes_per_s",
@@ -296,7 +298,7 @@ def client(addresses: list[str], params: int, index: int, commands: Any, results
                     )
                     break
                 except grpc.RpcError as e:  # the Synchronizer is behind: back off, same seq
-                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    if e.code() not in BEHIND:
                         raise
                     refused += 1
                     time.sleep(RETRY_S)
