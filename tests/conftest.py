@@ -1,5 +1,5 @@
 """Shared fixtures: a real Synchronizer on port 0 with its own metrics registry per test, and TLS
-certificates made by openssl."""
+certificates made by openssl; the container images' build started at collection."""
 
 from __future__ import annotations
 
@@ -14,12 +14,30 @@ import torch
 from synchronizer.config import SynchronizerConfig
 from synchronizer.metrics import Metrics
 from synchronizer.server import RunningServer, serving
+from tests.images import BUILD, CONTAINER_TESTS, ImageBuild
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Tests marked `cuda` run only where a GPU is present (`pytest -m cuda` selects them)."""
     if item.get_closest_marker("cuda") and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """When the container tests are in the run (after deselection), start building their images
+    now and run those tests last, so the build overlaps everything else (tests/images.py)."""
+    container = [i for i in items if i.nodeid.startswith(CONTAINER_TESTS)]
+    if not container or config.option.collectonly:
+        return
+    items[:] = [i for i in items if not i.nodeid.startswith(CONTAINER_TESTS)] + container
+    config.stash[BUILD] = ImageBuild().start()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    build = config.stash.get(BUILD, None)
+    if build is not None:
+        build.close()
 
 
 @pytest.fixture

@@ -17,14 +17,11 @@ once per run (a few minutes on two cores), hence the long timeout.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -38,21 +35,14 @@ import yaml
 from demo.procs import scrape
 from demo.tiny import TINY
 from tests.helpers import poll
+from tests.images import BUILD, IMAGE, PROMETHEUS_IMAGE, ImageBuild, host_network_state, local_image
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_HOST = REPO / "deploy" / "compose" / "compose.host.yaml"
 PROMETHEUS_HOST = REPO / "deploy" / "prometheus" / "prometheus.host.yml"
-IMAGE = "diloco:test"
-PROMETHEUS_IMAGE = "diloco-prometheus:test"
 IMAGE_UID = 10001  # the image's USER
-_spec = importlib.util.spec_from_file_location(
-    "diloco_local_image", REPO / "deploy" / "docker" / "local_image.py"
-)
-assert _spec is not None and _spec.loader is not None
-local_image = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(local_image)
 
 
 def free_ports(n: int) -> list[int]:
@@ -64,34 +54,26 @@ def free_ports(n: int) -> list[int]:
         return [int(s.getsockname()[1]) for s in socks]
 
 
-def host_network_state() -> tuple[str, str | None]:
-    """What a default dockerd would change: IP forwarding and iptables' FORWARD policy."""
-    forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
-    policy = None
-    if shutil.which("iptables"):
-        r = subprocess.run(
-            ["iptables", "-S", "FORWARD"], capture_output=True, text=True, timeout=30
-        )
-        policy = r.stdout.splitlines()[0] if r.returncode == 0 and r.stdout else None
-    return forward, policy
-
-
 @pytest.fixture(scope="module")
-def docker() -> Iterator[Any]:
-    """A daemon (local_image.Docker) holding IMAGE and PROMETHEUS_IMAGE, built for this run."""
-    before = host_network_state()
-    with contextlib.ExitStack() as stack:
-        t0 = time.monotonic()
+def docker(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A daemon (local_image.Docker) holding IMAGE and PROMETHEUS_IMAGE: the build conftest.py
+    started when the run was collected, or one of its own."""
+    build = request.config.stash.get(BUILD, None)
+    own = build is None
+    if build is None:
+        build = ImageBuild().start()
+    try:
         try:
-            daemon = stack.enter_context(local_image.docker_daemon())
-            base = daemon.base_image()
+            daemon = build.wait()
         except local_image.Unavailable as e:
             pytest.skip(f"containers cannot run here: {e}")
-        daemon.build_image(IMAGE, base, local_image.torch_wheel())
-        daemon.build_prometheus(PROMETHEUS_IMAGE, base)
-        print(f"base and images ready in {time.monotonic() - t0:.0f} s")
+        print(f"base and images ready in {build.seconds:.0f} s")
         yield daemon
-    assert host_network_state() == before, "the daemon changed the host's forwarding or firewall"
+        after = host_network_state()
+    finally:
+        if own:
+            build.close()
+    assert after == build.before, "the daemon changed the host's forwarding or firewall"
 
 
 @pytest.fixture
@@ -264,6 +246,10 @@ def test_compose_host_stack_trains_and_its_prometheus_records_goodput(
         value = float(result[0]["value"][1]) if result else 0.0
         return result if 0 < value < float("inf") else None
 
+    def both_learners() -> list[dict[str, Any]] | None:
+        result = query("last_over_time(diloco_learner_steps_total[5m])")
+        return result if len(result) == 2 else None
+
     project = compose[-1]
     try:
         up = run("up", "-d")
@@ -271,7 +257,8 @@ def test_compose_host_stack_trains_and_its_prometheus_records_goodput(
         rule = "job:diloco_goodput:ratio_rate5m"
         recorded = poll(lambda: positive(rule), 180, f"Prometheus never recorded a positive {rule}")
         raw = poll(lambda: positive("diloco_goodput_ratio"), 60, "diloco_goodput_ratio stayed 0")
-        learners = query("last_over_time(diloco_learner_steps_total[5m])")
+        # both learners scraped (the goodput rule can turn positive before their first scrape)
+        learners = poll(both_learners, 60, "Prometheus never scraped both learners")
         for expr in (rule, "diloco_goodput_ratio", "diloco_learner_steps_total"):
             print(f"GET /api/v1/query?query={expr} ->", query_text(expr))
         restarts = docker("inspect", "-f", "{{.RestartCount}}", f"{project}_synchronizer_1")
