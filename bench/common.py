@@ -23,6 +23,28 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def run_mode(args: argparse.Namespace, quick_is_smoke: str = "") -> dict[str, Any]:
+    """The run's mode, for its JSON (merge it in) and its output (`say_mode`). A benchmark whose
+    quick mode is too short to show what its full mode shows passes `quick_is_smoke`, why: its
+    quick runs then call themselves smoke runs, like `--smoke`, so nobody reads their figures as
+    the benchmark's (`smoke_run` true in the JSON)."""
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    out: dict[str, Any] = {"mode": mode, "smoke_run": mode == "smoke"}
+    if mode == "quick" and quick_is_smoke:
+        out |= {"smoke_run": True, "smoke_reason": quick_is_smoke}
+    return out
+
+
+def say_mode(mode: dict[str, Any]) -> None:
+    """One line, printed first and last, when the run's figures are not the benchmark's."""
+    if mode["smoke_run"]:
+        why = f": {mode['smoke_reason']}" if "smoke_reason" in mode else ""
+        print(
+            f"SMOKE RUN ({mode['mode']} mode): these figures do not show what full mode shows{why}",
+            flush=True,
+        )
+
+
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),

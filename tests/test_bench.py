@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import parser, run_mode
 from bench.goodput import pushed_fraction, schedule
 from bench.net import Proxies, TokenBucket, socket_bytes
 from bench.wan import reach_time
@@ -57,6 +58,18 @@ def test_benchmark_smoke_mode_exits_0_and_writes_its_headline_figures(
             result.get(key),
         )
     assert "machine" in result
+    if "smoke_run" in result:  # a smoke run says so, whatever its benchmark's quick mode does
+        assert result["mode"] == "smoke" and result["smoke_run"] is True, result["mode"]
+
+
+def test_a_quick_mode_too_short_for_its_figures_calls_itself_a_smoke_run() -> None:
+    p = parser("test")
+    quick, full = p.parse_args(["--quick"]), p.parse_args([])
+    why = "too few steps"
+    assert run_mode(quick, why) == {"mode": "quick", "smoke_run": True, "smoke_reason": why}
+    assert run_mode(quick) == {"mode": "quick", "smoke_run": False}
+    assert run_mode(full, why) == {"mode": "full", "smoke_run": False}
+    assert run_mode(p.parse_args(["--smoke"]), why)["smoke_run"] is True
 
 
 def test_reach_time_interpolates_the_crossing_and_says_never_when_it_is_not_reached() -> None:
