@@ -17,6 +17,14 @@ Arms (each a Synchronizer and M learner processes on their own links, see bench/
   nesterov_stale    the defaults with `--outer nesterov --staleness-weight poly`
   nesterov_dlu      the defaults with `--outer nesterov` and Dynamic Local Updates with the
                     Synchronizer's H (`--inner-steps H`: every learner's H scaled by its speed)
+  grace_none        the defaults with `--grace none` (a round closes at its quorum)
+  weight_uniform    the defaults with `--token-weight uniform` (every push weighs the same)
+  weight_tokens     the defaults with `--token-weight tokens` (a push weighs its tokens)
+  anchor_base       the defaults with `--anchor base` (a stale delta applied to its own base)
+  merge_overwrite   the defaults, learners `--merge overwrite` (a fresh fragment replaces local)
+  merge_rebase      the defaults, learners `--merge rebase`
+  alpha_0.25        the defaults, learners `--alpha 0.25` (mix: the fresh fragment weighs 0.25)
+  alpha_0.75        the defaults, learners `--alpha 0.75` (and 0.75)
 
 Cells: M learners (2, 4, 8) x H (50, 100) x speeds: `equal`, or `slow` (the last learner runs 3x
 slower and trains steps/3 steps, what it reaches while the others train theirs). Within a cell
@@ -57,6 +65,10 @@ def _defaults(name: str, *args: str) -> Callable[[int], Decoupled]:
     return lambda h: Decoupled.with_defaults(name, h, synchronizer_args=list(args))
 
 
+def _learner(name: str, *args: str) -> Callable[[int], Decoupled]:
+    return lambda h: Decoupled.with_defaults(name, h, train_args=list(args))
+
+
 ARMS: dict[str, Callable[[int], Decoupled]] = {
     "sync": lambda h: Decoupled(
         name="sync",
@@ -84,6 +96,14 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
     "nesterov_stale": _defaults(
         "nesterov_stale", "--outer", "nesterov", "--staleness-weight", "poly"
     ),
+    "grace_none": _defaults("grace_none", "--grace", "none"),
+    "weight_uniform": _defaults("weight_uniform", "--token-weight", "uniform"),
+    "weight_tokens": _defaults("weight_tokens", "--token-weight", "tokens"),
+    "anchor_base": _defaults("anchor_base", "--anchor", "base"),
+    "merge_overwrite": _learner("merge_overwrite", "--merge", "overwrite"),
+    "merge_rebase": _learner("merge_rebase", "--merge", "rebase"),
+    "alpha_0.25": _learner("alpha_0.25", "--alpha", "0.25"),
+    "alpha_0.75": _learner("alpha_0.75", "--alpha", "0.75"),
     "nesterov_dlu": lambda h: Decoupled.with_defaults(
         "nesterov_dlu",
         h,
