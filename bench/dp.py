@@ -329,7 +329,8 @@ class DPJob:
             )
             / steps,
             "stopped_at_target": lead.get("stopped_at_target"),
-            "shaped": self.links.rate_bps is not None and self.links.shaped_dp,
+            # its links limited or delayed like the learners' (not on the proxies' path)
+            "shaped": bool(self.links.rate_bps or self.links.rtt_s) and self.links.shaped_dp,
             "eval_series": [
                 {"t": e["t_train"], "step": e["step"], "eval_loss": e["eval_loss"]} for e in series
             ],

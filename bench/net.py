@@ -1,5 +1,5 @@
-"""The benchmarks' network: how learner processes reach each other, at what rate, and the bytes
-each one sent and received, counted where they cross its link.
+"""The benchmarks' network: how learner processes reach each other, at what rate and round-trip
+time, and the bytes each one sent and received, counted where they cross its link.
 
 Two implementations of one small interface (`Links`), chosen by `open_links`:
 
@@ -10,27 +10,53 @@ Two implementations of one small interface (`Links`), chosen by `open_links`:
   data-parallel rendezvous included, counted by the kernel and not by the code under test. That
   is why the benchmarks prefer it: gloo (torch.distributed) opens peer-to-peer connections
   whose addresses it exchanges itself, so a proxy cannot sit in its path, but a namespace sees
-  everything. `rate_bps` shapes both directions of each link with `tc tbf` (netem, for latency,
-  is not in this kernel). Everything is created under a unique name prefix and removed on close.
+  everything. `rate_bps` shapes both directions of each link with `tc tbf`. `rtt_s` (netem, for
+  latency, is not in this kernel) puts a transparent delaying proxy in front of every TCP
+  connection a slot opens: an iptables `nat OUTPUT` rule in the slot's namespace REDIRECTs each
+  outgoing connection on eth0 (loopback and the proxy's own, marked, connections excepted) to a
+  listener that this process opened *inside* that namespace (setns from one thread); the proxy
+  reads the original destination (SO_ORIGINAL_DST; the NAT entry is the namespace's own, which
+  is why the proxy cannot sit on the bridge), connects to it from the namespace, so the bytes
+  still cross the shaped veth and are counted there, waits one RTT (the handshake) and relays
+  each chunk `rtt_s / 2` after it arrived, in each direction (`Relay`). A connection is delayed
+  once, at the side that opens it: learner to Synchronizer, learner to gloo master and learner
+  to learner (gloo's pairs) are each `rtt_s` apart, a star of equal round trips.
 - `Proxies` (no root needed; the test suite's path): each slot reaches the Synchronizer through
   a TCP proxy in this process that counts the bytes (TCP payload, so without the headers the
-  namespace path sees) and, given `rate_bps`, limits each direction with a token bucket.
-  Data-parallel ranks cannot be proxied (see above): they run on loopback unshaped, and count
-  their own sockets' bytes (`socket_bytes`, from the kernel's TCP_INFO).
+  namespace path sees), given `rate_bps` limits each direction with a token bucket and given
+  `rtt_s` delays it like the namespaces' proxy. Data-parallel ranks cannot be proxied (see
+  above): they run on loopback, neither limited nor delayed, and count their own sockets' bytes
+  (`socket_bytes`, from the kernel's TCP_INFO).
+
+`Links.verify` measures every link as a process on its slot sees it (round trip to the
+Synchronizer's address, and to slot 0 for data parallel's peers; bulk throughput each way) and
+refuses links whose round trip is far from the one asked for.
+
+What the delay does not model: the relayed TCP connections themselves run over a link with no
+round trip, so TCP's own window growth (slow start, and its restart after idle) never waits for
+the emulated RTT. A real WAN makes bursty traffic (data parallel's all-reduce every step) pay
+that too; here it does not, which errs in data parallel's favour.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import random
 import shutil
 import socket
+import statistics
 import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class LinkError(RuntimeError):
@@ -43,9 +69,12 @@ class Links:
     kind = "none"
     shaped_dp = False  # whether data-parallel ranks' links are shaped too
 
-    def __init__(self, slots: int, rate_bps: float | None = None) -> None:
+    def __init__(self, slots: int, rate_bps: float | None = None, rtt_s: float = 0.0) -> None:
+        if rtt_s < 0:
+            raise ValueError(f"rtt_s must be >= 0, got {rtt_s}")
         self.slots = slots
         self.rate_bps = rate_bps
+        self.rtt_s = rtt_s
         self.samples: list[tuple[float, list[tuple[int, int]]]] = []
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
@@ -71,6 +100,49 @@ class Links:
     def counters(self) -> list[tuple[int, int]] | None:
         """(sent, received) bytes per slot so far, or None where this path cannot count."""
         return None
+
+    def client_socket(self, slot: int) -> socket.socket:
+        """A TCP socket made where a process on slot i makes its sockets."""
+        return socket.socket()
+
+    # checking the links
+    def measure(self, pings: int = 9) -> list[dict[str, Any]]:
+        """Per slot, the link as a process on it sees it, towards the Synchronizer's address:
+        `rtt_ms` (median of `pings` one-byte round trips on one connection), `up_mbit` and
+        `down_mbit` (a bulk transfer each way, its time less one round trip). Run it before a
+        job starts: it points the slots at a check server of its own."""
+        bulk = _bulk_bytes(self.rate_bps)
+        with CheckServer(socket.create_server((self.bind_host(), 0))) as server:
+            out = []
+            for i in range(self.slots):
+                host, port = self.synchronizer_address(i, server.port).rsplit(":", 1)
+                out.append(
+                    {
+                        "slot": i,
+                        **measure_link(
+                            partial(self.client_socket, i), (host, int(port)), pings, bulk
+                        ),
+                    }
+                )
+        return out
+
+    def verify(self, tolerance_ms: float = 5.0, tolerance: float = 0.2) -> list[dict[str, Any]]:
+        """`measure`, then refuse (LinkError) when any measured round trip is off the requested
+        `rtt_s` by more than `tolerance_ms` and `tolerance` of it. A link that carries less than
+        70% of `rate_bps` is flagged (`rate_short`), not refused: the figures say so."""
+        measured = self.measure()
+        want = self.rtt_s * 1e3
+        allowed = max(tolerance_ms, tolerance * want)
+        for m in measured:
+            for key in ("rtt_ms", "peer_rtt_ms"):
+                if key in m and abs(m[key] - want) > allowed:
+                    raise LinkError(
+                        f"slot {m['slot']}: measured {key} {m[key]:.1f} ms, asked for {want:g} ms "
+                        f"(allowed +-{allowed:.1f} ms); the links are not what the run needs"
+                    )
+            if self.rate_bps:
+                m["rate_short"] = min(m["up_mbit"], m["down_mbit"]) < 0.7 * self.rate_bps / 1e6
+        return measured
 
     # counting over time
     def start_sampling(self, interval_s: float = 0.05) -> None:
@@ -128,14 +200,18 @@ class Namespaces(Links):
     kind = "netns"
     shaped_dp = True
 
-    def __init__(self, slots: int, rate_bps: float | None = None) -> None:
-        super().__init__(slots, rate_bps)
+    def __init__(self, slots: int, rate_bps: float | None = None, rtt_s: float = 0.0) -> None:
+        super().__init__(slots, rate_bps, rtt_s)
         if (
             os.geteuid() != 0
             or shutil.which("ip") is None
             or (rate_bps and shutil.which("tc") is None)
+            or (rtt_s and shutil.which("iptables") is None)
         ):
-            raise LinkError("network namespaces need root and iproute2 (ip, tc)")
+            raise LinkError(
+                "network namespaces need root and iproute2 (ip, tc), and iptables for rtt_s"
+            )
+        self.listeners: list[socket.socket] = []
         self.prefix = f"db{os.getpid() % 10000:04d}{random.randrange(36**2):02x}"[:9]
         self.net = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
         self.bridge = f"{self.prefix}br"
@@ -196,6 +272,48 @@ class Namespaces(Links):
                 ]
                 _run("tc", "qdisc", "add", "dev", veth, *shape)  # toward the learner
                 _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", *shape)  # from the learner
+            if self.rtt_s:
+                self._delay(i)
+
+    def _delay(self, i: int) -> None:
+        """Slot i's transparent delaying proxy: a listener in its namespace and the rules that
+        send every TCP connection the slot opens on eth0 to it (see the module's docstring)."""
+        ns = self._ns(i)
+        server = in_netns(ns, lambda: socket.create_server(("127.0.0.1", 0)))
+        self.listeners.append(server)
+        nat = ["ip", "netns", "exec", ns, "iptables", "-w", "-t", "nat", "-A", "OUTPUT"]
+        _run(*nat, "-m", "mark", "--mark", str(_MARK), "-j", "RETURN")  # the proxy's own
+        _run(
+            *nat,
+            "-o",
+            "eth0",
+            "-p",
+            "tcp",
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            str(server.getsockname()[1]),
+        )
+        threading.Thread(target=self._accept, args=(ns, server), daemon=True).start()
+
+    def _accept(self, ns: str, server: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._relay, args=(ns, client), daemon=True).start()
+
+    def _relay(self, ns: str, client: socket.socket) -> None:
+        try:
+            raw = client.getsockopt(socket.SOL_IP, _SO_ORIGINAL_DST, 16)
+            target = (socket.inet_ntoa(raw[4:8]), struct.unpack_from("!H", raw, 2)[0])
+            upstream = _connect(lambda: in_netns(ns, _marked_socket), target)
+        except OSError:
+            _reset(client)  # as the destination refused it (the client's connect already passed)
+            return
+        time.sleep(self.rtt_s)  # the handshake's round trip, which the local connect skipped
+        Relay(client, upstream, self.rtt_s / 2)
 
     def bind_host(self) -> str:
         return f"{self.net}.1"
@@ -212,6 +330,25 @@ class Namespaces(Links):
     def gloo_ifname(self, slot: int) -> str:
         return "eth0"
 
+    def client_socket(self, slot: int) -> socket.socket:
+        return in_netns(self._ns(slot), socket.socket)
+
+    def measure(self, pings: int = 9) -> list[dict[str, Any]]:
+        """As `Links.measure`, and for slots 1.. also `peer_rtt_ms` to slot 0 (data parallel's
+        peers talk to each other directly: their round trip must be `rtt_s` too, not twice)."""
+        out = super().measure(pings)
+        if self.slots > 1:
+            listener = in_netns(self._ns(0), lambda: socket.create_server((self.slot_host(0), 0)))
+            with CheckServer(listener) as server:
+                for m in out[1:]:
+                    m["peer_rtt_ms"] = measure_link(
+                        partial(self.client_socket, m["slot"]),
+                        (self.slot_host(0), server.port),
+                        pings,
+                        0,
+                    )["rtt_ms"]
+        return out
+
     def counters(self) -> list[tuple[int, int]]:
         out = []
         for i in range(self.slots):
@@ -223,6 +360,8 @@ class Namespaces(Links):
 
     def close(self) -> None:
         super().close()
+        for s in self.listeners:
+            s.close()
         for kind, name in reversed(self.created):
             cmd = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
             subprocess.run(
@@ -236,6 +375,293 @@ def _no_ipv6(ifname: str) -> None:
     with contextlib.suppress(OSError):
         with open(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6", "w") as f:
             f.write("1")
+
+
+# Delay: relaying a connection with a round trip ---------------------------------------------------
+
+_SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
+_MARK = 0x5A1  # the delaying proxy's own connections, which its REDIRECT rule lets pass
+_CLONE_NEWNET = 0x40000000
+_CHUNK = 64 << 10
+_QUEUE_CAP = 4 << 20  # bytes a direction holds before it stops reading: far above rate x delay
+_CONNECT_RETRY_S = 30.0  # how long a refused destination is retried (gloo's peers start late)
+
+
+def in_netns(ns: str, make: Callable[[], T]) -> T:
+    """`make()` run with this thread in network namespace `ns` (an `ip netns` name): sockets
+    it creates stay in that namespace. Only the calling thread moves, and it moves back."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    there = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(there, _CLONE_NEWNET) != 0:
+            raise LinkError(f"setns into {ns}: {os.strerror(ctypes.get_errno())}")
+        try:
+            return make()
+        finally:
+            if libc.setns(here, _CLONE_NEWNET) != 0:  # a thread left elsewhere is a bug
+                raise AssertionError(f"setns back from {ns}: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(here)
+        os.close(there)
+
+
+def _marked_socket() -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, _MARK)
+    return s
+
+
+def _connect(make: Callable[[], socket.socket], target: tuple[str, int]) -> socket.socket:
+    """Connects a fresh `make()` socket to target, retrying a refusal for a while: the client
+    already got its connection (to the proxy), so a refusal could not reach it as one, and
+    gloo's and the TCP store's clients retry refusals themselves."""
+    deadline = time.monotonic() + _CONNECT_RETRY_S
+    while True:
+        s = make()
+        try:
+            s.connect(target)
+            return s
+        except ConnectionRefusedError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # nothing to wait on: the destination is not listening yet
+        except OSError:
+            s.close()
+            raise
+
+
+def _reset(s: socket.socket) -> None:
+    """Closes s with a reset, as a refused or broken connection."""
+    with contextlib.suppress(OSError):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+class _Pipe:
+    """One direction of a relayed connection: a reader stamps each chunk with the time it may
+    leave (now + delay) and queues it; a writer sends each chunk when its time comes (shaped by
+    `bucket` if any). The delay is paid once per chunk, in parallel with the others, so a bulk
+    transfer keeps its rate and only starts `delay_s` later."""
+
+    def __init__(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        delay_s: float,
+        bucket: TokenBucket | None,
+        on_sent: Callable[[int], None] | None,
+        on_end: Callable[[bool], None],
+    ) -> None:
+        self.src, self.dst, self.delay_s, self.bucket = src, dst, delay_s, bucket
+        self.on_sent, self.on_end = on_sent, on_end
+        self.queue: deque[tuple[float, bytes]] = deque()
+        self.queued = 0
+        self.broken = False
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._write, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while data := self.src.recv(_CHUNK):
+                self._put(data)
+        except OSError:
+            pass
+        self._put(b"")  # the end of the stream
+
+    def _put(self, data: bytes) -> None:
+        with self.cond:
+            while self.queued >= _QUEUE_CAP and not self.broken:
+                self.cond.wait()
+            self.queue.append((time.monotonic() + self.delay_s, data))
+            self.queued += len(data)
+            self.cond.notify_all()
+
+    def _next(self) -> bytes:
+        with self.cond:
+            while True:
+                if self.queue:
+                    left = self.queue[0][0] - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.cond.wait(left)
+                else:
+                    self.cond.wait()
+            _, data = self.queue.popleft()
+            self.queued -= len(data)
+            self.cond.notify_all()
+            return data
+
+    def _write(self) -> None:
+        ok = False
+        try:
+            while data := self._next():
+                if self.bucket is not None:
+                    self.bucket.take(len(data))
+                self.dst.sendall(data)
+                if self.on_sent is not None:
+                    self.on_sent(len(data))
+            self.dst.shutdown(socket.SHUT_WR)
+            ok = True
+        except OSError:
+            pass
+        finally:
+            with self.cond:
+                self.broken = not ok
+                self.cond.notify_all()
+            self.on_end(ok)
+
+
+class Relay:
+    """Copies a <-> b in both directions, each chunk `delay_s` after it arrived (so a round trip
+    through the relay takes 2 x delay_s more), optionally shaped by a token bucket per direction
+    (0: a -> b) and counted (`count(direction, nbytes)`); closes both sockets when both
+    directions have ended, and breaks both when either fails."""
+
+    def __init__(
+        self,
+        a: socket.socket,
+        b: socket.socket,
+        delay_s: float = 0.0,
+        buckets: tuple[TokenBucket | None, TokenBucket | None] = (None, None),
+        count: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.sockets = (a, b)
+        self.open = 2
+        self.lock = threading.Lock()
+        for s in self.sockets:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for d, (src, dst) in enumerate(((a, b), (b, a))):
+            on_sent = None if count is None else partial(count, d)
+            _Pipe(src, dst, delay_s, buckets[d], on_sent, self._ended)
+
+    def _ended(self, ok: bool) -> None:
+        if not ok:
+            for s in self.sockets:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+        with self.lock:
+            self.open -= 1
+            last = self.open == 0
+        if last:
+            for s in self.sockets:
+                s.close()
+
+
+# Checking a link: round trip and throughput -----------------------------------------------------
+
+
+class CheckServer:
+    """Serves link checks on a listening socket, commands one after another on a connection:
+    `p` is answered `p` (a ping); `u` + an 8-byte count: reads that many bytes, answers `k`;
+    `d` + a count: sends that many bytes."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.port = listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while op := conn.recv(1):
+                if op == b"p":
+                    conn.sendall(b"p")
+                    continue
+                (n,) = struct.unpack("!Q", _recv_exactly(conn, 8))
+                if op == b"u":
+                    while n > 0:
+                        got = conn.recv(min(n, _CHUNK))
+                        if not got:
+                            return
+                        n -= len(got)
+                    conn.sendall(b"k")
+                elif op == b"d":
+                    _send_zeros(conn, n)
+                else:
+                    return
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def __enter__(self) -> CheckServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        got = s.recv(n - len(buf))
+        if not got:
+            raise ConnectionError("the link check's peer closed early")
+        buf += got
+    return bytes(buf)
+
+
+def _bulk_bytes(rate_bps: float | None) -> int:
+    """About 0.3 s of traffic at the rate, 1-16 MiB (8 MiB unshaped)."""
+    if not rate_bps:
+        return 8 << 20
+    return int(min(16 << 20, max(1 << 20, rate_bps / 8 * 0.3)))
+
+
+def _send_zeros(s: socket.socket, n: int) -> None:
+    block = bytes(_CHUNK)
+    while n > 0:
+        s.sendall(block[: min(n, _CHUNK)])
+        n -= min(n, _CHUNK)
+
+
+def measure_link(
+    make: Callable[[], socket.socket], address: tuple[str, int], pings: int = 9, bulk: int = 0
+) -> dict[str, float]:
+    """Against a `CheckServer` at address, over one connection from a socket `make()` creates:
+    `rtt_ms`, the median of `pings` one-byte round trips after a first one (which pays the
+    connection's set-up), and with `bulk` bytes, `up_mbit` / `down_mbit`: bulk x 8 over the
+    transfer's time less that round trip (the first byte's way there and the last one's way
+    back, or the request's)."""
+    out: dict[str, float] = {}
+    with contextlib.closing(make()) as s:
+        s.settimeout(60)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.connect(address)
+        times = []
+        for _ in range(pings + 1):
+            t = time.perf_counter()
+            s.sendall(b"p")
+            _recv_exactly(s, 1)
+            times.append(time.perf_counter() - t)
+        rtt = statistics.median(times[1:])
+        out["rtt_ms"] = rtt * 1e3
+        if bulk:
+            t = time.perf_counter()
+            s.sendall(b"u" + struct.pack("!Q", bulk))
+            _send_zeros(s, bulk)
+            _recv_exactly(s, 1)
+            out["up_mbit"] = bulk * 8 / max(time.perf_counter() - t - rtt, 1e-6) / 1e6
+            t = time.perf_counter()
+            s.sendall(b"d" + struct.pack("!Q", bulk))
+            got = 0
+            while got < bulk:
+                chunk = s.recv(_CHUNK)
+                if not chunk:
+                    raise ConnectionError("the link check's peer closed early")
+                got += len(chunk)
+            out["down_mbit"] = bulk * 8 / max(time.perf_counter() - t - rtt, 1e-6) / 1e6
+    return out
 
 
 class TokenBucket:
@@ -262,20 +688,20 @@ class TokenBucket:
 
 
 class Proxies(Links):
-    """Per slot a TCP proxy in this process in front of the Synchronizer: counts and limits."""
+    """Per slot a TCP proxy in this process in front of the Synchronizer: counts, limits the
+    rate and delays (the same `Relay` as the namespaces' delaying proxy)."""
 
     kind = "proxy"
 
-    def __init__(self, slots: int, rate_bps: float | None = None) -> None:
-        super().__init__(slots, rate_bps)
+    def __init__(self, slots: int, rate_bps: float | None = None, rtt_s: float = 0.0) -> None:
+        super().__init__(slots, rate_bps, rtt_s)
         self.bytes = [[0, 0] for _ in range(slots)]
         self.lock = threading.Lock()
         self.listeners: list[socket.socket] = []
         self.ports: list[int] = []
         self.target: tuple[str, int] | None = None
-        self.closed = threading.Event()
-        self.buckets = [
-            [TokenBucket(rate_bps), TokenBucket(rate_bps)] if rate_bps else [None, None]
+        self.buckets: list[tuple[TokenBucket | None, TokenBucket | None]] = [
+            (TokenBucket(rate_bps), TokenBucket(rate_bps)) if rate_bps else (None, None)
             for _ in range(slots)
         ]
         for i in range(slots):
@@ -292,64 +718,57 @@ class Proxies(Links):
         with self.lock:
             return [(s, r) for s, r in self.bytes]
 
+    def _count(self, slot: int, direction: int, n: int) -> None:
+        """direction 0: learner -> Synchronizer (sent), 1: back (received)."""
+        with self.lock:
+            self.bytes[slot][direction] += n
+
     def _accept(self, slot: int, server: socket.socket) -> None:
-        while not self.closed.is_set():
+        while True:
             try:
                 client, _ = server.accept()
             except OSError:
-                return
+                return  # closed
             if self.target is None:
                 client.close()
                 continue
-            try:
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                client.close()
-                continue
-            for s in (client, upstream):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
-                target=self._pump, args=(slot, 0, client, upstream), daemon=True
-            ).start()
-            threading.Thread(
-                target=self._pump, args=(slot, 1, upstream, client), daemon=True
+                target=self._relay, args=(slot, client, self.target), daemon=True
             ).start()
 
-    def _pump(self, slot: int, direction: int, src: socket.socket, dst: socket.socket) -> None:
-        """direction 0: learner -> Synchronizer (sent), 1: back (received)."""
-        bucket = self.buckets[slot][direction]
+    def _relay(self, slot: int, client: socket.socket, target: tuple[str, int]) -> None:
         try:
-            while data := src.recv(16 << 10):
-                if bucket is not None:
-                    bucket.take(len(data))
-                dst.sendall(data)
-                with self.lock:
-                    self.bytes[slot][direction] += len(data)
+            upstream = socket.create_connection(target)
         except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-                s.close()
+            _reset(client)
+            return
+        if self.rtt_s:
+            time.sleep(self.rtt_s)  # the handshake's round trip, which the local connect skipped
+        Relay(
+            client,
+            upstream,
+            self.rtt_s / 2,
+            self.buckets[slot],
+            lambda d, n: self._count(slot, d, n),
+        )
 
     def close(self) -> None:
         super().close()
-        self.closed.set()
         for s in self.listeners:
             s.close()
 
 
-def open_links(kind: str, slots: int, rate_bps: float | None = None) -> Links:
-    """kind: "netns", "proxy", or "auto" (namespaces where they can be made, else proxies)."""
+def open_links(kind: str, slots: int, rate_bps: float | None = None, rtt_s: float = 0.0) -> Links:
+    """kind: "netns", "proxy", or "auto" (namespaces where they can be made, else proxies).
+    rate_bps limits each direction of every link; rtt_s gives each a round-trip time."""
     if kind == "proxy":
-        return Proxies(slots, rate_bps)
+        return Proxies(slots, rate_bps, rtt_s)
     try:
-        return Namespaces(slots, rate_bps)
+        return Namespaces(slots, rate_bps, rtt_s)
     except LinkError:
         if kind == "netns":
             raise
-        return Proxies(slots, rate_bps)
+        return Proxies(slots, rate_bps, rtt_s)
 
 
 # A process's own TCP sockets ---------------------------------------------------------------------

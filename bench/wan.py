@@ -1,35 +1,50 @@
 """Slow links: data parallel against the best Decoupled configuration when every learner's link
-is limited to a set rate, eval loss against wall-clock for both.
+has a set rate and round-trip time, eval loss against wall-clock for both.
 
-The same M = 4 learners and tokens as bench/convergence.py, (a) data parallel and the Decoupled
-configuration it picks (`bench.convergence.BEST`: K = 1 + adaptive grace, H = 100, P = 4, INT4
-pushes, INT8 delta pulls), each learner process in its own network namespace whose veth is
-shaped by `tc tbf` in both directions (root; see bench/net.py), or, without root, behind a
-rate-limiting proxy (then only the Decoupled learners are limited: gloo cannot be proxied, so
-data parallel runs unshaped on loopback and the result says `"shaped": false`).
+M = 2 learners, so that each learner process has a core of its own on this 2-core machine (with
+4 learners on 2 cores a step's compute doubled and hid data parallel's all-reduce behind CPU
+starvation); the Synchronizer, the evaluator below and the link proxies share the same cores,
+so both arms' compute is one core per learner, less what those take. The model, data and
+per-learner batch are bench/convergence.py's (2 learners see half its tokens per step).
+(a) data parallel and the Decoupled configuration it picks (`bench.convergence.BEST`: K = 1 +
+adaptive grace, H = 100, P = 4, INT4 pushes, INT8 delta pulls) run over the same links: each
+learner process in its own network namespace (root; see bench/net.py), whose veth is shaped by
+`tc tbf` in both directions and whose every outgoing TCP connection (to the Synchronizer, to
+the gloo master, to the other ranks) goes through a transparent proxy that delays each chunk
+by half the round trip each way, so any two endpoints are one RTT apart. Without root, behind a
+rate-limiting, delaying proxy; then only the Decoupled learners' links are limited and delayed
+(gloo cannot be proxied, so data parallel runs on loopback and the result says `"shaped":
+false`). Before the runs every link is measured from inside its slot (round trip to the
+Synchronizer's address and, for data parallel's peers, to slot 0; throughput each way:
+`links_measured`), and a link whose round trip is far from the one asked for is refused.
 
 Eval loss against wall-clock: data parallel's rank 0 evaluates every steps/40 steps, and those
 seconds are taken out of its clock (it runs after the Decoupled run and stops at the first eval
-at or below the Decoupled run's final loss: nothing after that changes the headline); the Decoupled run's global model is pulled and evaluated
-in this process every few seconds while the learners train (on the same 2 cores: that slows
-the learners, not data parallel, so it errs against Decoupled). Wall-clock runs from the first
-training step to the last, start-up excluded for both.
+at or below the Decoupled run's final loss: nothing after that changes the headline); the
+Decoupled run's global model is pulled and evaluated in this process every few seconds while
+the learners train (on the same 2 cores: that slows the learners, not data parallel, so it errs
+against Decoupled). Wall-clock runs from the first training step to the last, start-up excluded
+for both.
 
-Headline `wan_speedup` (at the first rate, 50 Mbit/s by default): the wall time data parallel
-needs to reach the eval loss the Decoupled run ends with (interpolated between its eval points)
-over the Decoupled run's wall time. If data parallel never gets there, its whole run is used and
-the result says `"dp_reached": false` (then the speedup is a lower bound).
+Headline `wan_speedup` (at the first link, 50 Mbit/s with 50 ms round trip by default): the
+wall time data parallel needs to reach the eval loss the Decoupled run ends with (interpolated
+between its eval points) over the Decoupled run's wall time. If data parallel never gets there,
+its whole run is used and the result says `"dp_reached": false` (then the speedup is a lower
+bound). Each further link adds `wan_speedup_<rate>mbit`.
 
-    python -m bench.wan [--quick | --smoke] [--json PATH] [--rates-mbit 50,1000] [--steps S]
-        [--net auto|netns|proxy]
-Modes: --smoke a tiny model, 2 learners, 100 steps, 50 Mbit/s; --quick 400 steps at 50 Mbit/s
-(about 1.5 minutes here); full 3000 steps (the convergence run's length) at 50 Mbit/s and
-1 Gbit/s (about 17 minutes).
+    python -m bench.wan [--quick | --smoke] [--json PATH] [--links 50:50,1000:10] [--steps S]
+        [--rates-mbit 50,1000 [--rtt-ms 50,10]] [--net auto|netns|proxy]
+`--links RATE:RTT,...` gives each link's Mbit/s and round trip in ms; `--rates-mbit` with
+`--rtt-ms` (one value for all, or one per rate; 0 when left out) says the same.
+Modes: --smoke a tiny model, 2 learners, 100 steps, 50 Mbit/s and 50 ms (its figure means
+nothing: `"smoke": true`); --quick 2 x 400 steps at 50 Mbit/s and 50 ms; full 2 x 3000 steps
+(the convergence run's length) at 50 Mbit/s / 50 ms and 1 Gbit/s / 10 ms.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -54,9 +69,31 @@ def reach_time(series: list[dict], target: float) -> float | None:
     return series[0]["t"] if series and series[0]["eval_loss"] <= target else None
 
 
-def at_rate(rate_mbit: float, w: Workload, cfg: Decoupled, net: str, root: Path) -> dict[str, Any]:
-    with open_links(net, w.learners, rate_mbit * 1e6) as links:
-        expected_s = w.steps / 10  # about 10 steps/s per learner with 4 learners on 2 cores
+FULL_LINKS = [(50.0, 50.0), (1000.0, 10.0)]  # (Mbit/s, round trip ms); the first is the headline
+
+
+def describe(measured: list[dict[str, Any]]) -> str:
+    """One line per slot: what the link check measured."""
+    lines = []
+    for m in measured:
+        line = f"    slot {m['slot']}: rtt {m['rtt_ms']:.1f} ms"
+        if "peer_rtt_ms" in m:
+            line += f" (to slot 0: {m['peer_rtt_ms']:.1f} ms)"
+        line += f", up {m['up_mbit']:.1f} Mbit/s, down {m['down_mbit']:.1f} Mbit/s"
+        if m.get("rate_short"):
+            line += "  ** under 70% of the rate asked for **"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def at_link(
+    rate_mbit: float, rtt_ms: float, w: Workload, cfg: Decoupled, net: str, root: Path
+) -> dict[str, Any]:
+    with open_links(net, w.learners, rate_mbit * 1e6, rtt_ms / 1e3) as links:
+        measured = links.verify()
+        print(f"  links ({links.kind}), measured from each slot:", flush=True)
+        print(describe(measured), flush=True)
+        expected_s = w.steps / 30  # about 30 steps/s per learner with a core each
         dec = DilocoJob(cfg, w, links, root / "decoupled").run(
             evaluator=GlobalModel(w, cfg.fragments), eval_every_s=max(1.0, expected_s / 8)
         )
@@ -65,10 +102,13 @@ def at_rate(rate_mbit: float, w: Workload, cfg: Decoupled, net: str, root: Path)
             w, links, root / "dp", eval_every=max(1, w.steps // 40), target_loss=dec["eval_loss"]
         ).run()
     t_dp = reach_time(dp["eval_series"], dec["eval_loss"])
-    dp["name"], dec["name"] = f"dp @{rate_mbit:g}Mbit", f"decoupled @{rate_mbit:g}Mbit"
+    at = f"@{rate_mbit:g}Mbit/{rtt_ms:g}ms"
+    dp["name"], dec["name"] = f"dp {at}", f"decoupled {at}"
     return {
         "rate_mbit": rate_mbit,
+        "rtt_ms": rtt_ms,
         "links": links.kind,
+        "links_measured": measured,
         "dp_shaped": dp["shaped"],
         "dp_reached": t_dp is not None,
         "dp_time_to_decoupled_loss_s": t_dp if t_dp is not None else dp["wall_s"],
@@ -78,11 +118,47 @@ def at_rate(rate_mbit: float, w: Workload, cfg: Decoupled, net: str, root: Path)
     }
 
 
+def parse_links(
+    links: str | None, rates_mbit: str | None, rtt_ms: str | None
+) -> list[tuple[float, float]]:
+    """[(Mbit/s, round-trip ms)] from `--links 50:50,1000:10` or `--rates-mbit 50,1000` with
+    `--rtt-ms` (one value for every rate, or one per rate; 0 when left out); [] if neither."""
+    if links:
+        out = []
+        for item in links.split(","):
+            rate, sep, rtt = item.partition(":")
+            try:
+                out.append((float(rate), float(rtt) if sep else 0.0))
+            except ValueError:
+                raise SystemExit(
+                    f"--links {item!r}: expected RATE_MBIT:RTT_MS, e.g. 50:50"
+                ) from None
+        return out
+    if not rates_mbit:
+        if rtt_ms:
+            raise SystemExit("--rtt-ms needs --rates-mbit (or use --links RATE:RTT,...)")
+        return []
+    rates = [float(r) for r in rates_mbit.split(",")]
+    rtts = [float(t) for t in rtt_ms.split(",")] if rtt_ms else [0.0]
+    if len(rtts) == 1:
+        rtts *= len(rates)
+    if len(rtts) != len(rates):
+        raise SystemExit(
+            f"--rtt-ms: give one value or one per rate ({len(rates)}), got {len(rtts)}"
+        )
+    return list(zip(rates, rtts, strict=True))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__.splitlines()[0])
     p.add_argument(
+        "--links",
+        help="comma-separated RATE:RTT links, Mbit/s and round-trip ms (the first gives the headline)",
+    )
+    p.add_argument(
         "--rates-mbit", help="comma-separated link rates in Mbit/s (the first gives the headline)"
     )
+    p.add_argument("--rtt-ms", help="round trip of each link in ms: one value, or one per rate")
     p.add_argument("--steps", type=int, help="inner steps per learner")
     p.add_argument(
         "--set",
@@ -100,28 +176,32 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
     args = p.parse_args(argv)
     if args.smoke:
-        w, cfg, rates = dataclasses.replace(SMOKE), BEST.with_(sync_every=10), [50.0]
+        w, cfg, wan = dataclasses.replace(SMOKE), BEST.with_(sync_every=10), FULL_LINKS[:1]
     else:
-        w, cfg, rates = (
-            Workload(steps=400 if args.quick else 3000),
+        w, cfg, wan = (
+            Workload(learners=2, steps=400 if args.quick else 3000),
             BEST,
-            [50.0] if args.quick else [50.0, 1000.0],
+            FULL_LINKS[:1] if args.quick else FULL_LINKS,
         )
     if args.steps:
         w.steps = args.steps
-    if args.rates_mbit:
-        rates = [float(r) for r in args.rates_mbit.split(",")]
+    wan = parse_links(args.links, args.rates_mbit, args.rtt_ms) or wan
+    labels = [f"{r:g}mbit" for r, _ in wan]
+    if len(set(labels)) < len(labels):
+        labels = [f"{r:g}mbit_{t:g}ms" for r, t in wan]
     cfg = parse_set(args.set, cfg)
     cells = []
     with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
         root = args.out or Path(tmp)
-        for rate in rates:
+        for (rate, rtt), label in zip(wan, labels, strict=True):
             print(
-                f"{w.learners} learners x {w.steps} steps, links limited to {rate:g} Mbit/s",
+                f"{w.learners} learners x {w.steps} steps, links of {rate:g} Mbit/s"
+                f" with {rtt:g} ms round trip",
                 flush=True,
             )
-            cells.append(at_rate(rate, w, cfg, args.net, root / f"{rate:g}mbit"))
+            cells.append(at_link(rate, rtt, w, cfg, args.net, root / label))
             c = cells[-1]
+            c["label"] = label
             print(
                 f"  wan_speedup {c['wan_speedup']:.2f}"
                 + ("" if c["dp_reached"] else " (lower bound: data parallel never reached it)"),
@@ -161,14 +241,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for c in cells:
         json_path = (
-            args.json.with_name(f"{args.json.stem}-{c['rate_mbit']:g}mbit.json")
-            if args.json
-            else None
+            args.json.with_name(f"{args.json.stem}-{c['label']}.json") if args.json else None
         )
         loss_curves(
             [c["dp"], c["decoupled"]],
             png_path(json_path, ""),
-            f"{w.learners} learners over {c['rate_mbit']:g} Mbit/s links",
+            f"{w.learners} learners over {c['rate_mbit']:g} Mbit/s, {c['rtt_ms']:g} ms links",
             w.batch_size * w.context,
         )
         for kind in ("dp", "decoupled"):
@@ -177,18 +255,25 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict[str, Any] = {
         "wan_speedup": head["wan_speedup"],
         "wan_rate_mbit": head["rate_mbit"],
+        "wan_rtt_ms": head["rtt_ms"],
         "wan_lower_bound": not head["dp_reached"],
         "wan_dp_shaped": head["dp_shaped"],
-        **{f"wan_speedup_{c['rate_mbit']:g}mbit": c["wan_speedup"] for c in cells},
+        **{f"wan_speedup_{c['label']}": c["wan_speedup"] for c in cells},
+        "smoke": args.smoke,
+        "links_measured": {c["label"]: c["links_measured"] for c in cells},
         "steps": w.steps,
         "learners": w.learners,
+        "compute": f"{w.learners} learner processes, 1 torch thread each, on "
+        f"{os.cpu_count()} cores, shared with the Synchronizer, the evaluator and the link proxies",
         "decoupled": dataclasses.asdict(cfg),
         "cells": cells,
         "machine": machine(),
     }
     print(
-        f"\nwan_speedup = {result['wan_speedup']:.3f} at {head['rate_mbit']:g} Mbit/s"
+        f"\nwan_speedup = {result['wan_speedup']:.3f} at {head['rate_mbit']:g} Mbit/s,"
+        f" {head['rtt_ms']:g} ms round trip"
         + (" (lower bound)" if result["wan_lower_bound"] else "")
+        + (" (smoke: a tiny model, the figure means nothing)" if args.smoke else "")
     )
     write_json(args.json, result)
     return result

@@ -1,20 +1,28 @@
 """The benchmarks in their smallest mode (`--smoke`), as a user runs them, so they do not rot:
 each exits 0 and writes its headline figures to the JSON file. The figures themselves mean
 nothing at this size; docs/performance.md has the real ones. Nothing here needs root: wan runs
-through the rate-limiting proxies, the others use namespaces only where they can be made.
+through the rate-limiting, delaying proxies, the others use namespaces only where they can be
+made. Then the benchmarks' own parts: the links' relay, delay and link check over real sockets
+on loopback (the namespaces' transparent proxy only as root).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import socket
+import statistics
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from bench.common import parser, run_mode
 from bench.goodput import pushed_fraction, schedule
-from bench.net import Proxies, TokenBucket, socket_bytes
-from bench.wan import reach_time
+from bench.net import LinkError, Namespaces, Proxies, Relay, TokenBucket, socket_bytes
+from bench.wan import parse_links, reach_time
 from tests.helpers import run_smoke
 
 SMOKES = [
@@ -141,3 +149,105 @@ def test_token_bucket_and_socket_counters() -> None:
     assert time.monotonic() - t0 >= 0.3
     sent, received = socket_bytes()
     assert sent >= 0 and received >= 0
+
+
+def _pair(delay_s: float, rate_bps: float | None = None) -> tuple[socket.socket, socket.socket]:
+    """(client, far end): what the client sends reaches the far end through a Relay."""
+    near_server = socket.create_server(("127.0.0.1", 0))
+    far_server = socket.create_server(("127.0.0.1", 0))
+    with near_server, far_server:
+        client = socket.create_connection(near_server.getsockname())
+        near, _ = near_server.accept()
+        upstream = socket.create_connection(far_server.getsockname())
+        far, _ = far_server.accept()
+    buckets = (TokenBucket(rate_bps), TokenBucket(rate_bps)) if rate_bps else (None, None)
+    Relay(near, upstream, delay_s, buckets)
+    for s in (client, far):
+        s.settimeout(10)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return client, far
+
+
+def test_relay_holds_each_chunk_half_the_round_trip_in_each_direction() -> None:
+    client, far = _pair(delay_s=0.05)
+    with client, far:
+        there, back = [], []
+        for _ in range(5):
+            t = time.perf_counter()
+            client.sendall(b"x")
+            assert far.recv(1) == b"x"
+            there.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            far.sendall(b"y")
+            assert client.recv(1) == b"y"
+            back.append(time.perf_counter() - t)
+        client.shutdown(socket.SHUT_WR)
+        assert far.recv(1) == b""  # the end of the stream passes through
+    for one_way in (there, back):
+        assert min(one_way) >= 0.05
+        assert statistics.median(one_way) < 0.05 + 0.03
+
+
+def test_relay_delay_does_not_slow_a_bulk_transfer_by_more_than_the_delay() -> None:
+    # 2 MB at 4 MB/s is 0.5 s; a delay paid chunk after chunk (32 chunks x 0.1 s) would be 3.2 s
+    size, rate, delay = 2_000_000, 4_000_000, 0.1
+    client, far = _pair(delay_s=delay, rate_bps=8 * rate)
+    with client, far:
+        t = time.perf_counter()
+        sender = threading.Thread(target=client.sendall, args=(bytes(size),))
+        sender.start()
+        got = 0
+        while got < size:
+            chunk = far.recv(1 << 16)
+            assert chunk
+            got += len(chunk)
+        elapsed = time.perf_counter() - t
+        sender.join()
+    transfer = (size - (64 << 10)) / rate  # less the token bucket's burst
+    assert transfer + delay <= elapsed < transfer + delay + 0.3
+
+
+def test_link_check_reports_the_round_trip_and_rate_the_proxies_were_given() -> None:
+    with Proxies(1, rate_bps=8 * 4_000_000, rtt_s=0.04) as links:
+        measured = links.verify()
+    assert [m["slot"] for m in measured] == [0]
+    for m in measured:
+        assert 40 <= m["rtt_ms"] < 40 + 15, m
+        for key in ("up_mbit", "down_mbit"):
+            assert 0.8 * 32 <= m[key] <= 1.3 * 32, m  # 4 MB/s = 32 Mbit/s
+        assert not m["rate_short"]
+
+
+def test_link_check_refuses_links_whose_round_trip_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    with Proxies(1, rtt_s=0.05) as links:
+        measured = [{"slot": 0, "rtt_ms": 90.0, "up_mbit": 1.0, "down_mbit": 1.0}]
+        monkeypatch.setattr(links, "measure", lambda: measured)
+        with pytest.raises(LinkError, match="rtt_ms 90.0 ms, asked for 50 ms"):
+            links.verify()
+        measured[0]["rtt_ms"] = 53.0  # within 20% of it
+        assert links.verify() == measured
+
+
+def test_wan_links_parse_from_links_or_rates_with_round_trips() -> None:
+    assert parse_links("50:50,1000:10", None, None) == [(50.0, 50.0), (1000.0, 10.0)]
+    assert parse_links(None, "50,1000", None) == [(50.0, 0.0), (1000.0, 0.0)]
+    assert parse_links(None, "50,1000", "20") == [(50.0, 20.0), (1000.0, 20.0)]
+    assert parse_links(None, "50,1000", "50,10") == [(50.0, 50.0), (1000.0, 10.0)]
+    assert parse_links(None, None, None) == []
+    with pytest.raises(SystemExit):
+        parse_links(None, "50,1000", "1,2,3")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("iptables") is None or shutil.which("tc") is None,
+    reason="network namespaces, tc and iptables need root",
+)
+def test_namespace_links_delay_every_connection_once_learner_to_learner_included() -> None:
+    with Namespaces(2, rate_bps=50e6, rtt_s=0.04) as links:
+        measured = links.verify()
+    for m in measured:
+        assert 40 <= m["rtt_ms"] < 40 + 10, m
+        assert 0.8 * 50 <= m["up_mbit"] <= 1.2 * 50 and 0.8 * 50 <= m["down_mbit"] <= 1.2 * 50, m
+    # slot 1 to slot 0 crosses two shaped links but one delaying proxy: one round trip, not two
+    assert 40 <= measured[1]["peer_rtt_ms"] < 40 + 10, measured
