@@ -128,6 +128,7 @@ class TorchftJob:
 
     def start(self) -> None:
         host = self.links.bind_host()
+        self.children.log("lighthouse").unlink(missing_ok=True)  # its port is read from it
         self.lighthouse = self.children.start(
             "lighthouse",
             [
