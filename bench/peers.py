@@ -44,9 +44,10 @@ Without torchft (`pip install -e '.[peers]'`) it prints one line and writes
 
     python -m bench.peers [--quick | --smoke] [--json PATH] [--steps S] [--arms torchft,default,sync]
         [--links loopback,50mbit] [--no-goodput] [--net auto|netns|proxy] [--out DIR]
-Modes: --smoke a tiny model, 2 learners, 100 steps, H 10; --quick the bundled example, 400 steps,
-H 100; full the bundled example, 1,000 steps, H 100 (the run torchft's bundled-example figure
-came from).
+Modes: --smoke a tiny model, 2 learners, 100 steps, H 10 (about 40 s here); --quick the bundled
+example, 400 steps, H 100, the fault runs 600 (about 4 minutes); full the bundled example, 1,000
+steps, H 100, the fault runs 1,000 (the run torchft's bundled-example figure came from; about 7
+minutes by the quick runs' pace).
 """
 
 from __future__ import annotations
