@@ -8,11 +8,14 @@ on loopback (the namespaces' transparent proxy only as root).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,8 +25,9 @@ import pytest
 from bench.common import parser, run_mode
 from bench.goodput import pushed_fraction, schedule
 from bench.net import LinkError, Namespaces, Proxies, Relay, TokenBucket, socket_bytes
+from bench.peers import MISSING, final_replica, headline, merged_syncs, torchft_missing
 from bench.wan import parse_links, reach_time
-from tests.helpers import run_smoke
+from tests.helpers import REPO, run_smoke
 
 SMOKES = [
     ("ingest", [], ["ingest_ratio", "apply_ratio"]),
@@ -78,6 +82,97 @@ def test_a_quick_mode_too_short_for_its_figures_calls_itself_a_smoke_run() -> No
     assert run_mode(quick) == {"mode": "quick", "smoke_run": False}
     assert run_mode(full, why) == {"mode": "full", "smoke_run": False}
     assert run_mode(p.parse_args(["--smoke"]), why)["smoke_run"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_peers_smoke_runs_torchft_and_the_defaults_on_both_links_and_under_faults(
+    tmp_path: Path,
+) -> None:
+    missing = torchft_missing()
+    if missing:
+        pytest.skip(f"bench.peers skips without torchft: {missing}")
+    result = run_smoke("peers", tmp_path / "peers.json")
+    for key in ("vs_torchft_bytes", "vs_torchft_wall", "vs_torchft_loss", "goodput_torchft"):
+        assert isinstance(result.get(key), float) and math.isfinite(result[key]), (key, result)
+    assert isinstance(result.get("goodput"), float)
+    torchft = result["runs"]["loopback"]["torchft"]
+    assert torchft["replicas_agree"] and torchft["manager_step"] == 10  # 100 steps, H = 10
+    assert "machine" in result
+
+
+@pytest.mark.slow
+def test_peers_without_torchft_says_so_in_one_line_exits_0_and_writes_skipped(
+    tmp_path: Path,
+) -> None:
+    hidden = tmp_path / "hide" / "torchft"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torchft'\", name='torchft')\n"
+    )
+    out = tmp_path / "peers.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.peers", "--smoke", "--json", str(out)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden.parent), str(REPO)])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines() == [
+        f"bench.peers: skipped: {MISSING}: No module named 'torchft'"
+    ]
+    result = json.loads(out.read_text())
+    assert result["skipped"].startswith("torchft not installed") and "machine" in result
+
+
+def sync(before: int, after: int, participants: int = 2) -> dict:
+    return {"before": before, "after": after, "participants": participants}
+
+
+def test_peers_torchft_merged_syncs_count_own_commits_not_failed_healed_or_forked_ones() -> None:
+    # a survivor: two commits with its peer, one lost (the peer died mid all-reduce), one alone
+    assert merged_syncs([sync(0, 1), sync(1, 2), sync(2, 2), sync(2, 3, 1)], False) == 3
+    # a restarted replica: its first sync heals it from the peer (its last H steps replaced)
+    assert merged_syncs([sync(0, 5), sync(5, 6), sync(6, 7)], True) == 2
+    # a restarted replica with nobody left to heal from trains a model nobody evaluates
+    assert merged_syncs([sync(0, 1, 1), sync(1, 2, 1)], True) == 0
+    # one restarted before the first commit rejoins at step 0 with its peer: no heal, all merged
+    assert merged_syncs([sync(0, 1), sync(1, 2)], True) == 2
+
+
+def test_peers_torchft_final_model_is_the_finished_replica_at_the_highest_manager_step() -> None:
+    results = [
+        {"finished": False, "manager_step": 3, "param_hash": "x"},
+        {"finished": True, "manager_step": 11, "param_hash": "fork", "eval_loss_end": 3.0},
+        {"finished": True, "manager_step": 14, "param_hash": "a", "eval_loss_end": 2.0},
+        {"finished": True, "manager_step": 14, "param_hash": "a", "eval_loss_end": 2.0},
+    ]
+    final = final_replica(results)
+    assert final["eval_loss_end"] == 2.0 and final["agree"]
+    assert not final_replica([*results, {**results[2], "param_hash": "b"}])["agree"]
+
+
+def test_peers_headline_is_theirs_over_ours_and_ours_minus_theirs() -> None:
+    runs = {
+        "loopback": {
+            "torchft": {"sent_per_learner": 5e6, "eval_loss": 1.867, "wall_s": 40.0},
+            "default": {"sent_per_learner": 1e6, "eval_loss": 1.80, "wall_s": 38.0},
+            "sync": {"sent_per_learner": 5.5e6, "eval_loss": 1.868, "wall_s": 45.0},
+        },
+        "50mbit": {
+            "torchft": {"sent_per_learner": 5e6, "eval_loss": 1.87, "wall_s": 60.0},
+            "default": {"sent_per_learner": 1e6, "eval_loss": 1.81, "wall_s": 40.0},
+        },
+    }
+    h = headline(runs, {"torchft": {"goodput": 0.7}, "default": {"goodput": 0.9}})
+    assert h["vs_torchft_bytes"] == pytest.approx(5.0)
+    assert h["vs_torchft_wall"] == pytest.approx(1.5)
+    assert h["vs_torchft_loss"] == pytest.approx(1.80 - 1.867)
+    assert h["sync_minus_torchft_loss"] == pytest.approx(0.001)
+    assert (h["goodput_torchft"], h["goodput"]) == (0.7, 0.9)
+    assert headline({"loopback": runs["loopback"]}, {})["vs_torchft_wall"] is None
 
 
 def test_reach_time_interpolates_the_crossing_and_says_never_when_it_is_not_reached() -> None:
