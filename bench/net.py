@@ -758,6 +758,20 @@ class Proxies(Links):
             s.close()
 
 
+def describe_links(measured: list[dict[str, Any]]) -> str:
+    """One line per slot: what the link check measured."""
+    lines = []
+    for m in measured:
+        line = f"    slot {m['slot']}: rtt {m['rtt_ms']:.1f} ms"
+        if "peer_rtt_ms" in m:
+            line += f" (to slot 0: {m['peer_rtt_ms']:.1f} ms)"
+        line += f", up {m['up_mbit']:.1f} Mbit/s, down {m['down_mbit']:.1f} Mbit/s"
+        if m.get("rate_short"):
+            line += "  ** under 70% of the rate asked for **"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def open_links(kind: str, slots: int, rate_bps: float | None = None, rtt_s: float = 0.0) -> Links:
     """kind: "netns", "proxy", or "auto" (namespaces where they can be made, else proxies).
     rate_bps limits each direction of every link; rtt_s gives each a round-trip time."""

@@ -1,5 +1,6 @@
 """Compared with torchft: torchft's DiLoCo and this project on the same model, data, learners, H,
-inner optimizer, steps and seed, on unshaped links and on 50 Mbit/s links, and under the goodput
+inner optimizer, steps and seed, on unshaped links and on 50 Mbit/s links with a 50 ms round trip
+(bench.wan's headline links, built and verified by bench/net.py), and under the goodput
 benchmark's fault schedule.
 
 Arms (2 learners of the bundled example, each process on its own `bench.net` link slot):
@@ -35,7 +36,7 @@ whose commit took its own work (the manager step went up by one). A sync that fa
 are discarded when it heals from a peer (it adopts the peer's model, inner optimizer and step).
 
 Headline: `vs_torchft_bytes` = torchft's bytes sent per learner over the defaults' (unshaped
-links); `vs_torchft_wall` = torchft's wall time over the defaults' on the 50 Mbit/s links;
+links); `vs_torchft_wall` = torchft's wall time over the defaults' on the 50 Mbit/s, 50 ms links;
 `vs_torchft_loss` = the defaults' eval loss minus torchft's (unshaped links); also
 `goodput_torchft`, `goodput` (the defaults') and `sync_minus_torchft_loss`.
 
@@ -79,7 +80,7 @@ from bench.jobs import (
     wire_bytes,
 )
 from bench.jobs import python as python_cmd
-from bench.net import Links, open_links
+from bench.net import Links, describe_links, open_links
 from demo.procs import Procs
 
 MISSING = "torchft not installed (pip install -e '.[peers]')"
@@ -88,7 +89,7 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # torchft's example and the Synchronizer's 
 # The link conditions: keyword arguments of open_links.
 CONDITIONS: dict[str, dict[str, Any]] = {
     "loopback": {},
-    "50mbit": {"rate_bps": 50e6},
+    "50mbit": {"rate_bps": 50e6, "rtt_s": 0.05},  # bench.wan's headline link
 }
 BYTES_ON, WALL_ON = "loopback", "50mbit"  # where the headline ratios are read
 
@@ -480,6 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     runs: dict[str, dict[str, dict]] = {}
     goodput: dict[str, dict] = {}
+    measured: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         root = args.out or Path(tmp)
         for cond in conditions:
@@ -488,6 +490,8 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{w.learners} learners x {w.steps} steps, H={h}, links: {cond} ({links.kind})",
                     flush=True,
                 )
+                measured[cond] = links.verify()
+                print(describe_links(measured[cond]), flush=True)
                 for arm in arms:
                     out = root / f"{cond}-{arm}"
                     if arm == "torchft":
@@ -574,6 +578,7 @@ def main(argv: list[str] | None = None) -> dict:
         "workload": dataclasses.asdict(w),
         "runs": runs,
         "goodput_runs": goodput,
+        "links_measured": measured,
         "machine": machine(),
     }
     write_json(args.json, result)

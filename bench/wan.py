@@ -53,7 +53,7 @@ from bench.common import machine, parser, table, write_json
 from bench.convergence import BEST, parse_set
 from bench.dp import DPJob
 from bench.jobs import SMOKE, Decoupled, DilocoJob, GlobalModel, Workload
-from bench.net import open_links
+from bench.net import describe_links, open_links
 from bench.plots import loss_curves, png_path
 
 
@@ -72,27 +72,13 @@ def reach_time(series: list[dict], target: float) -> float | None:
 FULL_LINKS = [(50.0, 50.0), (1000.0, 10.0)]  # (Mbit/s, round trip ms); the first is the headline
 
 
-def describe(measured: list[dict[str, Any]]) -> str:
-    """One line per slot: what the link check measured."""
-    lines = []
-    for m in measured:
-        line = f"    slot {m['slot']}: rtt {m['rtt_ms']:.1f} ms"
-        if "peer_rtt_ms" in m:
-            line += f" (to slot 0: {m['peer_rtt_ms']:.1f} ms)"
-        line += f", up {m['up_mbit']:.1f} Mbit/s, down {m['down_mbit']:.1f} Mbit/s"
-        if m.get("rate_short"):
-            line += "  ** under 70% of the rate asked for **"
-        lines.append(line)
-    return "\n".join(lines)
-
-
 def at_link(
     rate_mbit: float, rtt_ms: float, w: Workload, cfg: Decoupled, net: str, root: Path
 ) -> dict[str, Any]:
     with open_links(net, w.learners, rate_mbit * 1e6, rtt_ms / 1e3) as links:
         measured = links.verify()
         print(f"  links ({links.kind}), measured from each slot:", flush=True)
-        print(describe(measured), flush=True)
+        print(describe_links(measured), flush=True)
         expected_s = w.steps / 30  # about 30 steps/s per learner with a core each
         dec = DilocoJob(cfg, w, links, root / "decoupled").run(
             evaluator=GlobalModel(w, cfg.fragments), eval_every_s=max(1.0, expected_s / 8)
