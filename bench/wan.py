@@ -37,7 +37,7 @@ bound). Each further link adds `wan_speedup_<rate>mbit`.
 `--links RATE:RTT,...` gives each link's Mbit/s and round trip in ms; `--rates-mbit` with
 `--rtt-ms` (one value for all, or one per rate; 0 when left out) says the same.
 Modes: --smoke a tiny model, 2 learners, 100 steps, 50 Mbit/s and 50 ms (its figure means
-nothing: `"smoke": true`); --quick 2 x 400 steps at 50 Mbit/s and 50 ms; full 2 x 3000 steps
+nothing: `"smoke_run": true`); --quick 2 x 400 steps at 50 Mbit/s and 50 ms; full 2 x 3000 steps
 (the convergence run's length) at 50 Mbit/s / 50 ms and 1 Gbit/s / 10 ms.
 """
 
@@ -49,7 +49,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, table, write_json
+from bench.common import machine, parser, run_mode, say_mode, table, write_json
 from bench.convergence import BEST, parse_set
 from bench.dp import DPJob
 from bench.jobs import SMOKE, Decoupled, DilocoJob, GlobalModel, Workload
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
     args = p.parse_args(argv)
+    mode = run_mode(args)
+    say_mode(mode)
     if args.smoke:
         w, cfg, wan = dataclasses.replace(SMOKE), BEST.with_(sync_every=10), FULL_LINKS[:1]
     else:
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wan_lower_bound": not head["dp_reached"],
         "wan_dp_shaped": head["dp_shaped"],
         **{f"wan_speedup_{c['label']}": c["wan_speedup"] for c in cells},
-        "smoke": args.smoke,
+        **mode,
         "links_measured": {c["label"]: c["links_measured"] for c in cells},
         "steps": w.steps,
         "learners": w.learners,
@@ -259,8 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"\nwan_speedup = {result['wan_speedup']:.3f} at {head['rate_mbit']:g} Mbit/s,"
         f" {head['rtt_ms']:g} ms round trip"
         + (" (lower bound)" if result["wan_lower_bound"] else "")
-        + (" (smoke: a tiny model, the figure means nothing)" if args.smoke else "")
     )
+    say_mode(mode)
     write_json(args.json, result)
     return result
 
