@@ -187,6 +187,21 @@ class Injector:
 # DiLoCo ------------------------------------------------------------------------------------------
 
 
+def kill_learner(slot: Slot, steps: int) -> dict | None:
+    """SIGKILLs the slot's learner process and marks the slot down; returns its last result,
+    with `step` the step it had reached. None, and nothing killed, when it has already finished
+    (or reached `steps`)."""
+    if not slot.running():
+        return None
+    r = slot.runs[-1].result()
+    if r.get("step", 0) >= steps:
+        return None
+    Procs.signal(slot.proc, signal.SIGKILL)
+    slot.proc.wait()
+    slot.down = True
+    return {**r, "step": r.get("step", slot.runs[-1].start_step)}
+
+
 def run_diloco(
     cfg: Decoupled, w: Workload, faults: list[Fault], net: str, out: Path, align_restart: bool
 ) -> dict:
@@ -195,20 +210,11 @@ def run_diloco(
     job: DilocoJob  # made below, once the links are open; the callbacks run after that
 
     def crash(i: int) -> str:
-        slot = job.slots[i]
-        if not slot.running():
+        r = kill_learner(job.slots[i], w.steps)
+        if r is None:
             return "already finished"
-        r = slot.runs[-1].result()
-        if r.get("step", 0) >= w.steps:
-            return "already finished"
-        crashed[i] = (
-            r.get("step", slot.runs[-1].start_step),
-            rejoin_args(r),
-        )
-        Procs.signal(slot.proc, signal.SIGKILL)
-        slot.proc.wait()
-        slot.down = True
-        return f"at step {crashed[i][0]}"
+        crashed[i] = (r["step"], rejoin_args(r))
+        return f"at step {r['step']}"
 
     def restart(i: int) -> str:
         if i not in crashed:

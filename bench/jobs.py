@@ -441,14 +441,7 @@ class DilocoJob:
         return all(s.runs and "started_at" in s.runs[0].result() for s in self.slots)
 
     def summarize(self, samples: dict, final: dict, evals: list[dict]) -> dict:
-        results = [[r.result() for r in s.runs] for s in self.slots]
-        t_start = min(rs[0]["started_at"] for rs in results)
-        t_end = max(rs[-1]["series"][-1]["t"] for rs in results)
-        wire = wire_bytes(
-            self.links,
-            [rs[0] for rs in results] if all(len(rs) == 1 for rs in results) else None,
-            self.workload.steps,
-        )
+        results, t_start, t_end, wire = run_span(self.slots, self.links, self.workload.steps)
         learner_counted = statistics.mean(
             sum(r.get("bytes_sent", 0) + r.get("bytes_received", 0) for r in rs) for rs in results
         )
@@ -474,6 +467,21 @@ class DilocoJob:
             "t_start": t_start,
             "results": results,
         }
+
+
+def run_span(
+    slots: list[Slot], links: Links, steps: int
+) -> tuple[list[list[dict]], float, float, dict]:
+    """A finished job's results per slot (one per incarnation), the time its first training step
+    began and its last progress line, and its wire bytes (`wire_bytes`; per learner only where
+    no slot restarted)."""
+    results = [[r.result() for r in s.runs] for s in slots]
+    t_start = min(rs[0]["started_at"] for rs in results)
+    t_end = max(rs[-1]["series"][-1]["t"] for rs in results)
+    wire = wire_bytes(
+        links, [rs[0] for rs in results] if all(len(rs) == 1 for rs in results) else None, steps
+    )
+    return results, t_start, t_end, wire
 
 
 def wire_bytes(links: Links, results: list[dict] | None, steps: int) -> dict:

@@ -56,7 +56,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import signal
 import statistics
 import sys
 import tempfile
@@ -68,7 +67,7 @@ from typing import Any
 
 from bench.common import machine, parser, table, write_json
 from bench.defaults import ARMS as DEFAULTS_ARMS
-from bench.goodput import Injector, run_diloco, schedule
+from bench.goodput import Injector, kill_learner, run_diloco, schedule
 from bench.jobs import (
     SMOKE,
     Decoupled,
@@ -77,7 +76,7 @@ from bench.jobs import (
     JobError,
     Slot,
     Workload,
-    wire_bytes,
+    run_span,
 )
 from bench.jobs import python as python_cmd
 from bench.net import Links, describe_links, open_links
@@ -216,14 +215,7 @@ class TorchftJob:
 
     def summarize(self) -> dict:
         w = self.workload
-        results = [[r.result() for r in s.runs] for s in self.slots]
-        t_start = min(rs[0]["started_at"] for rs in results)
-        t_end = max(rs[-1]["series"][-1]["t"] for rs in results)
-        wire = wire_bytes(
-            self.links,
-            [rs[0] for rs in results] if all(len(rs) == 1 for rs in results) else None,
-            w.steps,
-        )
+        results, t_start, t_end, wire = run_span(self.slots, self.links, w.steps)
         if self.links.kind != "netns":  # gloo bypasses the proxies: the replicas' own sockets
             sent = [sum(r.get("socket_sent", 0) for r in rs) for rs in results]
             received = [sum(r.get("socket_received", 0) for r in rs) for rs in results]
@@ -341,17 +333,11 @@ def run_torchft_goodput(
     job: TorchftJob  # made below, once the links are open; the callbacks run after that
 
     def crash(i: int) -> str:
-        slot = job.slots[i]
-        if not slot.running():
+        r = kill_learner(job.slots[i], w.steps)
+        if r is None:
             return "already finished"
-        r = slot.runs[-1].result()
-        if r.get("step", 0) >= w.steps:
-            return "already finished"
-        crashed[i] = r.get("step", slot.runs[-1].start_step)
-        Procs.signal(slot.proc, signal.SIGKILL)
-        slot.proc.wait()
-        slot.down = True
-        return f"at step {crashed[i]}"
+        crashed[i] = r["step"]
+        return f"at step {r['step']}"
 
     def restart(i: int) -> str:
         if i not in crashed:
