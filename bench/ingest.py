@@ -37,6 +37,7 @@ from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer.buffers import Fp32Buffers, Payloads, payload_budget
+from synchronizer.clock import SystemClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.fragments import Fragment
 from synchronizer.goodput import Goodput
@@ -239,7 +240,7 @@ def measure_ingest(
         with service_threads(), serving(cfg, Metrics()) as srv:
             init_synchronizer(srv.address, params, fragments)
             got = run_clients(srv.address, "sync", codec_id, params, fragments, clients, seconds)
-            steps = sum(f.version for f in srv.synchronizer.fragments)
+            steps = sum(f.version for f in srv.synchronizer.model.fragments)
     release_memory()
     bytes_per_param = layout.encoded_nbytes(codec_id, params) / params
     return {
@@ -274,7 +275,9 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
         spec = plan_fragments([TensorInfo("w", (numel,))], 1).fragments[0]
         goodput = Goodput(metrics, cfg.goodput_window_s)
         payloads = Payloads(payload_budget(cfg.payload_budget_bytes, numel))
-        frag = Fragment(spec, cfg, metrics, goodput, numel, payloads, Fp32Buffers(numel, 1))
+        frag = Fragment(
+            spec, cfg, metrics, goodput, numel, payloads, Fp32Buffers(numel, 1), SystemClock()
+        )
         frag.initialize(params)
     plain: list[float] = []
     apply: list[float] = []

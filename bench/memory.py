@@ -77,9 +77,11 @@ def fragment_bytes(frag: Any) -> dict[str, int]:
 def shared_bytes(core: Synchronizer) -> dict[str, int]:
     """Bytes of the buffers all fragments share: free FP32 round buffers, and push payloads
     pooled for reuse or held by open rounds."""
-    frag = core.fragments[0]
+    frag = core.model.fragments[0]
     seen: set[int] = set()
-    held = [h.buf for f in core.fragments if f.admission.round for h in f.admission.round.held]
+    held = [
+        h.buf for f in core.model.fragments if f.admission.round for h in f.admission.round.held
+    ]
     return {
         "accumulators": _storage_bytes(_tensors(frag.fp32._free), seen),
         "pool": _storage_bytes(_tensors([list(frag.payloads._free.values()), held]), seen),
@@ -88,7 +90,7 @@ def shared_bytes(core: Synchronizer) -> dict[str, int]:
 
 def _live_storages(core: Synchronizer) -> set[int]:
     seen: set[int] = set()
-    for frag in core.fragments:
+    for frag in core.model.fragments:
         for part in (frag.model.__dict__, frag.model.downlink.__dict__):
             _storage_bytes(_tensors(list(part.values())), seen)
         _storage_bytes(_tensors(frag.model.outer.state_dict()), seen)
@@ -142,7 +144,7 @@ def run_rounds(core: Synchronizer, learners: int, rounds: int, seed: int = 0) ->
     submitted and applied as the outer-step worker does (no gRPC)."""
     g = torch.Generator().manual_seed(seed)
     for _ in range(rounds):
-        for frag in core.fragments:
+        for frag in core.model.fragments:
             delta = torch.randn(frag.numel, generator=g) * 1e-3
             header = layout.make_header(pb.CODEC_INT4, frag.numel)
             payload = codec.encode(delta, pb.CODEC_INT4)
@@ -167,12 +169,12 @@ def measure(params: int, fragments: int, learners: int, **settings: Any) -> dict
             spec = plan_fragments(
                 [TensorInfo(f"layer{i}.weight", (n,)) for i, n in enumerate(per)], fragments
             )
-            core._set_spec(spec)
-            for frag in core.fragments:
+            core.model.serve(spec)
+            for frag in core.model.fragments:
                 frag.initialize(torch.randn(frag.numel) * 0.02)
-            core.initialized = True
+            core.model.initialized = True
             run_rounds(core, learners, cfg.update_history + 1)
-            by_fragment = [fragment_bytes(f) for f in core.fragments]
+            by_fragment = [fragment_bytes(f) for f in core.model.fragments]
             shared = shared_bytes(core)
             totals = {k: sum(f[k] for f in by_fragment) for k in by_fragment[0]}
             totals["accumulators"] += shared["accumulators"]

@@ -1,7 +1,7 @@
 """One fragment of the global model: the parts that serve it, put together.
 
 A `Fragment` is its spec (tensor segments, share of the model), its `Admission` of pushes into
-the open round (`synchronizer.rounds`), and its `FragmentModel`: parameters, outer step and
+the open round (`synchronizer.admission`), and its `FragmentModel`: parameters, outer step and
 downlink (`synchronizer.model`, `synchronizer.downlink`); it uses the Synchronizer-wide payload
 budget and FP32 buffers (`synchronizer.buffers`), which every fragment shares. Two locks, never held together by a push: the
 admission lock (held only to judge and accumulate one push) and the model's condition (held while
@@ -19,13 +19,15 @@ import torch
 
 from protos import diloco_pb2 as pb
 from protos.spec import Fragment as FragmentSpec
+from synchronizer.admission import Admission, Round, Verdict
 from synchronizer.buffers import Fp32Buffers, Payloads
+from synchronizer.clock import Clock
 from synchronizer.config import SynchronizerConfig
+from synchronizer.errors import Code, Rejected
 from synchronizer.goodput import Goodput, Share
 from synchronizer.merge import Accumulator
 from synchronizer.metrics import Metrics
 from synchronizer.model import FragmentModel
-from synchronizer.rounds import Admission, Round, Verdict
 
 EMBEDDING_HINTS = ("emb", "wte", "wpe")  # tensors merged by plain mean in radial mode
 
@@ -40,6 +42,7 @@ class Fragment:
         model_numel: int,
         payloads: Payloads,
         fp32: Fp32Buffers,
+        clock: Clock,
     ) -> None:
         """`payloads` and `fp32` are shared by every fragment (`fp32` of at least this
         fragment's size)."""
@@ -63,7 +66,9 @@ class Fragment:
         self.payloads = payloads
         self.fp32 = fp32
         self.model = FragmentModel(self.fid, spec.numel, cfg)
-        self.admission = Admission(cfg, metrics, goodput, self._new_accumulator, payloads, self.fid)
+        self.admission = Admission(
+            cfg, metrics, goodput, self._new_accumulator, payloads, self.fid, clock
+        )
         self.metrics = metrics
         metrics.fragment_version.labels(str(self.fid)).set(0)
 
@@ -121,6 +126,40 @@ class Fragment:
             journal,
             order,
         )
+
+    def reserve_hold(self, nbytes: int, live: Callable[[], set[str]], wait_s: float) -> bool:
+        """Room in the payload budget to hold a push of `nbytes` for its outer step: True when
+        it is held, False when its round already adds on arrival (it has its sums: no more
+        memory).
+
+        Past the budget the Synchronizer is behind (rounds wait for outer steps). A round that
+        has not reached its quorum needs this push to ever close: it is held past the budget, or
+        added on arrival when its held pushes would cost more than FP32 sums of the fragment.
+        Otherwise the push waits (up to `wait_s`) for outer steps to free room, and is then
+        refused RESOURCE_EXHAUSTED (the learner retries it, same seq): memory stays within the
+        budget plus what rounds need to reach their quorum."""
+        if self.payloads.reserve(nbytes):
+            return True
+        deadline = time.monotonic() + wait_s
+        while True:
+            adds, quorum, held = self.admission.holding(live(), self.model.version)
+            if adds:
+                return False
+            if not quorum:
+                if held + nbytes > 4 * self.numel:
+                    return False  # holding would cost more than the round's FP32 sums
+                self.payloads.claim(nbytes)
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.metrics.payloads_refused.inc()
+                raise Rejected(
+                    Code.RESOURCE_EXHAUSTED,
+                    "payload_budget",
+                    f"pushes held for outer steps fill payload_budget_bytes ({self.payloads.budget_bytes}): the Synchronizer is behind; retry this push (same seq) with backoff",
+                )
+            if self.payloads.wait_reserve(nbytes, min(0.5, left)):
+                return True
 
     def share_of(self, tokens: int, compute_s: float) -> Share:
         """The part of a push's tokens and compute seconds this fragment accounts for."""

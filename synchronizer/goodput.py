@@ -16,10 +16,10 @@ shards' counters add up to the learners' totals (unsharded, the fraction is 1).
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 
+from synchronizer.clock import Clock, SystemClock
 from synchronizer.metrics import Metrics
 
 
@@ -32,7 +32,8 @@ class Share:
 
 
 class Goodput:
-    def __init__(self, metrics: Metrics, window_s: float) -> None:
+    def __init__(self, metrics: Metrics, window_s: float, clock: Clock | None = None) -> None:
+        self.clock = clock or SystemClock()
         self.metrics = metrics
         self.window_s = window_s
         self.lock = threading.Lock()
@@ -43,7 +44,7 @@ class Goodput:
         self.accounted: dict[str, list[float]] = {}  # learner -> [tokens, compute] judged so far
         self.reported: dict[str, list[float]] = {}  # learner -> [tokens, compute] reported
         self.samples: deque[tuple[float, float, float]] = deque()
-        self.last_tick = time.monotonic()
+        self.last_tick = self.clock.monotonic()
         self.fraction = 1.0  # of the model this Synchronizer serves (a shard's part)
         metrics.tokens_in_flight.set_function(lambda: self.in_flight()[0])
         metrics.compute_in_flight.set_function(lambda: self.in_flight()[1])
@@ -103,7 +104,7 @@ class Goodput:
 
     def tick(self, slots: int) -> None:
         """Adds capacity for `slots` learners since the last tick and samples the window."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self.lock:
             added = (now - self.last_tick) * slots * self.fraction
             self.capacity_s += added

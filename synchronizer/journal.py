@@ -33,16 +33,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from protos import diloco_pb2 as pb
+from synchronizer.admission import Verdict
 from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected
 from synchronizer.leases import LearnerRecord, Registry
 from synchronizer.metrics import Metrics
-from synchronizer.rounds import Verdict
 from synchronizer.wal import JOIN, PUSH, ROUND, Disk, Record, Wal, WalError
 
 if TYPE_CHECKING:
     from synchronizer.fragments import Fragment
     from synchronizer.goodput import Goodput
+    from synchronizer.rounds import Rounds
 
 logger = logging.getLogger(__name__)
 
@@ -214,11 +215,12 @@ class Journal:
         fragments: Mapping[int, Fragment],
         registry: Registry,
         goodput: Goodput,
-        on_failure: Callable[[Fragment, str], None],
+        closer: Rounds | None,
     ) -> tuple[int, int]:
         """Replays the log on top of the restored checkpoint, into `fragments` (this shard's, by
-        id); returns (pushes, rounds) replayed. A round whose outer step raises fails its fragment (`on_failure`), as it did when it
-        was first applied; the other fragments replay on. Call before `start`."""
+        id); returns (pushes, rounds) replayed. Rounds are applied by `closer`, as they were
+        first: a round whose outer step raises fails its fragment, and the other fragments
+        replay on. Call before `start`."""
         if self.wal is None:
             return 0, 0
         pushes = rounds = 0
@@ -228,13 +230,13 @@ class Journal:
                 registry.joined_record(meta)
                 continue
             frag = fragments.get(int(meta["fid"]))
-            if frag is None:
+            if frag is None or closer is None:
                 continue  # logged before a model existed (an initialisation never saved)
             version = int(meta["version"])
             if version <= frag.version or frag.model.failure is not None:
                 continue  # the checkpoint holds it, or its fragment failed
             if record.kind == PUSH:
-                if not self._close_before(frag, version, goodput, on_failure):
+                if not closer.replay_close_before(frag, version):
                     continue
                 header = pb.PayloadHeader.FromString(base64.b64decode(meta["header"]))
                 buf = torch.frombuffer(bytearray(record.payload), dtype=torch.uint8)
@@ -263,40 +265,9 @@ class Journal:
                 registry.record_reply(rec, int(meta["seq"]), reply)
                 pushes += 1
             elif record.kind == ROUND:
-                if self._close_before(frag, version + 1, goodput, on_failure):
+                if closer.replay_close_before(frag, version + 1):
                     rounds += 1
         return pushes, rounds
-
-    def _close_before(
-        self,
-        frag: Fragment,
-        version: int,
-        goodput: Goodput,
-        on_failure: Callable[[Fragment, str], None],
-    ) -> bool:
-        """Applies the open round if it produces a version below `version` (its ROUND record
-        may be missing: a close that was never served); False if its outer step raised."""
-        rnd = frag.admission.round
-        if rnd is None or rnd.start_version + 1 >= version:
-            return True
-        journal, frag.admission.journal = frag.admission.journal, None
-        try:
-            frag.admission.take(rnd)
-        finally:
-            frag.admission.journal = journal
-        try:
-            _, refused = frag.apply(rnd)
-        except Exception as e:  # noqa: BLE001 - the failure becomes the fragment's state
-            on_failure(
-                frag,
-                f"replaying the outer step to version {rnd.start_version + 1} raised {type(e).__name__}: {e}",
-            )
-            return False
-        if refused is None:
-            goodput.merged([c.share for c in rnd.contributions])
-        else:
-            goodput.refused([c.share for c in rnd.contributions])
-        return True
 
     def start(self) -> None:
         if self.wal is not None:

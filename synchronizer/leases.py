@@ -20,13 +20,13 @@ import logging
 import math
 import secrets
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from protos import diloco_pb2 as pb
+from synchronizer.clock import Clock, SystemClock
 from synchronizer.errors import Code, Rejected
 
 logger = logging.getLogger(__name__)
@@ -60,16 +60,19 @@ class LearnerRecord:
     max_seq: int = 0
     session_hash: str = ""  # SHA-256 of the session secret Join gave; "" = unbound (old checkpoint)
     spec_hash: str = ""  # of the model spec it joined with
-    first_joined: float = field(default_factory=time.time)  # wall clock, kept across restarts
+    first_joined: float = 0.0  # wall clock, kept across restarts
     forgotten_up_to: int = 0  # replies up to this seq are no longer remembered
     replies: dict[int, pb.PushReply] = field(default_factory=dict)
     tickets: dict[int, int] = field(default_factory=dict)  # seq -> write-ahead log ticket
     push_lock: threading.Lock = field(default_factory=threading.Lock)  # judge one seq at a time
 
-    def check_counts(self, what: str, tokens: float, steps: float, seconds: float) -> None:
-        """Refuses counts no learner could have reached since it first joined: more tokens or
-        steps than MAX_*_PER_S, or more compute or blocked seconds than wall-clock seconds."""
-        age = max(0.0, time.time() - self.first_joined) + COUNTS_SLACK_S
+    def check_counts(
+        self, what: str, tokens: float, steps: float, seconds: float, wall_now: float
+    ) -> None:
+        """Refuses counts no learner could have reached since it first joined (wall clock
+        `wall_now`): more tokens or steps than MAX_*_PER_S, or more compute or blocked seconds
+        than wall-clock seconds."""
+        age = max(0.0, wall_now - self.first_joined) + COUNTS_SLACK_S
         if tokens > age * MAX_TOKENS_PER_S or steps > age * MAX_STEPS_PER_S or seconds > age:
             raise Rejected(
                 Code.INVALID_ARGUMENT,
@@ -110,7 +113,14 @@ def check_id(learner_id: str) -> None:
 
 
 class Registry:
-    def __init__(self, lease_s: float, max_learners: int, forget_after_s: float) -> None:
+    def __init__(
+        self,
+        lease_s: float,
+        max_learners: int,
+        forget_after_s: float,
+        clock: Clock | None = None,
+    ) -> None:
+        self.clock = clock or SystemClock()
         self.lease_s = lease_s
         self.max_learners = max_learners
         self.forget_after_s = forget_after_s
@@ -135,7 +145,7 @@ class Registry:
                 f"learner_name is {len(name)} characters; at most {MAX_NAME_CHARS}",
             )
         check_id(learner_id)
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self.lock:
             rec = self.learners.get(learner_id) if learner_id else None
             if rec is not None:
@@ -160,6 +170,7 @@ class Registry:
             lid = learner_id or uuid.uuid4().hex[:12]
             session = secrets.token_hex(16)
             rec = LearnerRecord(lid, name or lid, "alive", now + self.lease_s, now)
+            rec.first_joined = self.clock.wall()
             rec.session_hash = session_hash(session)
             self.learners[lid] = rec
             self._trim()
@@ -191,7 +202,7 @@ class Registry:
                     f"learner {learner_id!r} is not joined; call Join first",
                 )
             check_session(rec, session)
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if rec.state == "dead" or now > rec.lease_deadline:
                 raise Rejected(
                     Code.FAILED_PRECONDITION,
@@ -206,7 +217,7 @@ class Registry:
         """Renews a live learner's lease from its transfer's progress. Cheap enough to call on
         every chunk: the lock is taken only once the lease is `renew_every_s` older than a fresh
         one. A lease already lapsed stays lapsed (that learner joins again)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if rec.lease_deadline - now > self.lease_s - self.renew_every_s:
             return
         with self.lock:
@@ -218,7 +229,7 @@ class Registry:
         """Keeps a live learner's lease for as long as the block runs (the server's own work on
         its behalf, such as the first checkpoint of the model it uploaded), then renews it."""
         with self.lock:
-            alive = rec.state == "alive" and time.monotonic() <= rec.lease_deadline
+            alive = rec.state == "alive" and self.clock.monotonic() <= rec.lease_deadline
             if alive:
                 rec.lease_deadline = math.inf
         try:
@@ -226,14 +237,21 @@ class Registry:
         finally:
             if alive:
                 with self.lock:
-                    rec.lease_deadline = time.monotonic() + self.lease_s
+                    rec.lease_deadline = self.clock.monotonic() + self.lease_s
+
+    def check_counts(
+        self, rec: LearnerRecord, what: str, tokens: float, steps: float, seconds: float
+    ) -> None:
+        """`LearnerRecord.check_counts` against this registry's wall clock."""
+        rec.check_counts(what, tokens, steps, seconds, self.clock.wall())
 
     def report(
         self, rec: LearnerRecord, counters: pb.LearnerCounters, step_time_s: float = 0.0
     ) -> float:
         """Stores cumulative counters (they never go down); returns the new blocked seconds.
         Counters no learner could have reached are refused and nothing is stored."""
-        rec.check_counts(
+        self.check_counts(
+            rec,
             "counters",
             counters.tokens,
             counters.steps,
@@ -256,13 +274,13 @@ class Registry:
                 raise Rejected(
                     Code.NOT_FOUND, "unknown_learner", f"learner {learner_id!r} is not joined"
                 )
-            rec.state, rec.died_at = "left", time.monotonic()
+            rec.state, rec.died_at = "left", self.clock.monotonic()
             return rec
 
     def reap(self) -> list[LearnerRecord]:
         """Marks lapsed leases dead; a learner dead for `forget_after_s` stops counting toward
         capacity (left), and one left for `forget_after_s` is forgotten. Returns the newly dead."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         died = []
         with self.lock:
             for rec in list(self.learners.values()):
@@ -279,7 +297,7 @@ class Registry:
         return died
 
     def _live(self) -> list[LearnerRecord]:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self.lock:
             return [
                 r for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline
@@ -348,14 +366,15 @@ class Registry:
         """A learner from a write-ahead log JOIN record: kept as it is if known (its session
         bound), otherwise added alive with a fresh lease (it joined after the checkpoint, so it
         was alive a moment ago; see `restore`)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self.lock:
             rec = self.learners.get(d["learner_id"])
             if rec is None:
                 rec = LearnerRecord(d["learner_id"], d["name"], "alive", now + self.lease_s, now)
+                rec.first_joined = self.clock.wall()
                 self.learners[rec.learner_id] = rec
             rec.session_hash = rec.session_hash or str(d.get("session_hash", ""))
-            rec.first_joined = min(rec.first_joined, float(d.get("first_joined", now)))
+            rec.first_joined = min(rec.first_joined, float(d.get("first_joined", rec.first_joined)))
             rec.spec_hash = str(d.get("spec_hash", rec.spec_hash))
             return rec
 
@@ -415,7 +434,7 @@ class Registry:
         fresh lease (they keep their sessions: a restart is not their fault, and a round that
         waits for every live learner still waits for them); if one does not call within that
         lease it is dead, as any other. The others come back dead: they re-join under their ids."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self.lock:
             for d in records:
                 if d.get("left"):
@@ -429,7 +448,7 @@ class Registry:
                 rec.max_seq = rec.forgotten_up_to = int(d["max_seq"])
                 rec.session_hash = str(d.get("session_hash", ""))
                 rec.spec_hash = str(d.get("spec_hash", ""))
-                rec.first_joined = float(d.get("first_joined", rec.first_joined))
+                rec.first_joined = float(d.get("first_joined", self.clock.wall()))
                 rec.steps, rec.tokens = int(d["steps"]), int(d["tokens"])
                 rec.compute_s, rec.blocked_s = float(d["compute_s"]), float(d["blocked_s"])
                 self.learners[rec.learner_id] = rec

@@ -201,6 +201,12 @@ class FragmentModel:
                     return
                 self.cv.wait(left)
 
+    def wait_applied(self, version: int) -> None:
+        """Until the outer steps up to `version` are applied, or the fragment failed."""
+        with self.cv:
+            while self.version < version and self.failure is None:
+                self.cv.wait(1.0)
+
     def served(
         self, codec_id: pb.Codec, have_version: int | None, budget: Snapshots | None = None
     ) -> tuple[Link | None, list[Link] | None, int, int]:

@@ -1,25 +1,12 @@
-"""Rounds: which pushes go into a fragment's next outer step, and when that round closes.
+"""Closing rounds: when a fragment's open round becomes an outer step, and what that step
+counts.
 
-Per fragment, `Admission` keeps at most one open round collecting weighted outer gradients: it
-judges each push (staleness bound; norm bound and token-weight cap against the other learners'
-recent pushes, `synchronizer.bounds`; staleness weight), holds its encoded payload for the outer
-step or adds it at once when the held-bytes budget is full, and says when the round may close.
-Held pushes are added in a canonical order (learner name, id, seq), not in arrival order: a
-synchronous run (every learner in every round) sums the same numbers in the same order however
-its pushes raced, so it is reproducible bit for bit, and a replay of the write-ahead log repeats
-it (the log says which pushes were held and which were added at once). `Rounds` closes them,
-on worker threads, never on gRPC threads.
-
-A round's FP32 sums (an `Accumulator`) are lent by the Synchronizer-wide `Fp32Buffers`: taken
-when the round starts adding (at its outer step, or on arrival when a push cannot be held) and
-given back when its outer step ends, so a fragment between outer steps holds none.
-
-Round policy (Decoupled DiLoCo): a round may close once it holds K contributions (K = quorum,
-capped by the live learners; quorum 0 = every live learner, i.e. synchronous DiLoCo). It closes
-at once when every live learner has contributed, otherwise after the grace window
-(`synchronizer.grace`). While a fragment's previous outer step is still being applied its open
-round keeps collecting instead of closing, so a busy Synchronizer batches pushes rather than
-queueing outer steps.
+`Rounds` asks each fragment's `Admission` (`synchronizer.admission`) whether its open round may
+close, arms the round's grace timer on the core's clock once it has its quorum, and closes it:
+the round is taken (its close logged), and its outer step runs on a worker thread, never on a
+gRPC thread. `apply` is the one way a taken round's outer step is applied and counted (goodput,
+metrics, a refusal, a failure), on a worker and in a replay of the write-ahead log alike, so the
+two cannot drift apart.
 
 A round whose outer step raises fails its fragment (`on_failure`): the error reaches the health
 service, the waiters and the metrics instead of vanishing in a worker thread.
@@ -28,324 +15,17 @@ service, the waiters and the metrics instead of vanishing in a worker thread.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
-from protos import codec
-from protos import diloco_pb2 as pb
-from synchronizer.bounds import PushBounds
-from synchronizer.buffers import Payloads
-from synchronizer.config import SynchronizerConfig
-from synchronizer.goodput import Goodput, Share
+from synchronizer.admission import Round
+from synchronizer.clock import Clock
+from synchronizer.fragments import Fragment
+from synchronizer.goodput import Goodput
 from synchronizer.grace import GraceWindow
-from synchronizer.merge import Accumulator, staleness_factor, token_weight
 from synchronizer.metrics import Metrics
 
-if TYPE_CHECKING:
-    from synchronizer.fragments import Fragment
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Contribution:
-    learner_id: str
-    base_version: int
-    weight: float
-    share: Share
-
-
-@dataclass
-class Round:
-    start_version: int  # the round's outer step turns this version into start_version + 1
-    acc: Accumulator | None = None  # the round's sums, once it starts adding (`Fp32Buffers`)
-    opened_at: float = field(default_factory=time.monotonic)
-    contributions: list[Contribution] = field(default_factory=list)
-    quorum_at: float | None = None
-    timer: threading.Timer | None = None
-    expired: bool = False  # the grace window ran out
-    closing: bool = False
-    ticket: int = 0  # its write-ahead log record; the outer step waits until it is durable
-    # Accepted pushes not yet added to `acc`, already validated. The outer-step worker decodes
-    # and adds them, so acknowledging a push costs no decode.
-    held: list[Held] = field(default_factory=list)
-
-    def add_held(self, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Adds the held pushes to the accumulator in their canonical order (`Held.order`);
-        returns their buffers."""
-        assert self.acc is not None
-        spent = [h.buf for h in self.held]
-        try:
-            for h in sorted(self.held, key=lambda h: h.order):
-                self.acc.add_payload(h.buf, h.header, h.weight, scratch)
-        finally:
-            self.held.clear()
-        return spent
-
-
-class Held(NamedTuple):
-    """An accepted push held for its round's outer step."""
-
-    buf: torch.Tensor  # the encoded payload as received
-    header: pb.PayloadHeader
-    weight: float
-    order: tuple[str, str, int]  # (learner name, learner id, seq): the order it is added in
-
-
-@dataclass
-class Verdict:
-    """What became of a push, as the fragment judged it."""
-
-    outcome: pb.PushOutcome
-    round_version: int
-    current_version: int
-    staleness: int
-    weight: float
-    message: str = ""  # why it was not accepted, and what to do
-    ticket: int = 0  # its write-ahead log record (accepted pushes, with a log)
-
-
-class Admission:
-    """One fragment's open round: judges pushes into it and says when it may close."""
-
-    def __init__(
-        self,
-        cfg: SynchronizerConfig,
-        metrics: Metrics,
-        goodput: Goodput,
-        new_accumulator: Callable[[], Accumulator],
-        payloads: Payloads,
-        fid: int,
-    ) -> None:
-        self.fid = fid
-        self.cfg = cfg
-        self.metrics = metrics
-        self.goodput = goodput
-        self.new_accumulator = new_accumulator  # lent sums, for a round that adds on arrival
-        self.payloads = payloads
-        self.lock = threading.Lock()  # held only to judge and accumulate one push
-        self.round: Round | None = None
-        self.pending_version = 0  # version after every round already handed to the closers
-        self.bounds = PushBounds(cfg.max_norm_ratio, cfg.max_weight_ratio)
-        self.journal: Callable[[int], int] | None = None  # logs a round closing into a version
-
-    def reset(self, version: int) -> None:
-        with self.lock:
-            self.pending_version = version
-
-    def applying(self, version: int) -> bool:
-        """A taken round's outer step has not finished yet."""
-        return self.pending_version != version
-
-    def submit(
-        self,
-        learner_id: str,
-        base_version: int,
-        tokens: int,
-        steps: int,
-        share: Share,
-        current_version: int,
-        payload: tuple[torch.Tensor, pb.PayloadHeader],
-        hold: bool,
-        journal: Callable[[Verdict], int] | None = None,
-        order: tuple[str, str, int] = ("", "", 0),
-    ) -> tuple[Verdict, Round | None]:
-        """Judges one push (its encoded bytes and header) and adds it to the open round; returns
-        the verdict and its round. An accepted push is given to `journal` (the write-ahead log)
-        in the order it enters its round, and the verdict carries the ticket it returns.
-
-        With `hold` (room reserved in the held budget by the caller) an accepted payload belongs
-        to the round, whose outer step decodes and adds it in `order` (learner name, id, seq)
-        among the others held; otherwise it is added now, after the pushes held before it. The caller has validated the base version (not ahead of the
-        fragment's) and the values (`codec.check`: finite, right size).
-
-        A push whose norm is above the bound of `self.bounds` is refused (PUSH_REFUSED_NORM),
-        and its token weight is capped there, before anything enters the round.
-        """
-        norm = self._norm(learner_id, payload) if self.bounds.judges_norms else 0.0
-        spent: list[torch.Tensor] = []
-        rnd: Round | None = None
-        with self.lock:
-            verdict, claimed, capped = self._judge(
-                learner_id, base_version, tokens, steps, current_version, norm
-            )
-            if verdict.outcome != pb.PUSH_ACCEPTED:
-                self.goodput.discarded(learner_id, share)
-            else:
-                if self.round is None:
-                    self.round = Round(verdict.round_version - 1)
-                rnd = self.round
-                if hold:
-                    rnd.held.append(Held(payload[0], payload[1], verdict.weight, order))
-                else:
-                    spent = self._add_now(rnd, payload, verdict.weight)
-                rnd.contributions.append(
-                    Contribution(learner_id, base_version, verdict.weight, share)
-                )
-                if journal is not None:
-                    verdict.ticket = journal(verdict)
-                self.bounds.accepted(learner_id, norm, capped)
-                self.goodput.accepted(learner_id, share)
-        for buf in spent:
-            self.payloads.give(buf)
-        if verdict.outcome == pb.PUSH_REFUSED_NORM:
-            logger.warning(
-                "learner=%s fragment=%d push refused: %s", learner_id, self.fid, verdict.message
-            )
-        elif capped < claimed:
-            self.metrics.weights_capped.inc()
-            logger.warning(
-                "learner=%s fragment=%d token weight %.4g capped at %.4g (tokens=%d steps=%d): "
-                "max_weight_ratio %g x the median of other learners' recent pushes",
-                learner_id,
-                self.fid,
-                claimed,
-                capped,
-                tokens,
-                steps,
-                self.cfg.max_weight_ratio,
-            )
-        return verdict, rnd
-
-    def _norm(self, learner_id: str, payload: tuple[torch.Tensor, pb.PayloadHeader]) -> float:
-        """The push's norm as far as judging needs it, outside the lock (pushes to the fragment
-        go on): a sampled estimate when the upper bound from its scales is already within the
-        norm bound (the usual case: a small fraction of a decode), the exact norm (one read
-        pass) otherwise."""
-        estimate, upper = codec.norm_estimate(*payload)
-        with self.lock:
-            limit = self.bounds.norm_bound(learner_id)
-        if limit is None or upper <= limit.bound:
-            return estimate
-        return codec.l2_norm(*payload)
-
-    def _judge(
-        self,
-        learner_id: str,
-        base_version: int,
-        tokens: int,
-        steps: int,
-        current_version: int,
-        norm: float,
-    ) -> tuple[Verdict, float, float]:
-        """The verdict on a push into the open round (lock held), the token weight its counts
-        claim and the token weight it gets (both 0 unless accepted)."""
-        start = self.round.start_version if self.round is not None else self.pending_version
-        staleness = start - base_version
-        self.metrics.staleness.observe(staleness)
-
-        def refused(outcome: pb.PushOutcome, message: str) -> tuple[Verdict, float, float]:
-            return Verdict(outcome, start + 1, current_version, staleness, 0.0, message), 0.0, 0.0
-
-        if staleness > self.cfg.max_staleness:
-            return refused(
-                pb.PUSH_DROPPED_STALE,
-                f"staleness {staleness} > max_staleness {self.cfg.max_staleness}: re-pull "
-                f"fragment {self.fid}",
-            )
-        limit = self.bounds.norm_bound(learner_id)
-        if limit is not None and norm > limit.bound:
-            return refused(
-                pb.PUSH_REFUSED_NORM,
-                f"norm {norm:.4g} > bound {limit.bound:.4g} (max_norm_ratio "
-                f"{self.cfg.max_norm_ratio:g} x median {limit.median:.4g} of {limit.known} recent "
-                f"accepted pushes by other learners): nothing applied; re-pull fragment {self.fid}",
-            )
-        claimed = token_weight(self.cfg.token_weight, tokens, steps)
-        capped = self.bounds.capped_weight(learner_id, claimed)
-        weight = capped * staleness_factor(
-            self.cfg.staleness_weight, staleness, self.cfg.staleness_alpha, self.cfg.staleness_hinge
-        )
-        verdict = Verdict(pb.PUSH_ACCEPTED, start + 1, current_version, staleness, weight)
-        return verdict, claimed, capped
-
-    def closability(self, live: set[str], version: int) -> tuple[Round | None, bool, bool]:
-        """(open round, close it now, quorum reached), judged together under the round lock."""
-        with self.lock:
-            rnd = self.round
-            if rnd is None or rnd.closing or not rnd.contributions:
-                return None, False, False
-            contributed = {c.learner_id for c in rnd.contributions}
-            busy = self.applying(version)
-            if self.cfg.quorum == 0:  # synchronous: every live learner, nobody else to wait for
-                done = live <= contributed
-                return rnd, done and not busy, done
-            k = max(1, min(self.cfg.quorum, len(live)))
-            if len(rnd.contributions) < k:
-                return rnd, False, False
-            if rnd.quorum_at is None:
-                rnd.quorum_at = time.monotonic()
-            ready = live <= contributed or self.cfg.grace == "none" or rnd.expired
-            # While the previous round's outer step is still being applied the open round keeps
-            # collecting (a busy Synchronizer batches pushes instead of queueing outer steps).
-            return rnd, ready and not busy, True
-
-    def replayed(
-        self,
-        learner_id: str,
-        base_version: int,
-        weight: float,
-        share: Share,
-        payload: tuple[torch.Tensor, pb.PayloadHeader],
-        round_version: int,
-        order: tuple[str, str, int],
-        hold: bool,
-    ) -> Round:
-        """Adds a push from the write-ahead log to the round it went into, with the weight it
-        was judged to have, held or added at once as it was: the same additions in the same
-        order as before the restart."""
-        spent: list[torch.Tensor] = []
-        with self.lock:
-            if self.round is None:
-                self.round = Round(round_version - 1)
-            rnd = self.round
-            if rnd.start_version != round_version - 1:
-                raise ValueError(
-                    f"fragment {self.fid}: a logged push for version {round_version} meets the open round to {rnd.start_version + 1}"
-                )
-            if hold:
-                self.payloads.claim(payload[0].numel())
-                rnd.held.append(Held(payload[0], payload[1], weight, order))
-            else:
-                spent = self._add_now(rnd, payload, weight)
-            rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
-        for buf in spent:
-            self.payloads.give(buf)
-        return rnd
-
-    def _add_now(
-        self, rnd: Round, payload: tuple[torch.Tensor, pb.PayloadHeader], weight: float
-    ) -> list[torch.Tensor]:
-        """Adds a push that is not held (lock held): the round takes its sums now if it has
-        none, adds the pushes held so far (in their order) first, then this one; returns the
-        held buffers spent (their bytes no longer count as held)."""
-        if rnd.acc is None:
-            rnd.acc = self.new_accumulator()
-        spent = rnd.add_held()
-        self.payloads.release(sum(buf.numel() for buf in spent))
-        rnd.acc.add_payload(payload[0], payload[1], weight)
-        return spent
-
-    def take(self, rnd: Round) -> bool:
-        """Marks the round as closing and opens the way for the next; False if already taken.
-        With a `journal`, the close is logged (in order with the round's pushes)."""
-        with self.lock:
-            if self.round is not rnd or rnd.closing:
-                return False
-            if self.journal is not None:
-                rnd.ticket = self.journal(rnd.start_version + 1)
-            rnd.closing = True
-            self.round = None
-            self.pending_version = rnd.start_version + 1
-            if rnd.timer is not None:
-                rnd.timer.cancel()
-            return True
 
 
 class Rounds:
@@ -358,18 +38,26 @@ class Rounds:
         metrics: Metrics,
         goodput: Goodput,
         live: Callable[[], set[str]],
+        clock: Clock,
         threads: int,
         on_failure: Callable[[Fragment, str], None],
         durable: Callable[[int], None] = lambda _ticket: None,
     ) -> None:
+        """`threads` outer-step workers; 0 applies each outer step on the thread that closes
+        its round (tests: a close is done when `check` returns)."""
         self.fragments = fragments
         self.grace = grace
         self.metrics = metrics
         self.goodput = goodput
         self.live = live
+        self.clock = clock
         self.on_failure = on_failure
         self.durable = durable  # waits until a write-ahead log ticket is on disk
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="outer-step")
+        self.pool = (
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="outer-step")
+            if threads > 0
+            else None
+        )
 
     def check(self, frag: Fragment) -> None:
         """Re-evaluates a fragment's open round: close it now, or arm its grace timer."""
@@ -381,16 +69,15 @@ class Rounds:
         if close_now:
             self._close(frag, rnd)
         elif quorum and rnd.timer is None:
-            timer = threading.Timer(self.grace.seconds(), self._expire, args=(frag, rnd))
-            timer.daemon = True
-            with frag.admission.lock:
-                if rnd.timer is None and not rnd.closing:
-                    rnd.timer = timer
-                    timer.start()
+            frag.admission.arm(
+                rnd,
+                lambda: self.clock.call_later(
+                    self.grace.seconds(), lambda: self._expire(frag, rnd)
+                ),
+            )
 
     def _expire(self, frag: Fragment, rnd: Round) -> None:
-        with frag.admission.lock:
-            rnd.expired = True
+        frag.admission.expire(rnd)
         self.check(frag)
 
     def check_all(self) -> None:
@@ -400,16 +87,26 @@ class Rounds:
     def _close(self, frag: Fragment, rnd: Round) -> None:
         if not frag.admission.take(rnd):
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if rnd.quorum_at is not None:
             self.grace.observe(quorum_time=rnd.quorum_at - rnd.opened_at)
         self.metrics.round_wait.observe(now - rnd.opened_at)
+        if self.pool is None:
+            self._step(frag, rnd)
+            return
         try:
-            self.pool.submit(self._apply, frag, rnd)
+            self.pool.submit(self._step, frag, rnd)
         except RuntimeError:  # shutting down: the final flush applies it in order instead
-            self._apply(frag, rnd)
+            self._step(frag, rnd)
 
-    def _apply(self, frag: Fragment, rnd: Round) -> None:
+    def _step(self, frag: Fragment, rnd: Round) -> None:
+        if self.apply(frag, rnd):
+            self.check(frag)  # the next round may have filled up while this one was applied
+
+    def apply(self, frag: Fragment, rnd: Round) -> bool:
+        """Applies a taken round's outer step once its close is durable, and counts it: merged
+        (goodput, metrics, the grace window's apply time) or refused (counted and skipped: the
+        fragment stays healthy). False if the outer step raised: the fragment failed."""
         try:
             if rnd.ticket:  # nothing is served that a restart could not repeat
                 self.durable(rnd.ticket)
@@ -424,10 +121,9 @@ class Rounds:
                     frag,
                     f"the outer step to version {rnd.start_version + 1} raised {type(e).__name__}: {e}",
                 )
-            return
+            return False
         self.metrics.fragment_version.labels(str(frag.fid)).set(frag.model.version)
         if refused is not None:
-            # Counted and skipped: the fragment stays healthy and the next round applies as usual.
             self.metrics.rounds_refused.inc()
             self.goodput.refused([c.share for c in rnd.contributions])
             logger.warning(
@@ -437,8 +133,7 @@ class Rounds:
                 len(rnd.contributions),
                 refused,
             )
-            self.check(frag)
-            return
+            return True
         self.grace.observe(apply_time=seconds)
         self.metrics.round_apply.observe(seconds)
         self.metrics.contributors.observe(len(rnd.contributions))
@@ -451,7 +146,17 @@ class Rounds:
             len(rnd.contributions),
             seconds,
         )
-        self.check(frag)  # the next round may have filled up while this one was applied
+        return True
+
+    def replay_close_before(self, frag: Fragment, version: int) -> bool:
+        """Log replay: applies the fragment's open round, on this thread and without logging
+        its close again, if it produces a version below `version` (its ROUND record may be
+        missing: a close that was never served); False if its outer step raised."""
+        rnd = frag.admission.round
+        if rnd is None or rnd.start_version + 1 >= version:
+            return True
+        frag.admission.take(rnd, log=False)
+        return self.apply(frag, rnd)
 
     def flush(self) -> None:
         """Closes every open round that holds anything and waits for the outer steps (shutdown:
@@ -461,12 +166,8 @@ class Rounds:
             if rnd is not None and rnd.contributions and frag.model.failure is None:
                 self._close(frag, rnd)
         for frag in self.fragments:
-            with frag.model.cv:
-                while (
-                    frag.model.version < frag.admission.pending_version
-                    and frag.model.failure is None
-                ):
-                    frag.model.cv.wait(1.0)
+            frag.model.wait_applied(frag.admission.pending_version)
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)

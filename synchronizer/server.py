@@ -142,7 +142,7 @@ def start(
     """Starts the service; raises OSError if a port cannot be bound. `disk`: the write-ahead
     log's file operations (tests inject faults there)."""
     metrics = metrics or Metrics()
-    core = Synchronizer(cfg, metrics, disk)
+    core = Synchronizer(cfg, metrics, disk).start()
     interceptors = (
         [BearerTokenInterceptor(cfg.auth_token, cfg.admin_token)]
         if cfg.auth_token or cfg.admin_token
@@ -183,7 +183,7 @@ def start(
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    core.health_listeners.append(lambda reason: _not_serving(health_servicer, reason))
+    core.model.health_listeners.append(lambda reason: _not_serving(health_servicer, reason))
     logger.info(
         "Synchronizer serving gRPC on %s:%d, metrics on %s (epoch %s)",
         cfg.host,
@@ -209,8 +209,8 @@ def stop(running: RunningServer, grace_s: float) -> bool:
     if saved:
         logger.info("Synchronizer stopped")
         return True
-    why = core.checkpoint_failure or core.unhealthy or "see the errors above"
-    unsaved = core.unsaved() or "no version"
+    why = core.state.failure or core.unhealthy or "see the errors above"
+    unsaved = core.state.unsaved() or "no version"
     if core.journal.holds_everything:
         logger.error(
             "Synchronizer stopped without its final checkpoint (%s): %s are not in a checkpoint; "

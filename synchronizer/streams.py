@@ -28,9 +28,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
+from synchronizer.clock import Clock, SystemClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected
 from synchronizer.metrics import Metrics
@@ -65,10 +66,14 @@ class Stream:
 
     kind: str  # "push" or "pull"
     cancel: Callable[[], None]
+    now: Callable[[], float]  # the core's clock
     learner_id: str = ""
     keep_alive: Callable[[], None] = _never  # renews the learner's lease; called on every move
-    progress_at: float = field(default_factory=time.monotonic)
+    progress_at: float = 0.0
     cut: bool = False
+
+    def __post_init__(self) -> None:
+        self.progress_at = self.now()
 
     def owned_by(self, learner_id: str, keep_alive: Callable[[], None]) -> None:
         """Names the stream's learner, whose lease every later move renews through
@@ -76,7 +81,7 @@ class Stream:
         self.learner_id, self.keep_alive = learner_id, keep_alive
 
     def touch(self) -> None:
-        self.progress_at = time.monotonic()
+        self.progress_at = self.now()
         self.keep_alive()
 
     def moving(self, items: Iterable[T]) -> Iterator[T]:
@@ -88,7 +93,10 @@ class Stream:
 
 
 class Streams:
-    def __init__(self, cfg: SynchronizerConfig, metrics: Metrics) -> None:
+    def __init__(
+        self, cfg: SynchronizerConfig, metrics: Metrics, clock: Clock | None = None
+    ) -> None:
+        self.clock = clock or SystemClock()
         self.cfg = cfg
         self.metrics = metrics
         self.lock = threading.Lock()
@@ -122,7 +130,7 @@ class Streams:
                     )
                 self.freed.wait(left)
             self.transfers += 1
-            stream = Stream(kind, call.cancel)
+            stream = Stream(kind, call.cancel, self.clock.monotonic)
             self.open.add(stream)
         self.metrics.streams_open.inc()
         try:
@@ -179,7 +187,7 @@ class Streams:
 
     def cut_idle(self) -> int:
         """Cancels every stream that made no progress for `stream_idle_s`; returns how many."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self.lock:
             idle = [s for s in self.open if not s.cut and now - s.progress_at > self._deadline(s)]
             for s in idle:

@@ -29,7 +29,7 @@ def ready(make_server) -> tuple[RunningServer, Client]:
 
 def _state(srv: RunningServer) -> list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]]:
     state = []
-    for f in srv.synchronizer.fragments:
+    for f in srv.synchronizer.model.fragments:
         assert f.model.params is not None
         state.append(
             (

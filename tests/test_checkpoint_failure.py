@@ -75,7 +75,7 @@ def test_a_checkpoint_that_cannot_be_written_is_loud_and_the_service_keeps_servi
     ), errors
     monkeypatch.undo()
     again = make_server(state_dir=state, checkpoint_interval_s=0, quorum=1, grace="none")
-    assert again.synchronizer.fragments[0].version == 2  # checkpoint 1 + the log's round
+    assert again.synchronizer.model.fragments[0].version == 2  # checkpoint 1 + the log's round
 
 
 def test_without_a_write_ahead_log_a_failed_final_checkpoint_says_which_versions_are_lost(

@@ -130,7 +130,9 @@ def test_learner_behind_the_byte_bounded_history_gets_a_full_pull_and_the_same_p
     c = Client(srv.address, SPEC)
     c.join()
     c.init([torch.randn(N)])
-    assert srv.synchronizer.fragments[0].model.downlink.history == 2  # 16 by count, 2 by bytes
+    assert (
+        srv.synchronizer.model.fragments[0].model.downlink.history == 2
+    )  # 16 by count, 2 by bytes
     _, v0 = c.pull(0)
     _train(c, 2)
     _, v2 = c.pull(0)

@@ -54,7 +54,7 @@ def test_learner_dying_mid_stream_leaves_nothing_half_applied(make_server, caplo
     records = [r for r in caplog.records if r.name == "synchronizer.service"]
     assert not [r for r in records if r.levelno >= logging.ERROR]
     assert [r.levelno for r in records if "went away" in r.getMessage()] == [logging.WARNING]
-    frag = srv.synchronizer.fragments[0]
+    frag = srv.synchronizer.model.fragments[0]
     assert (
         frag.admission.round is None
         and frag.version == 0

@@ -41,7 +41,7 @@ def test_failed_outer_step_fails_its_fragment_loudly_and_shutdown_finishes(
     a.join()
     b.join()
     a.init([torch.zeros(f.numel) for f in SPEC.fragments])
-    broken = srv.synchronizer.fragments[0].model.outer
+    broken = srv.synchronizer.model.fragments[0].model.outer
 
     def explode(*args: object) -> float:
         raise RuntimeError("injected fault")

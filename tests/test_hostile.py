@@ -225,7 +225,7 @@ def test_only_a_successful_initialisation_decides_the_served_model(make_server):
     bogus.join()  # no InitModel
     huge = Client(srv.address, small_spec(sizes=(1 << 28,), fragments=1), "big")
     huge.join()  # within the limit, and nothing is allocated for it
-    assert srv.synchronizer.fragments == [] and not srv.synchronizer.initialized
+    assert srv.synchronizer.model.fragments == [] and not srv.synchronizer.model.initialized
     over = Client(srv.address, small_spec(sizes=(1 << 40,), fragments=1), "over")
     with pytest.raises(grpc.RpcError) as e:
         over.join()
@@ -235,8 +235,8 @@ def test_only_a_successful_initialisation_decides_the_served_model(make_server):
     real = Client(srv.address, SPEC, "real")
     assert real.join().needs_init
     real.init([torch.zeros(N)])
-    assert srv.synchronizer.spec is not None
-    assert srv.synchronizer.spec.spec_hash == SPEC.spec_hash
+    assert srv.synchronizer.model.spec is not None
+    assert srv.synchronizer.model.spec.spec_hash == SPEC.spec_hash
     assert real.pull(0)[0] == 0
     # The learners that joined with other specs are told so and serve as nothing.
     for other in (bogus, huge):

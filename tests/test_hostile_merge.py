@@ -86,7 +86,7 @@ def test_a_push_far_above_the_recent_norms_is_refused_counted_and_changes_nothin
     assert "re-pull" in reply.message
     assert _sample(srv, "diloco_pushes_total", outcome="refused_norm") == 1
     assert _sample(srv, "diloco_tokens_total", bucket="discarded") == discarded + 100
-    assert srv.synchronizer.fragments[0].admission.round is None  # nothing entered a round
+    assert srv.synchronizer.model.fragments[0].admission.round is None  # nothing entered a round
     served_version, served = fleet.clients["a"].pull(0)
     assert served_version == version and torch.equal(served, before)
 
@@ -229,7 +229,9 @@ def _train_two_learners(srv: RunningServer, steps: int) -> None:
     # The first initialises the model, then the second adopts it: one at a time, as both seed
     # and draw from torch's global generator to build their model.
     threads[0].start()
-    assert wait_until(lambda: srv.synchronizer.initialized or not threads[0].is_alive(), TIMEOUT)
+    assert wait_until(
+        lambda: srv.synchronizer.model.initialized or not threads[0].is_alive(), TIMEOUT
+    )
     threads[1].start()
     for t in threads:
         t.join(120)
@@ -251,7 +253,7 @@ def _attack(srv, spec, done: threading.Event, refused: list[int], accepted: list
     """Pushes 1e6 x each fresh outer update (the served fragment's last change, a genuine outer
     gradient in direction and size) with an honest learner's counts, once the others' norms
     are past the warm-up."""
-    assert wait_until(lambda: srv.synchronizer.initialized, TIMEOUT)
+    assert wait_until(lambda: srv.synchronizer.model.initialized, TIMEOUT)
     mallory = Client(srv.address, spec, "mallory")
     mallory.join()
     held = [mallory.pull(p) for p in range(FRAGMENTS)]

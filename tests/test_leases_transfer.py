@@ -166,7 +166,7 @@ def test_a_learner_joining_during_the_upload_waits_once_and_starts_when_the_mode
 
     uploader = threading.Thread(target=lambda: first.stub.InitModel(upload(), timeout=TIMEOUT))
     uploader.start()
-    assert wait_until(lambda: srv.synchronizer.init_claim is not None, TIMEOUT)
+    assert wait_until(lambda: srv.synchronizer.initializer.claim is not None, TIMEOUT)
     joined: list[Learner] = []
     second = threading.Thread(
         target=lambda: joined.append(

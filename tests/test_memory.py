@@ -204,11 +204,11 @@ def test_outer_step_waits_while_its_fragment_is_frozen_and_pushes_pulls_and_othe
     core = Synchronizer(cfg)
     try:
         spec = plan_fragments([TensorInfo(f"w{i}", (10_000,)) for i in range(2)], 2)
-        core._set_spec(spec)
-        for frag in core.fragments:
+        core.model.serve(spec)
+        for frag in core.model.fragments:
             frag.initialize(torch.randn(frag.numel))
-        core.initialized = True
-        frozen, other = core.fragments
+        core.model.initialized = True
+        frozen, other = core.model.fragments
 
         def payload(frag: Any) -> tuple[torch.Tensor, pb.PayloadHeader]:
             delta = torch.full((frag.numel,), 1e-3)
@@ -251,10 +251,10 @@ def test_checkpoints_written_while_outer_steps_run_hold_each_fragment_at_one_ver
     seen: dict[tuple[int, int], tuple[int, int, int]] = {}
     try:
         spec = plan_fragments([TensorInfo(f"w{i}", (300_000,)) for i in range(2)], 2)
-        core._set_spec(spec)
-        for frag in core.fragments:
+        core.model.serve(spec)
+        for frag in core.model.fragments:
             frag.initialize(torch.randn(frag.numel))
-        core.initialized = True
+        core.model.initialized = True
 
         def crcs(frag_model: FragmentModel) -> tuple[int, int, int]:
             assert frag_model.params is not None and frag_model.downlink.residual is not None
@@ -265,7 +265,7 @@ def test_checkpoints_written_while_outer_steps_run_hold_each_fragment_at_one_ver
                 framing.checksum(frag_model.downlink.residual),
             )
 
-        for frag in core.fragments:
+        for frag in core.model.fragments:
             original = frag.model.step
 
             def step(*args: Any, model: FragmentModel = frag.model, step: Any = original) -> Any:
@@ -343,10 +343,10 @@ def _core_with(tmp_path: Path, numels: list[int], **settings: Any) -> Synchroniz
     )
     core = Synchronizer(cfg)
     spec = plan_fragments([TensorInfo(f"w{i}", (n,)) for i, n in enumerate(numels)], len(numels))
-    core._set_spec(spec)
-    for frag in core.fragments:
+    core.model.serve(spec)
+    for frag in core.model.fragments:
         frag.initialize(torch.randn(frag.numel, generator=torch.Generator().manual_seed(frag.fid)))
-    core.initialized = True
+    core.model.initialized = True
     return core
 
 
@@ -356,13 +356,14 @@ def test_fragments_share_one_fp32_buffer_and_rounds_hold_none_between_outer_step
     core = _core_with(tmp_path, [3000, 2000, 1000])
     try:
         run_rounds(core, 2, 2)
-        fp32 = core.fragments[0].fp32
+        fp32 = core.model.fragments[0].fp32
         assert all(
-            f.fp32 is fp32 and f.payloads is core.fragments[0].payloads for f in core.fragments
+            f.fp32 is fp32 and f.payloads is core.model.fragments[0].payloads
+            for f in core.model.fragments
         )
         assert fp32.live == 1 and fp32.numel == 3000  # the largest fragment's
-        assert all(f.admission.round is None for f in core.fragments)
-        assert core.fragments[0].payloads.held_bytes == 0
+        assert all(f.admission.round is None for f in core.model.fragments)
+        assert core.model.fragments[0].payloads.held_bytes == 0
     finally:
         core.close()
 
@@ -376,7 +377,7 @@ def test_a_round_adding_on_arrival_takes_sums_and_merges_as_held_pushes_do(
     for budget in (0, 1):  # automatic (all held), and one byte (every push added at arrival)
         core = _core_with(tmp_path / str(budget), [5000], payload_budget_bytes=budget)
         try:
-            frag = core.fragments[0]
+            frag = core.model.fragments[0]
             g = torch.Generator().manual_seed(7)
             deltas = [torch.randn(5000, generator=g) * 1e-3 for _ in range(3)]
             header = layout.make_header(pb.CODEC_INT4, 5000)
@@ -445,7 +446,7 @@ def test_init_model_adopts_the_received_buffers_and_holds_only_params_and_outer_
     c.close()
     core = srv.synchronizer
     assert len(checkpoint.list_checkpoints(core.cfg.state_dir)) == 1
-    for frag, buf in zip(core.fragments, received, strict=True):
+    for frag, buf in zip(core.model.fragments, received, strict=True):
         assert frag.model.params is not None
         assert frag.model.params.data_ptr() == buf.data_ptr()  # adopted, not copied
         parts = fragment_bytes(frag)
@@ -481,12 +482,14 @@ def test_a_full_pull_past_the_snapshot_budget_waits_and_is_served_when_one_ends(
     client.join()
     client.init([torch.randn(f.numel) for f in spec.fragments])
     core = srv.synchronizer
-    held = core.fragments[0].model.served(pb.CODEC_FP32, None, core.snapshots)[0]  # a slow pull
+    held = core.model.fragments[0].model.served(pb.CODEC_FP32, None, core.model.snapshots)[
+        0
+    ]  # a slow pull
     assert held is not None
     got: list[Any] = []
     puller = threading.Thread(target=lambda: got.append(client.pull(1)))
     puller.start()
-    assert core.snapshots.alive_bytes > 0
+    assert core.model.snapshots.alive_bytes > 0
     puller.join(0.3)
     assert puller.is_alive(), "the second full pull waits while the first snapshot is alive"
     del held  # the slow pull ended

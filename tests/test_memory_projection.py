@@ -115,7 +115,7 @@ def _limit_below(spec_numels: list[int]) -> int:
 def test_projection_is_logged_and_exported_before_and_after_the_model_is_initialised(
     make_server, caplog
 ) -> None:
-    caplog.set_level(logging.INFO, logger="synchronizer.core")
+    caplog.set_level(logging.INFO, logger="synchronizer")
     srv = make_server()
     registry = srv.synchronizer.metrics.registry
     cfg = srv.synchronizer.cfg
@@ -152,7 +152,7 @@ def test_join_with_a_model_over_the_memory_limit_is_refused_naming_both_numbers(
     details = e.value.details()
     assert f"memory_limit_bytes={limit:,}" in details
     assert f"{limit + 1:,} bytes" in details
-    assert not srv.synchronizer.initialized
+    assert not srv.synchronizer.model.initialized
     c.close()
 
 
@@ -171,4 +171,4 @@ def test_start_on_a_state_dir_whose_model_cannot_fit_is_refused_before_loading_i
         core.Synchronizer(SynchronizerConfig(**settings, memory_limit_bytes=limit), Metrics())
     fits = SynchronizerConfig(**settings, memory_limit_bytes=limit + 1)
     with serving(fits, Metrics()) as srv:
-        assert srv.synchronizer.initialized
+        assert srv.synchronizer.model.initialized

@@ -51,7 +51,7 @@ def test_a_round_that_would_overflow_is_refused_and_the_fragment_stays_healthy(
     c.join()
     init = torch.linspace(-1, 1, N)
     c.init([init])
-    frag = srv.synchronizer.fragments[0]
+    frag = srv.synchronizer.model.fragments[0]
     outer_before = {k: v.clone() for k, v in frag.model.outer.state_dict().items()}
 
     header, buf = attack()

@@ -10,7 +10,7 @@ import torch
 
 from protos import codec, layout
 from protos import diloco_pb2 as pb
-from synchronizer import core as core_module
+from synchronizer import pushes as push_module
 from tests.helpers import Client, small_spec, wait_until
 
 SPEC = small_spec(fragments=1)
@@ -53,7 +53,9 @@ def test_quorum_all_without_grace_is_synchronous_diloco_bit_for_bit(make_server)
         for c, d in zip(clients[:2], deltas, strict=False):
             reply = c.push(0, d, base=r)
             assert reply.outcome == pb.PUSH_ACCEPTED and reply.round_version == r + 1
-        assert srv.synchronizer.fragments[0].version == r  # the round waits for the third learner
+        assert (
+            srv.synchronizer.model.fragments[0].version == r
+        )  # the round waits for the third learner
         clients[2].push(0, deltas[2], base=r)
         version, served = clients[0].pull(0, min_version=r + 1, wait_s=10)
         assert version == r + 1
@@ -260,7 +262,7 @@ def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(ma
     srv, clients, init = _setup(
         make_server, 1, quorum=1, grace="none", outer="sgd", outer_lr=1.0, token_weight="uniform"
     )
-    frag = srv.synchronizer.fragments[0]
+    frag = srv.synchronizer.model.fragments[0]
     release, entered = threading.Event(), threading.Event()
     step = frag.model.outer.step
 
@@ -307,7 +309,7 @@ def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_al
         token_weight="tokens",
         max_staleness=0,
     )
-    frag = srv.synchronizer.fragments[0]
+    frag = srv.synchronizer.model.fragments[0]
     deltas = [_vec(100 + i) for i in range(learners)]
     decoded = []
     for i, (c, d) in enumerate(zip(clients, deltas, strict=True)):
@@ -372,13 +374,13 @@ def test_past_the_payload_budget_a_round_with_its_quorum_makes_pushes_wait_then_
     # takes pushes (held past the budget), one that has its quorum makes the next wait for room
     # and then refuses it RESOURCE_EXHAUSTED before receiving it: no FP32 sums are taken, the
     # learner retries the same seq, and once the round closed and freed its bytes, it is in.
-    monkeypatch.setattr(core_module, "PAYLOAD_WAIT_S", 0.5)
+    monkeypatch.setattr(push_module, "PAYLOAD_WAIT_S", 0.5)
     link = layout.encoded_nbytes(pb.CODEC_INT8, N)
     srv, clients, _ = _setup(
         make_server, 3, payload_budget_bytes=link, quorum=2, grace="fixed", grace_max_s=60.0
     )
     core = srv.synchronizer
-    frag = core.fragments[0]
+    frag = core.model.fragments[0]
     assert clients[0].push(0, _vec(1), codec_id=pb.CODEC_INT8).outcome == pb.PUSH_ACCEPTED
     assert clients[1].push(0, _vec(2), codec_id=pb.CODEC_INT8).outcome == pb.PUSH_ACCEPTED
     assert frag.payloads.held_bytes == 2 * link  # the second held past the budget: quorum needs it
@@ -390,7 +392,7 @@ def test_past_the_payload_budget_a_round_with_its_quorum_makes_pushes_wait_then_
     assert core.metrics.payloads_refused._value.get() == 1
     assert frag.admission.round is not None and frag.admission.round.acc is None
     assert frag.version == 0 and len(frag.admission.round.contributions) == 2
-    core.rounds._expire(frag, frag.admission.round)  # the grace window ends: the round closes
+    core.model.rounds._expire(frag, frag.admission.round)  # the grace window ends
     assert wait_until(lambda: frag.version == 1 and frag.payloads.held_bytes == 0)
     again = clients[2].push(0, _vec(3), codec_id=pb.CODEC_INT8, seq=seq)
     assert again.outcome == pb.PUSH_ACCEPTED and again.round_version == 2

@@ -152,7 +152,7 @@ def test_restart_from_checkpoint_resumes_versions_parameters_and_optimizer_state
     d = torch.randn(spec.fragments[0].numel, generator=g) * 0.1
     c2.push(0, d, base=3)
     v4, restored_next = c2.pull(0, min_version=4, wait_s=10)
-    frag = again.synchronizer.fragments[0]
+    frag = again.synchronizer.model.fragments[0]
     assert v4 == 4 and torch.equal(restored_next, frag.model.params)
 
 

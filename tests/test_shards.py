@@ -86,7 +86,7 @@ def test_two_shards_each_hold_only_their_fragments(make_server: Start, tmp_path:
     assert OWNED == [[0, 3], [1, 2]] and OWNERS == [0, 1, 1, 0]  # byte-balanced: 340 and 357
     for index, (srv, ids) in enumerate(zip(servers, OWNED, strict=True)):
         core = srv.synchronizer
-        assert [f.fid for f in core.fragments] == ids and sorted(core.by_id) == ids
+        assert [f.fid for f in core.model.fragments] == ids and sorted(core.model.by_id) == ids
         numel = sum(SPEC.fragments[f].numel for f in ids)
         params = core.metrics.registry.get_sample_value(
             "diloco_memory_bytes", {"component": "params"}
@@ -131,7 +131,7 @@ def test_push_or_pull_of_another_shards_fragment_is_refused_and_changes_nothing(
     srv = _initialised_pair(make_server, tmp_path, quorum=1, grace="none")[0]
     c = Client(srv.address, SPEC)
     _join(c, 2)
-    before = [f.model.params.clone() for f in srv.synchronizer.fragments]  # type: ignore[union-attr]
+    before = [f.model.params.clone() for f in srv.synchronizer.model.fragments]  # type: ignore[union-attr]
     for call in (
         lambda: c.push(1, torch.ones(SPEC.fragments[1].numel)),
         lambda: c.pull(1),
@@ -143,10 +143,10 @@ def test_push_or_pull_of_another_shards_fragment_is_refused_and_changes_nothing(
         )
     assert _refused(lambda: c.pull(9)).code() == grpc.StatusCode.NOT_FOUND  # not in the model
     core = srv.synchronizer
-    assert [f.version for f in core.fragments] == [0, 0]
+    assert [f.version for f in core.model.fragments] == [0, 0]
     assert all(
         torch.equal(f.model.params, b)  # type: ignore[arg-type]
-        for f, b in zip(core.fragments, before, strict=True)
+        for f, b in zip(core.model.fragments, before, strict=True)
     )
     assert (
         core.metrics.registry.get_sample_value(
@@ -181,7 +181,7 @@ def test_join_that_routes_otherwise_is_refused_and_records_no_learner(
     e = _refused(lambda: _join(c, shards, assignment))
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert words in (e.details() or "")
-    assert not srv.synchronizer.registry.learners and not srv.synchronizer.proposed
+    assert not srv.synchronizer.registry.learners and not srv.synchronizer.model.proposed
     c.close()
 
 
@@ -211,7 +211,7 @@ def test_init_stream_must_carry_exactly_the_shards_fragments(
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "without fragments [3]" in (
         e.details() or ""
     )
-    assert not srv.synchronizer.initialized
+    assert not srv.synchronizer.model.initialized
     assert list(_init(c, [0, 3]).versions) == [
         pb.FragmentVersion(fragment_id=0, version=0),
         pb.FragmentVersion(fragment_id=3, version=0),
@@ -233,7 +233,7 @@ def test_restart_restores_the_shards_fragments_and_refuses_another_layout(
 
     again = _shard(make_server, tmp_path, 1, **settings)
     core = again.synchronizer
-    assert [(f.fid, f.version) for f in core.fragments] == [(1, 0), (2, 1)]
+    assert [(f.fid, f.version) for f in core.model.fragments] == [(1, 0), (2, 1)]
     c = Client(again.address, SPEC)
     _join(c, 2)
     assert torch.equal(c.pull(1)[1], _values(1))
@@ -304,7 +304,7 @@ def test_init_with_every_shards_address_uploads_each_its_part(
     assert "both shard 0 (shards [1] not named); nothing was changed" in capsys.readouterr().err
     assert main(["init", str(model), "--synchronizer", f"{a},{b},{b}", "--fragments", "4"]) == 2
     assert "routes to 3 shards" in capsys.readouterr().err
-    assert not any(s.synchronizer.initialized for s in servers)
+    assert not any(s.synchronizer.model.initialized for s in servers)
 
     rc = main(["init", str(model), "--synchronizer", f"{b}, {a}", "--fragments", "4"])
     out, err = capsys.readouterr()
@@ -313,7 +313,7 @@ def test_init_with_every_shards_address_uploads_each_its_part(
     spec = plan_fragments([TensorInfo(n, tuple(t.shape)) for n, t in weights.items()], 4)
     assert spec.spec_hash == SPEC.spec_hash
     for srv, ids in zip(servers, OWNED, strict=True):
-        assert [f.fid for f in srv.synchronizer.fragments] == ids
+        assert [f.fid for f in srv.synchronizer.model.fragments] == ids
         c = Client(srv.address, SPEC)
         _join(c, 2)
         for fid in ids:

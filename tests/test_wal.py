@@ -314,7 +314,7 @@ def test_a_restart_under_other_outer_step_arithmetic_starts_a_new_epoch(make_ser
     c2 = Client(again.address, SPEC, "l0")
     c2.session = c.session
     assert c2.join(c.learner_id).server_epoch != epoch
-    assert again.synchronizer.fragments[0].version >= 1  # the acknowledged push was not lost
+    assert again.synchronizer.model.fragments[0].version >= 1  # the acknowledged push was not lost
 
 
 def test_learners_alive_at_a_checkpoint_come_back_alive_for_one_lease_and_the_others_dead():

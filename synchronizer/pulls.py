@@ -1,0 +1,182 @@
+"""The pull path: from a PullFragment request to the fragment's parameters on the wire.
+
+In the order a pull meets them: the learner's lease and session, the codec and wait checks, a
+per-learner stream, a waiting slot (`synchronizer.streams`) in which it waits (bounded) for the
+model to be initialised and the fragment to reach `min_version`, a transfer slot, the served
+fragment judged at one version (`FragmentModel.served`: the update chain since the version the
+learner holds, or a full snapshot within the snapshot budget), then the header and chunks.
+Everything runs on the first `next()`: a refusal is raised there, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Iterator
+
+from protos import diloco_pb2 as pb
+from protos import framing, layout
+from synchronizer.config import SynchronizerConfig
+from synchronizer.downlink import Link
+from synchronizer.errors import Code, Rejected, invalid
+from synchronizer.fragments import Fragment
+from synchronizer.leases import Registry
+from synchronizer.metrics import Metrics
+from synchronizer.model import FragmentFailed
+from synchronizer.served import ServedModel
+from synchronizer.streams import SLOT_PATIENCE_S, Call, Streams
+
+PULL_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)
+
+
+class PullPath:
+    def __init__(
+        self,
+        cfg: SynchronizerConfig,
+        metrics: Metrics,
+        model: ServedModel,
+        registry: Registry,
+        streams: Streams,
+        epoch: str,
+        stopping: threading.Event,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.model = model
+        self.registry = registry
+        self.streams = streams
+        self.epoch = epoch
+        self.stopping = stopping
+
+    def pull(self, request: pb.PullRequest, call: Call | None = None) -> Iterator[pb.PullReply]:
+        """The fragment's parameters (or the updates since `have_version`), judged at one
+        version, after waiting (bounded, in a waiting slot) for `min_version`."""
+        call = call or Call()
+        rec = self.registry.alive(request.learner_id, request.session)
+        codec_id = request.codec or pb.CODEC_FP32
+        if codec_id not in PULL_CODECS:
+            raise invalid("bad_codec", "pulls are served as CODEC_FP32 or CODEC_BF16")
+        if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
+            raise invalid("bad_wait", "wait_s must be finite and non-negative")
+        if self.model.initialized:
+            self.model.fragment(request.fragment_id)
+        with contextlib.ExitStack() as held:
+            held.enter_context(self.streams.claimed(rec.learner_id))
+            with self.streams.waiting() as free:
+                if free:
+                    self._wait_for(request, call)
+                stream = held.enter_context(
+                    self.streams.transfer("pull", call, SLOT_PATIENCE_S if free else 0.0)
+                )
+            stream.owned_by(rec.learner_id, lambda: self.registry.renew(rec))
+            self.model.require_initialized()
+            frag = self.model.fragment(request.fragment_id)
+            self.model.check_spec_hash(rec.spec_hash)  # the spec this learner joined with
+            have = request.have_version if request.delta_ok else None
+            snap, links, version, checksum = self._served(frag, codec_id, have, call)
+            yield from stream.moving(
+                self._stream(frag.fid, request.have_version, snap, links, version, checksum)
+            )
+
+    def _served(
+        self, frag: Fragment, codec_id: pb.Codec, have: int | None, call: Call
+    ) -> tuple[Link | None, list[Link] | None, int, int]:
+        """`FragmentModel.served` within the snapshot budget: a full pull that finds it spent
+        waits (up to max_pull_wait_s, or until its client cancels) for a snapshot to end, then
+        is refused RESOURCE_EXHAUSTED."""
+        snapshots = self.model.snapshots
+        assert snapshots is not None
+        deadline = time.monotonic() + self.cfg.max_pull_wait_s
+        ended: threading.Event | None = None
+        while True:
+            try:
+                snap, links, version, checksum = frag.model.served(codec_id, have, snapshots)
+            except FragmentFailed:
+                raise self.model.unavailable(frag) from None
+            if snap is not None or links is not None:
+                return snap, links, version, checksum
+            if ended is None:  # only a pull that waits hears when its call ends
+                ended = threading.Event()
+                call.on_end(ended.set)
+            if time.monotonic() >= deadline or ended.is_set():
+                raise Rejected(
+                    Code.RESOURCE_EXHAUSTED,
+                    "snapshot_budget",
+                    f"full pulls in flight hold the whole snapshot_budget_bytes ({snapshots.budget_bytes}); retry with backoff",
+                )
+            snapshots.wait(min(1.0, deadline - time.monotonic()))
+
+    def _wait_for(self, request: pb.PullRequest, call: Call) -> None:
+        """Waits (up to the bounded wait) until the model is initialised and the fragment at
+        `min_version`; returns as soon as the client cancels."""
+        wait_s = min(request.wait_s, self.cfg.max_pull_wait_s)
+        fid = request.fragment_id
+        model = self.model
+        if wait_s <= 0 or (
+            model.initialized
+            and fid in model.by_id
+            and request.min_version <= model.by_id[fid].version
+        ):
+            return
+        deadline = time.monotonic() + wait_s
+        ended = threading.Event()
+
+        def wake() -> None:
+            ended.set()
+            with model.initialized_cv:
+                model.initialized_cv.notify_all()
+            for frag in list(model.fragments):
+                frag.model.wake()
+
+        call.on_end(wake)
+        with model.initialized_cv:
+            while not model.initialized and not ended.is_set() and not self.stopping.is_set():
+                if not model.initialized_cv.wait(max(0.0, deadline - time.monotonic())):
+                    return
+        if model.initialized and fid in model.by_id:
+            model.by_id[fid].model.wait_for(request.min_version, deadline - time.monotonic(), ended)
+
+    def _stream(
+        self,
+        fid: int,
+        have_version: int,
+        snap: Link | None,
+        links: list[Link] | None,
+        version: int,
+        checksum: int,
+    ) -> Iterator[pb.PullReply]:
+        if links is not None:
+            yield pb.PullReply(
+                header=pb.PullHeader(
+                    fragment_id=fid,
+                    version=version,
+                    server_epoch=self.epoch,
+                    delta_from=have_version,
+                    links=len(links),
+                    checksum=checksum,
+                )
+            )
+            for v, link_header, link_buf in links:
+                yield pb.PullReply(link=pb.DeltaLink(version=v, payload=link_header))
+                for chunk in framing.iter_chunks(link_buf):
+                    yield pb.PullReply(chunk=chunk)
+                self.metrics.bytes_out.labels(layout.codec_name(link_header.codec)).inc(
+                    link_header.total_bytes
+                )
+            return
+        assert snap is not None
+        _, header, buf = snap
+        yield pb.PullReply(
+            header=pb.PullHeader(
+                fragment_id=fid,
+                version=version,
+                server_epoch=self.epoch,
+                payload=header,
+                checksum=checksum,
+            )
+        )
+        for chunk in framing.iter_chunks(buf):
+            yield pb.PullReply(chunk=chunk)
+        self.metrics.bytes_out.labels(layout.codec_name(header.codec)).inc(header.total_bytes)
