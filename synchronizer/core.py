@@ -52,10 +52,13 @@ class Synchronizer:
         metrics: Metrics | None = None,
         disk: Disk | None = None,
         clock: Clock | None = None,
+        inline_outer_steps: bool = False,
     ) -> None:
         """Checks the state directory and restores the newest checkpoint; `start()` replays the
         log and starts the background work. `disk`: the write-ahead log's file operations
-        (tests inject faults there); `clock`: the time policies read (tests: a `ManualClock`)."""
+        (tests inject faults there); `clock`: the time policies read (tests: a `ManualClock`);
+        `inline_outer_steps`: an outer step runs on the thread that closes its round instead of
+        a worker (tests: a round is applied when the call that closed it returns)."""
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.clock = clock or SystemClock()
@@ -78,6 +81,7 @@ class Synchronizer:
             self.registry,
             self.streams,
             self.journal,
+            0 if inline_outer_steps else cfg.apply_threads,
         )
         self.state = state.State(
             cfg, self.metrics, self.model, self.registry, self.goodput, self.journal
@@ -218,7 +222,8 @@ class Synchronizer:
             self.grace.observe(step_time=step_time_s)
 
     def leave(self, request: pb.LeaveRequest) -> pb.LeaveReply:
-        rec = self.registry.alive(request.learner_id, request.session, renew=False)
+        # A learner whose lease lapsed may still leave: nothing of it is left to refuse.
+        rec = self.registry.member(request.learner_id, request.session)
         self._report(rec, request.counters, 0.0)
         self.registry.leave(request.learner_id)
         self.goodput.died(request.learner_id)

@@ -189,9 +189,10 @@ class Registry:
         for rec in gone[:excess]:
             del self.learners[rec.learner_id]
 
-    def alive(self, learner_id: str, session: str, renew: bool = True) -> LearnerRecord:
-        """The live record for an id, lease renewed: Rejected if unknown, dead or gone, or when
-        `session` is not the one Join gave it."""
+    def member(self, learner_id: str, session: str) -> LearnerRecord:
+        """The record for an id, alive or dead (a lapsed lease still names its learner, which
+        may re-join or leave): Rejected if unknown or gone, or when `session` is not the one
+        Join gave it."""
         check_id(learner_id)
         with self.lock:
             rec = self.learners.get(learner_id)
@@ -202,6 +203,13 @@ class Registry:
                     f"learner {learner_id!r} is not joined; call Join first",
                 )
             check_session(rec, session)
+            return rec
+
+    def alive(self, learner_id: str, session: str) -> LearnerRecord:
+        """The live record for an id, lease renewed: Rejected if unknown, dead or gone, or when
+        `session` is not the one Join gave it."""
+        rec = self.member(learner_id, session)
+        with self.lock:
             now = self.clock.monotonic()
             if rec.state == "dead" or now > rec.lease_deadline:
                 raise Rejected(
@@ -209,8 +217,7 @@ class Registry:
                     "lease_expired",
                     f"the lease of learner {learner_id!r} expired; call Join again with this learner_id",
                 )
-            if renew:
-                rec.lease_deadline = now + self.lease_s
+            rec.lease_deadline = now + self.lease_s
             return rec
 
     def renew(self, rec: LearnerRecord) -> None:

@@ -69,8 +69,11 @@ class ServedModel:
         registry: Registry,
         streams: Streams,
         journal: Journal,
+        outer_step_threads: int,
     ) -> None:
+        """`outer_step_threads`: the closer's workers (0: on the thread that closes a round)."""
         self.cfg = cfg
+        self.outer_step_threads = outer_step_threads
         self.metrics = metrics
         self.clock = clock
         self.goodput = goodput
@@ -140,7 +143,7 @@ class ServedModel:
             self.goodput,
             self.registry.live_ids,
             self.clock,
-            self.cfg.apply_threads,
+            self.outer_step_threads,
             self.fragment_failed,
             self.journal.durable,
         )

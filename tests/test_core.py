@@ -1,0 +1,287 @@
+"""The Synchronizer's policies at the core, without gRPC and without sleeping: time is a
+`ManualClock` the test moves, housekeeping is `tick()`, and RPCs are the core's own methods
+called with the wire's messages. What needs a real server (status codes on the wire, streams,
+TLS, processes) is tested elsewhere against one on port 0.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from protos import diloco_pb2 as pb
+from protos.initmodel import init_model_requests
+from protos.spec import ModelSpec
+from synchronizer.clock import ManualClock
+from synchronizer.core import Synchronizer
+from synchronizer.errors import Code, Rejected
+from tests.core_helpers import CoreClient, clock, make_core
+from tests.helpers import small_spec
+
+__all__ = ["clock"]  # the fixture
+
+WAIT_S = 10.0  # bounds the one wait on another thread (a stalled upload)
+
+
+def make(tmp_path: Path, clock: ManualClock, **settings: Any) -> tuple[Synchronizer, ModelSpec]:
+    settings = {"lease_s": 10.0, "token_weight": "uniform", **settings}
+    return make_core(tmp_path, clock, **settings), small_spec()
+
+
+def initialised(core: Synchronizer, spec: ModelSpec, names: Sequence[str]) -> list[CoreClient]:
+    learners = [CoreClient(core, spec, name) for name in names]
+    for learner in learners:
+        learner.join()
+    learners[0].init([torch.zeros(f.numel) for f in spec.fragments])
+    return learners
+
+
+def version(core: Synchronizer, fid: int = 0) -> int:
+    return core.model.fragment(fid).version
+
+
+def params(core: Synchronizer, fid: int = 0) -> torch.Tensor:
+    served = core.model.fragment(fid).model.params
+    assert served is not None
+    return served
+
+
+def killed(core: Synchronizer) -> None:
+    """Ends a core as kill -9 would as far as its state directory knows: what the log holds
+    stays, nothing is flushed, no checkpoint is written."""
+    assert core.model.rounds is not None
+    core.model.rounds.shutdown()
+    core.journal.close()
+
+
+def test_round_with_its_quorum_waits_out_the_grace_window_on_the_clock_then_closes(tmp_path, clock):
+    core, spec = make(tmp_path, clock, quorum=2, grace="fixed", grace_max_s=3.0)
+    try:
+        a, b, _c = initialised(core, spec, ["a", "b", "c"])
+        n = spec.fragments[0].numel
+        assert a.push(0, torch.ones(n)).outcome == pb.PUSH_ACCEPTED
+        assert clock.pending() == 0  # one contribution: no quorum, no timer
+        assert b.push(0, torch.ones(n)).outcome == pb.PUSH_ACCEPTED
+        assert clock.pending() == 1  # quorum: the grace timer is armed, c may still come
+        clock.advance(2.999)
+        frag = core.model.fragment(0)
+        assert frag.version == 0 and frag.admission.round is not None
+        clock.advance(0.002)  # the window ends: the round closes without c
+        assert version(core) == 1
+        assert core.metrics.registry.get_sample_value("diloco_outer_steps_total") == 1
+    finally:
+        core.close()
+
+
+def test_round_closes_at_once_when_every_live_learner_contributed(tmp_path, clock):
+    core, spec = make(tmp_path, clock, quorum=1, grace="fixed", grace_max_s=60.0)
+    try:
+        a, b = initialised(core, spec, ["a", "b"])
+        n = spec.fragments[0].numel
+        a.push(0, torch.ones(n))
+        assert clock.pending() == 1  # quorum 1 reached: waiting for b within the window
+        b.push(0, torch.ones(n))  # everyone is in: no need to wait
+        assert version(core) == 1
+        assert clock.now == ManualClock().now  # no time passed at all
+    finally:
+        core.close()
+
+
+def test_synchronous_round_stops_waiting_for_a_learner_whose_lease_lapsed(tmp_path, clock):
+    core, spec = make(tmp_path, clock, quorum=0, lease_s=10.0)
+    try:
+        a, b = initialised(core, spec, ["a", "b"])
+        n = spec.fragments[0].numel
+        a.push(0, torch.ones(n))
+        clock.advance(9.0)
+        core.tick()
+        assert core.model.fragment(0).version == 0  # b is alive: synchronous waits for it
+        a.heartbeat()
+        clock.advance(1.5)  # b's lease lapses; a's was renewed
+        core.tick()  # the reaper marks b dead and the round no longer waits for it
+        assert version(core) == 1
+        assert core.registry.counts() == {"alive": 1, "dead": 1}
+        with pytest.raises(Rejected) as lapsed:
+            b.push(1, torch.ones(spec.fragments[1].numel))
+        assert lapsed.value.code == Code.FAILED_PRECONDITION
+        assert lapsed.value.reason == "lease_expired"
+        assert b.join(again=True).learner_id == b.learner_id  # it comes back as itself
+        assert core.registry.counts() == {"alive": 2, "dead": 0}
+    finally:
+        core.close()
+
+
+def test_a_learner_whose_lease_lapsed_may_still_leave(tmp_path, clock):
+    core, spec = make(tmp_path, clock, lease_s=5.0)
+    try:
+        (a,) = initialised(core, spec, ["a"])
+        clock.advance(60.0)
+        core.tick()
+        assert core.registry.counts() == {"alive": 0, "dead": 1}
+        a.leave()  # nothing of it is left to refuse
+        assert core.registry.learners[a.learner_id].state == "left"
+        with pytest.raises(Rejected) as gone:
+            a.leave()
+        assert gone.value.code == Code.NOT_FOUND
+    finally:
+        core.close()
+
+
+def test_dead_learners_unpushed_work_is_lost_and_capacity_follows_the_clock(tmp_path, clock):
+    core, spec = make(tmp_path, clock, quorum=1, grace="none", lease_s=10.0)
+    try:
+        a, b = initialised(core, spec, ["a", "b"])
+        core.tick()  # capacity counts from here
+        n0, n1 = (f.numel for f in spec.fragments)
+        share0 = n0 / spec.numel
+        core.heartbeat(
+            pb.HeartbeatRequest(
+                learner_id=b.learner_id,
+                session=b.session,
+                counters=pb.LearnerCounters(steps=10, tokens=500, compute_s=4.0),
+            )
+        )
+        a.push(0, torch.ones(n0), tokens=100, compute_s=2.0)
+        assert version(core) == 1
+        clock.advance(4.0)
+        a.heartbeat()
+        core.tick()  # 4 s x 2 learners of capacity
+        reg = core.metrics.registry
+        assert reg.get_sample_value("diloco_learner_capacity_seconds_total") == pytest.approx(8.0)
+        merged = reg.get_sample_value("diloco_compute_seconds_total", {"bucket": "merged"})
+        assert merged == pytest.approx(2.0 * share0)
+        assert core.goodput.ratio() == pytest.approx(2.0 * share0 / 8.0)
+        clock.advance(7.0)  # b's lease (renewed at the heartbeat) lapses
+        core.tick()
+        lost = reg.get_sample_value("diloco_compute_seconds_total", {"bucket": "lost"})
+        assert lost == pytest.approx(4.0)  # b reported 4 s and pushed none of it
+    finally:
+        core.close()
+
+
+def test_admission_drops_stale_pushes_and_answers_a_repeated_seq_without_applying_it(
+    tmp_path, clock
+):
+    core, spec = make(tmp_path, clock, quorum=1, grace="none", max_staleness=1)
+    try:
+        a, b = initialised(core, spec, ["a", "b"])
+        n = spec.fragments[0].numel
+        for v in (1, 2):
+            assert a.push(0, torch.ones(n), base=v - 1).outcome == pb.PUSH_ACCEPTED
+            assert version(core) == v
+        stale = b.push(0, torch.ones(n), base=0)  # 2 versions behind, max_staleness 1
+        assert stale.outcome == pb.PUSH_DROPPED_STALE and stale.staleness == 2
+        before = params(core).clone()
+        again = a.push(0, torch.full((n,), 5.0), base=2, seq=a.seq)  # a retry of seq 2
+        assert again.outcome == pb.PUSH_DUPLICATE
+        assert core.model.fragment(0).admission.round is None
+        assert torch.equal(params(core), before)
+    finally:
+        core.close()
+
+
+def test_log_replay_restores_versions_open_rounds_and_duplicate_answers(tmp_path, clock):
+    settings: dict[str, Any] = {"quorum": 2, "grace": "fixed", "grace_max_s": 60.0, "wal": True}
+    settings["lease_s"] = 600.0
+    core, spec = make(tmp_path, clock, **settings)
+    a, b, c = initialised(core, spec, ["a", "b", "c"])
+    n = spec.fragments[0].numel
+    a.push(0, torch.full((n,), 1.0))
+    b.push(0, torch.full((n,), 3.0))
+    clock.advance(60.0)  # grace over: the round of a and b closes
+    assert version(core) == 1
+    served = params(core).clone()
+    assert c.push(0, torch.full((n,), 2.0), base=1).outcome == pb.PUSH_ACCEPTED  # open round
+    killed(core)  # no final flush, no checkpoint past the first
+
+    again, _ = make(tmp_path, ManualClock(), **settings)
+    try:
+        frag = again.model.fragment(0)
+        assert frag.version == 1 and torch.equal(params(again), served)
+        assert frag.admission.round is not None
+        assert [x.learner_id for x in frag.admission.round.contributions] == [c.learner_id]
+        c.core = again
+        retry = c.push(0, torch.full((n,), 2.0), base=1, seq=c.seq)
+        assert retry.outcome == pb.PUSH_DUPLICATE
+    finally:
+        again.close()
+
+
+def test_a_round_refused_at_its_outer_step_counts_as_refused_in_goodput_on_replay_too(
+    tmp_path, clock
+):
+    # One close path for the worker and the replay: a round whose merged delta cannot be
+    # applied is refused, its contributions discarded, the fragment stays healthy, and the
+    # replay of the same log says the same.
+    settings: dict[str, Any] = {"quorum": 1, "grace": "none", "wal": True}
+    core, spec = make(tmp_path, clock, **settings)
+    (a,) = initialised(core, spec, ["a"])
+    n = spec.fragments[0].numel
+    assert a.push(0, torch.full((n,), 3e38)).outcome == pb.PUSH_ACCEPTED
+    frag = core.model.fragment(0)
+    assert core.metrics.registry.get_sample_value("diloco_rounds_refused_total") == 1
+    assert frag.version == 1 and core.unhealthy is None
+    counts = discarded_and_merged(core)
+    killed(core)
+
+    again, _ = make(tmp_path, ManualClock(), **settings)
+    try:
+        assert again.model.fragment(0).version == 1 and again.unhealthy is None
+        assert discarded_and_merged(again) == counts
+    finally:
+        again.close()
+
+
+def discarded_and_merged(core: Synchronizer) -> tuple[float | None, float | None]:
+    reg = core.metrics.registry
+    return (
+        reg.get_sample_value("diloco_tokens_total", {"bucket": "discarded"}),
+        reg.get_sample_value("diloco_tokens_total", {"bucket": "merged"}),
+    )
+
+
+def test_stalled_init_upload_loses_its_claim_after_init_stall_s_on_the_clock(tmp_path, clock):
+    core, spec = make(tmp_path, clock, init_stall_s=30.0, lease_s=60.0)
+    try:
+        a, b = CoreClient(core, spec, "a"), CoreClient(core, spec, "b")
+        a.join()
+        b.join()
+        flats = [torch.zeros(f.numel) for f in spec.fragments]
+        claimed, resume = threading.Event(), threading.Event()
+
+        def stalling() -> Iterator[pb.InitModelRequest]:
+            messages = init_model_requests(a.learner_id, a.session, spec.spec_hash, flats, 1000)
+            yield next(messages)  # InitStart: the upload claims the model
+            claimed.set()
+            resume.wait(WAIT_S)  # then stops sending
+            yield from messages
+
+        outcome: list[BaseException | pb.InitModelReply] = []
+
+        def upload() -> None:
+            try:
+                outcome.append(core.init_model(stalling()))
+            except Rejected as e:
+                outcome.append(e)
+
+        uploader = threading.Thread(target=upload)
+        uploader.start()
+        assert claimed.wait(WAIT_S)
+        with pytest.raises(Rejected) as busy:
+            b.init(flats)
+        assert busy.value.code == Code.ALREADY_EXISTS and a.learner_id in busy.value.message
+        clock.advance(31.0)  # no progress for longer than init_stall_s
+        b.heartbeat()
+        assert len(b.init(flats).versions) == len(spec.fragments)  # b takes over
+        resume.set()
+        uploader.join(WAIT_S)
+        (refused,) = outcome
+        assert isinstance(refused, Rejected) and refused.code == Code.ALREADY_EXISTS
+        assert core.model.initialized
+    finally:
+        core.close()
