@@ -1,7 +1,7 @@
 """GPU: a Synchronizer and 2 learners of the bundled GPT at about 700M parameters on one GPU.
 
 A real `python -m synchronizer serve` with default settings (state in a temporary directory),
-its resident memory sampled from /proc (`bench.scale.RssSampler`), and two `python -m demo
+its resident memory sampled from /proc (`bench.scale_load.RssSampler`), and two `python -m demo
 train` learners on `--device cuda` (24 layers, width 1536, 12 heads; 4 fragments, INT4 pushes,
 one sync every 10 steps). Learner 0 starts first and uploads the model (InitModel); learner 1
 starts once the Synchronizer serves it. Both wait for the other before their first step, so
@@ -36,7 +36,7 @@ import grpc
 import torch
 
 from bench.common import machine, parser, table, write_json
-from bench.scale import RssSampler
+from bench.scale_load import RssSampler
 from demo.procs import Procs, start_synchronizer
 from demo.tiny import NotInTime, finish_ok, start_learner, status, wait_until
 

@@ -24,7 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.scale import FRAGMENTS, PUSH_EVERY_S, Clients, RssSampler, init_shards, join_and_pull
+from bench.common import machine, table, write_json
+from bench.scale_load import (
+    FRAGMENTS,
+    PUSH_EVERY_S,
+    Clients,
+    RssSampler,
+    init_shards,
+    join_and_pull,
+)
 from demo.procs import Procs, metric, scrape, start_synchronizer
 
 SATURATING_RATE = 10_000.0  # ops due per second, far beyond 4 clients: they go back to back
@@ -133,3 +141,32 @@ def run(params: int, shards: int, mode: str) -> dict[str, Any]:
         "cpu_s_per_gb_1": one["cpu_s_per_gb"][0],
         "cpu_s_per_gb_shards": many["cpu_s_per_gb"],
     }
+
+
+def main(params: int, shards: int, mode: str, json_path: Path | None) -> dict[str, Any]:
+    result = {"mode": mode, **run(params, shards, mode), "machine": machine()}
+    rows = []
+    for config in (result["single"], result["sharded"]):
+        for i, peak in enumerate(config["rss_peak_bytes"]):
+            rows.append(
+                {
+                    "shards": config["shards"],
+                    "process": i,
+                    "rss_peak_GiB": peak / (1 << 30),
+                    "init_s": config["init_s"],
+                    "join_s": config["join_s"],
+                    "pushes_per_s": config["pushes_per_s"],
+                    "cpu_s": config["cpu_s"][i],
+                    "received_GB": config["received_GB"][i],
+                    "cpu_s_per_gb": config["cpu_s_per_gb"][i],
+                }
+            )
+    print()
+    print(table(rows, list(rows[0])))
+    print(
+        f"\nshard_rss_ratio = {result['shard_rss_ratio']:.3f} (largest shard's peak over the single "
+        f"Synchronizer's; goal <= 0.55)   pushes/s: 1 process {result['pushes_per_s_1']:.3g}, "
+        f"{shards} shards {result[f'pushes_per_s_{shards}']:.3g} (same 2 cores)"
+    )
+    write_json(json_path, result)
+    return result
