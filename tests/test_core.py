@@ -20,6 +20,8 @@ from protos.spec import ModelSpec
 from synchronizer.clock import ManualClock
 from synchronizer.core import Synchronizer
 from synchronizer.errors import Code, Rejected
+from synchronizer.leases import RECORDS_PER_SLOT
+from synchronizer.streams import IDENTIFY_S, Call
 from tests.core_helpers import CoreClient, clock, make_core
 from tests.helpers import small_spec
 
@@ -277,11 +279,105 @@ def test_stalled_init_upload_loses_its_claim_after_init_stall_s_on_the_clock(tmp
         assert busy.value.code == Code.ALREADY_EXISTS and a.learner_id in busy.value.message
         clock.advance(31.0)  # no progress for longer than init_stall_s
         b.heartbeat()
-        assert len(b.init(flats).versions) == len(spec.fragments)  # b takes over
+        ones = [torch.ones(f.numel) for f in spec.fragments]
+        assert len(b.init(ones).versions) == len(spec.fragments)  # b takes over
         resume.set()
         uploader.join(WAIT_S)
         (refused,) = outcome
         assert isinstance(refused, Rejected) and refused.code == Code.ALREADY_EXISTS
-        assert core.model.initialized
+        assert "took over" in refused.message
+        assert torch.equal(params(core), ones[0])  # b's upload; a's late end changed nothing
+    finally:
+        core.close()
+
+
+def test_idle_streams_are_cut_at_their_deadline_on_the_clock(tmp_path, clock):
+    # A stream must say whose it is within IDENTIFY_S and then move every stream_idle_s; the
+    # housekeeping tick cancels it through its call otherwise (tested here on the clock; the
+    # gRPC side of a cancel in tests/test_leases_transfer.py).
+    core, spec = make(tmp_path, clock, stream_idle_s=30.0)
+    try:
+        (a,) = initialised(core, spec, ["a"])
+        cancelled: list[str] = []
+        with (
+            core.streams.transfer("push", Call(cancel=lambda: cancelled.append("anon"))),
+            core.streams.transfer("pull", Call(cancel=lambda: cancelled.append("owned"))) as owned,
+        ):
+            owned.owned_by(a.learner_id, lambda: None)
+            clock.advance(IDENTIFY_S - 0.1)
+            core.tick()
+            assert cancelled == []
+            clock.advance(0.2)
+            core.tick()  # the anonymous stream said nothing within IDENTIFY_S
+            assert cancelled == ["anon"]
+            owned.touch()  # progress moves its deadline
+            clock.advance(29.9)
+            core.tick()
+            assert cancelled == ["anon"]
+            clock.advance(0.2)
+            core.tick()
+            assert cancelled == ["anon", "owned"]
+            cut = core.metrics.registry.get_sample_value
+            assert cut("diloco_streams_cut_total", {"kind": "push"}) == 1
+            assert cut("diloco_streams_cut_total", {"kind": "pull"}) == 1
+    finally:
+        core.close()
+
+
+def test_every_reported_token_ends_in_one_bucket_merged_discarded_or_lost(tmp_path, clock):
+    core, _ = make(tmp_path, clock, quorum=1, grace="none", lease_s=2.0, max_staleness=0)
+    spec = small_spec(sizes=(300, 100), fragments=2)
+    try:
+        a, b = CoreClient(core, spec, "a"), CoreClient(core, spec, "b")
+        a.join()
+        b.join()
+        a.init([torch.zeros(f.numel) for f in spec.fragments])
+        share = spec.fragments[0].numel / spec.numel
+        a.heartbeat(steps=20, tokens=2000, compute_s=4.0)
+        assert buckets(core)["in_flight"] == pytest.approx(2000)
+        a.push(0, torch.ones(spec.fragments[0].numel), tokens=1000, steps=10)  # merged (K=1)
+        b.heartbeat(steps=10, tokens=1000, compute_s=2.0)
+        dropped = b.push(0, torch.ones(spec.fragments[0].numel), base=0, tokens=1000, steps=10)
+        assert dropped.staleness == 1  # stale: discarded
+        got = buckets(core)
+        assert got["merged"] == pytest.approx(1000 * share)
+        assert got["discarded"] == pytest.approx(1000 * share)
+        assert got["in_flight"] == pytest.approx(3000 - 2000 * share)
+        clock.advance(2.1)  # both leases lapse: what they reported but never pushed is lost
+        core.tick()
+        got = buckets(core)
+        assert got["lost"] == pytest.approx(3000 - 2000 * share)
+        assert got["in_flight"] == pytest.approx(0)
+        assert sum(got.values()) == pytest.approx(3000)
+    finally:
+        core.close()
+
+
+def buckets(core: Synchronizer) -> dict[str, float]:
+    reg = core.metrics.registry
+    out = {
+        bucket: reg.get_sample_value("diloco_tokens_total", {"bucket": bucket}) or 0.0
+        for bucket in ("merged", "discarded", "lost")
+    }
+    out["in_flight"] = reg.get_sample_value("diloco_tokens_in_flight") or 0.0
+    return out
+
+
+def test_learners_that_are_gone_hold_no_slot_and_records_stay_bounded(tmp_path, clock):
+    core, spec = make(tmp_path, clock, max_learners=2, lease_s=1.0)
+    try:
+        for name in ("a", "b"):
+            CoreClient(core, spec, name).join()
+        with pytest.raises(Rejected) as full:
+            CoreClient(core, spec, "c").join()
+        assert full.value.code == Code.RESOURCE_EXHAUSTED
+        clock.advance(1.1)  # their leases lapse: the slots are free long before forget_after_s
+        CoreClient(core, spec, "c").join()
+        cycling = CoreClient(core, spec, "cycling")
+        for _ in range(5 * RECORDS_PER_SLOT * 2):  # join/leave cycles do not grow the registry
+            cycling.join()  # a new learner id each time
+            cycling.leave()
+        assert len(core.registry.learners) <= RECORDS_PER_SLOT * 2
+        assert len(core.status().learners) <= RECORDS_PER_SLOT * 2
     finally:
         core.close()

@@ -9,6 +9,9 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos import codec, layout
@@ -220,3 +223,9 @@ def test_servicer_serves_every_rpc_of_the_proto_and_nothing_else():
     core.metrics = None  # type: ignore[assignment]
     handlers = SynchronizerService(core).handlers()
     assert set(handlers) == set(pb.DESCRIPTOR.services_by_name["Synchronizer"].methods_by_name)
+
+
+def test_reflection_lists_the_service(make_server):
+    srv = make_server()
+    db = ProtoReflectionDescriptorDatabase(grpc.insecure_channel(srv.address))
+    assert "diloco.v1.Synchronizer" in db.get_services()
