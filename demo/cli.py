@@ -23,6 +23,7 @@ from demo.example.data import DataError
 from demo.train import EXAMPLE_SYNC_DEFAULTS, TrainOptions, load_factory, train
 from learner.client import ShardMismatch
 from learner.config import LearnerConfig
+from protos.channel import parse_addresses
 from protos.configload import ConfigError, add_flags, from_env, load, read_file
 
 
@@ -66,15 +67,14 @@ def _float_at_least(lo: float, exclusive: bool = False):
 
 
 def check_address(addresses: str) -> str:
-    """HOST:PORT with a port in 1..65535 ([v6]:PORT too), or several comma-separated (one per
-    shard of a sharded Synchronizer); UsageError otherwise."""
-    for address in addresses.split(","):
-        host, sep, port = address.strip().rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise UsageError(
-                "--synchronizer must be HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:50051), "
-                f"or one per shard, comma-separated; got {address!r}"
-            )
+    """`--synchronizer` as `protos.channel.parse_addresses` takes it; UsageError otherwise."""
+    try:
+        parse_addresses(addresses)
+    except ValueError as e:
+        raise UsageError(
+            "--synchronizer must be HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:50051), "
+            f"or one per shard, comma-separated: {e}"
+        ) from None
     return addresses
 
 
