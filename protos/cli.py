@@ -54,8 +54,8 @@ def add_option_flags(
     """A flag for each field of `model` named in `names` (space-separated), in that order.
 
     The flag is `--field-name`, or the field's `json_schema_extra` "flag" (with "metavar" there
-    for its placeholder); its default is the field's, shown in the help after the field's
-    description unless it is None or ""; a Literal gives the choices, `ge`/`gt` the bound that
+    for its placeholder); its default is the field's (None for a required field: left out), shown
+    in the help after the field's description unless it is None or ""; a Literal gives the choices, `ge`/`gt` the bound that
     `number` checks, and `bool | None` a `--flag/--no-flag` pair.
     """
     for name in names.split():
@@ -63,7 +63,7 @@ def add_option_flags(
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         flag = str(extra.get("flag", "--" + name.replace("_", "-")))
         dest_upper = flag[2:].replace("-", "_").upper()  # argparse's own placeholder
-        default = field.get_default(call_default_factory=True)
+        default = None if field.is_required() else field.get_default(call_default_factory=True)
         help_text = field.description or ""
         kind, is_bool = flag_type(field.annotation)
         if is_bool:
