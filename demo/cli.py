@@ -165,8 +165,9 @@ def _local(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise UsageError(f"--train-args/--synchronizer-args: {e}") from None
+    given = {key: getattr(args, key) for key in f"{LOCAL} live".split()}
     o = LocalOptions(
-        **{key: getattr(args, key) for key in f"{LOCAL} live".split()},
+        **{key: value for key, value in given.items() if value is not None},
         train_args=train_args,
         synchronizer_args=synchronizer_args,
         plot=not args.no_plot,

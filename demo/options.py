@@ -9,9 +9,9 @@ without the command line (`bench/`, the tests) builds the same models.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from learner.config import LearnerConfig
 
@@ -118,12 +118,14 @@ class LocalOptions(BaseModel):
         Path("runs/local"),
         description="directory for summary.json, summary.png, per-learner results and logs",
     )
-    # Left out (or None), these two are picked by _pick_slow_and_killed from the learners
+    # Left out, these two are picked from the learners (a factory given the fields above)
     slow_learner: int = Field(
+        default_factory=lambda data: 1 if data.get("learners", 0) >= 2 else -1,
         description="index of the slow learner; -1 for none (default: 1 when there are 2 or more learners)",
     )
     slow_factor: float = Field(3.0, ge=1, description="how many times slower it runs")
     kill_learner: int = Field(
+        default_factory=lambda data: 2 if data.get("learners", 0) >= 3 else -1,
         description="index of the learner killed mid-run and restarted; -1 for none (default: 2 when there are 3 or more learners)",
     )
     kill_at: float = Field(0.4, ge=0, description="kill it after this fraction of its steps")
@@ -162,16 +164,3 @@ class LocalOptions(BaseModel):
     live: bool | None = Field(
         None, description="redraw progress in place (default: when stdout is a terminal)"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _pick_slow_and_killed(cls, data: Any) -> Any:
-        """Not given, the slow learner is 1 where there are 2 or more, the killed one 2 where 3."""
-        if not isinstance(data, dict):
-            return data
-        learners = data.get("learners", cls.model_fields["learners"].default)
-        if data.get("slow_learner") is None:
-            data = {**data, "slow_learner": 1 if learners >= 2 else -1}
-        if data.get("kill_learner") is None:
-            data = {**data, "kill_learner": 2 if learners >= 3 else -1}
-        return data

@@ -54,8 +54,9 @@ def add_option_flags(
     """A flag for each field of `model` named in `names` (space-separated), in that order.
 
     The flag is `--field-name`, or the field's `json_schema_extra` "flag" (with "metavar" there
-    for its placeholder); its default is the field's (None for a required field: left out), shown
-    in the help after the field's description unless it is None or ""; a Literal gives the choices, `ge`/`gt` the bound that
+    for its placeholder); its default is the field's, shown in the help after the field's
+    description unless it is None or "" (None, the flag left out, for a default that a factory
+    computes from the other fields); a Literal gives the choices, `ge`/`gt` the bound that
     `number` checks, and `bool | None` a `--flag/--no-flag` pair.
     """
     for name in names.split():
@@ -63,7 +64,9 @@ def add_option_flags(
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         flag = str(extra.get("flag", "--" + name.replace("_", "-")))
         dest_upper = flag[2:].replace("-", "_").upper()  # argparse's own placeholder
-        default = None if field.is_required() else field.get_default(call_default_factory=True)
+        # A default computed from the other fields is left to the model: the flag's is None
+        takes_data = field.default_factory_takes_validated_data
+        default = None if takes_data else field.get_default(call_default_factory=True)
         help_text = field.description or ""
         kind, is_bool = flag_type(field.annotation)
         if is_bool:
