@@ -32,35 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from demo.options import LocalOptions
 from demo.procs import Procs, Samples, metric, read_json, rejoin_args, scrape, start_synchronizer
-
-
-@dataclass
-class LocalOptions:
-    learners: int = 4
-    shards: int = 1  # Synchronizer processes sharing the fragments
-    steps: int = 1000
-    out: Path = Path("runs/local")
-    slow_learner: int = 1  # index of the learner that runs slow_factor x slower; -1: none
-    slow_factor: float = 3.0
-    kill_learner: int = 2  # index of the learner killed mid-run and restarted; -1: none
-    kill_at: float = 0.4  # ...when it has done this fraction of its steps
-    restart_after_s: float = 5.0  # ...and restarted this long after (past the lease)
-    quorum: int = 2  # 2 beat 1 clearly here (eval 1.75 vs 2.42, no stale drops)
-    grace: str = "adaptive"
-    lease_s: float = 3.0
-    sync_every: int = 25
-    fragments: int = 4
-    codec: str = "int4"
-    data: str | None = None
-    seed: int = 0
-    log_every: int = 10
-    train_args: list[str] = field(default_factory=list)  # extra flags for every `learner train`
-    synchronizer_args: list[str] = field(
-        default_factory=list
-    )  # extra flags for `synchronizer serve`
-    plot: bool = True
-    live: bool | None = None  # redraw progress in place; None = when stdout is a terminal
 
 
 def synchronizer_flags(o: LocalOptions) -> list[str]:

@@ -22,7 +22,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -30,52 +30,11 @@ from torch import nn
 
 from demo.example.data import ByteData, evaluate
 from demo.example.model import GPT, GPTConfig
-from learner.config import LearnerConfig
+from demo.options import TrainOptions
 
 logger = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-# The bundled example syncs more often than the library's default (FEASIBILITY.md: H = 25 is best
-# for a model this small and a run this short). The CLI applies it unless a file, variable or flag
-# says otherwise.
-EXAMPLE_SYNC_DEFAULTS = {"sync_every": 25}
-
-
-@dataclass
-class TrainOptions:
-    # what to train
-    steps: int = 1000  # the step count the schedule runs to
-    start_step: int = 0  # resume here (a restarted learner): steps start_step..steps-1
-    model: str | None = None  # "pkg.module:factory" for a user model; None = the example
-    data: str | None = None  # directory of text files; None = the Python stdlib sources
-    max_bytes: int = 4 << 20  # training bytes read per learner
-    n_layer: int = 2
-    d_model: int = 64
-    n_head: int = 2
-    block: int = 128  # context length in bytes
-    batch_size: int = 16
-    seed: int = 0  # model init (same on every learner) and data order
-    # inner optimizer: AdamW, linear warm-up, cosine decay to min_lr_ratio * lr
-    lr: float = 8e-3
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    # syncing: the Learner's settings, or None to train alone (the same loop without a Learner)
-    sync: LearnerConfig | None = field(
-        default_factory=lambda: LearnerConfig.model_validate(EXAMPLE_SYNC_DEFAULTS)
-    )
-    name: str = "learner"  # for the log lines and the result
-    wait_for_learners: int = 0  # before step one, wait until this many learners are joined
-    learner_index: int = 0  # which data shard this learner reads...
-    learners: int = 1  # ...out of this many
-    # running
-    slow: float = 1.0  # > 1: sleep (slow - 1) x step time after each step
-    log_every: int = 25
-    eval_windows: int = 256
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
-    out: str | None = None  # JSON result path
 
 
 def lr_at(step: int, o: TrainOptions) -> float:

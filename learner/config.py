@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from protos import layout
-from protos.channel import ClientTLS
+from protos.channel import ClientTLS, parse_addresses
 
 
 class LearnerConfig(ClientTLS):
@@ -178,18 +178,24 @@ class LearnerConfig(ClientTLS):
         layout.parse_codec(v)  # CodecError (a ValueError) names the allowed codecs
         return v
 
+    @field_validator("synchronizer")
+    @classmethod
+    def _addresses(cls, v: str) -> str:
+        try:
+            addresses = parse_addresses(v)
+        except ValueError as e:
+            raise ValueError(
+                f"must be host:port with a port in 1..65535 (e.g. 127.0.0.1:50051), or several, comma-separated: {e}"
+            ) from None
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"lists an address twice: {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:
         if self.retry_max_s < self.retry_initial_s:
             raise ValueError("retry_max_s must be >= retry_initial_s")
-        addresses = [a.strip() for a in self.synchronizer.split(",")]
-        for a in addresses:
-            if ":" not in a:
-                raise ValueError(
-                    f"synchronizer must be host:port (or several, comma-separated), got {a!r}"
-                )
-        if len(set(addresses)) != len(addresses):
-            raise ValueError(f"synchronizer lists an address twice: {self.synchronizer!r}")
+        addresses = parse_addresses(self.synchronizer)
         if len(addresses) > 1 and self.shards and self.shards != len(addresses):
             raise ValueError(
                 f"shards={self.shards} but synchronizer lists {len(addresses)} addresses: give "

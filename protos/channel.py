@@ -6,6 +6,8 @@ turns TLS on, `tls_cert` with `tls_key` adds a client certificate (mutual TLS),
 `tls_server_name` checks the server's certificate against another name than the address's host,
 and `bearer(token)` is the call metadata the server's token check reads. Messages up to
 `MAX_MESSAGE_BYTES` pass both ways (chunks are at most 4 MiB; the rest is envelope).
+`parse_addresses` is the one rule for what a Synchronizer address is, which the learner's
+settings and both programs' `--synchronizer` flags check against.
 """
 
 from __future__ import annotations
@@ -43,6 +45,35 @@ class ClientTLS(BaseModel):
         if self.tls_cert is not None and self.tls_ca is None:
             raise ValueError("mutual TLS (tls_cert/tls_key) needs tls_ca to check the server")
         return self
+
+
+def parse_addresses(text: str) -> list[str]:
+    """The HOST:PORT addresses in `text`, comma-separated (one per shard of a sharded
+    Synchronizer), stripped of spaces; ValueError saying which one is wrong and how.
+
+    A host is a name, an IPv4 address or an IPv6 address in brackets (`[::1]:50051`); a port is
+    1..65535. The message names the address, not the setting: callers put that in front.
+    """
+    addresses = [a.strip() for a in text.split(",")]
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        bracketed = host.startswith("[") and host.endswith("]")
+        if not a:
+            problem = "an empty address (a stray comma?)"
+        elif not sep:
+            problem = f"{a!r} has no port"
+        elif not host.strip("[]"):
+            problem = f"{a!r} has no host"
+        elif not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            problem = f"{a!r} has port {port!r}, not a number in 1..65535"
+        elif host.startswith("[") != host.endswith("]"):
+            problem = f"{a!r} opens or closes a bracket around its host without the other"
+        elif ":" in host and not bracketed:
+            problem = f"{a!r} has an IPv6 host without brackets (write [::1]:50051, say)"
+        else:
+            continue
+        raise ValueError(problem)
+    return addresses
 
 
 def _read_pem(what: str, path: str | Path) -> bytes:

@@ -65,7 +65,7 @@ def from_env(model: type[BaseModel], environ: Mapping[str, str] | None = None) -
     return out
 
 
-def _flag_type(annotation: Any) -> tuple[Any, bool]:
+def flag_type(annotation: Any) -> tuple[Any, bool]:
     """(argparse type, is_bool) for a field annotation; Optional[X] counts as X."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) in (typing.Union, __import__("types").UnionType) and args:
@@ -81,7 +81,7 @@ def add_flags(parser: argparse._ActionsContainer, model: type[BaseModel]) -> Non
     """One --flag per field, default None so that only flags given on the line override."""
     for name, field in model.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        kind, is_bool = _flag_type(field.annotation)
+        kind, is_bool = flag_type(field.annotation)
         default = field.default
         choices = (
             typing.get_args(field.annotation)

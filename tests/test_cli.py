@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from learner.client import SyncClient
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
-from synchronizer.cli import main, shards_json, shards_table
+from synchronizer.cli import main
+from synchronizer.cli_status import shards_json, shards_table
 from tests.helpers import Client, serve_process, small_spec
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from demo.cli import main
+from demo.cli import LOCAL, MODEL_AND_DATA, REPORTING, TRAINING, _parser, main
 from demo.example.data import (
     ByteData,
     evaluate,
@@ -15,6 +15,7 @@ from demo.example.data import (
     stdlib_root,
 )
 from demo.example.model import GPT, GPTConfig
+from demo.options import LocalOptions
 from demo.train import TrainOptions, lr_at, param_hash, train
 
 TINY = GPTConfig(n_layer=1, d_model=32, n_head=2, block=32)
@@ -186,6 +187,17 @@ def test_a_user_model_plugs_in_by_import_path():
     )
     assert result["eval_loss_end"] < result["eval_loss_start"] - 1.0
     assert result["tokens"] == 40 * 8 * 8
+
+
+def test_train_and_local_flags_default_to_their_options_models():
+    train_flags = vars(_parser().parse_args(["train"]))
+    for name in f"{TRAINING} {REPORTING} {MODEL_AND_DATA}".split():
+        assert train_flags[name] == getattr(TrainOptions(), name), name
+    local_flags = vars(_parser().parse_args(["local"]))
+    given = {name: local_flags[name] for name in LOCAL.split() if local_flags[name] is not None}
+    assert LocalOptions(**given) == LocalOptions()
+    assert (LocalOptions().slow_learner, LocalOptions().kill_learner) == (1, 2)
+    assert (LocalOptions(learners=2).slow_learner, LocalOptions(learners=2).kill_learner) == (1, -1)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,101 @@
+"""The command-line parts both programs (`diloco-synchronizer`, `diloco-learner`) share.
+
+`Parser` is argparse with one-line errors. `number(int, ge=0)` is a flag type that checks its
+bound as the flag is read (`argument --steps: must be >= 0, got -5`). `add_option_flags` gives
+fields of a pydantic options model their flags, taking each flag's default, bound, choices and
+help from its field, so that each is written once. Settings loaded in layers (file <
+environment < flags) take their flags from `protos.configload.add_flags` instead, and the address
+rule behind every `--synchronizer` is `protos.channel.parse_addresses`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from protos.configload import flag_type
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag prints one line (and where to look), not the whole usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def number(
+    kind: type[int] | type[float], *, gt: float | None = None, ge: float | None = None
+) -> Callable[[str], int | float]:
+    """An argparse type: the text as `kind`, not NaN, and `> gt` or `>= ge` when given."""
+    expected = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value != value:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        if gt is not None and not value > gt:
+            raise argparse.ArgumentTypeError(f"must be > {gt:g}, got {text}")
+        if ge is not None and not value >= ge:
+            raise argparse.ArgumentTypeError(f"must be >= {ge:g}, got {text}")
+        return value
+
+    return parse
+
+
+def add_option_flags(
+    parser: argparse._ActionsContainer, model: type[BaseModel], names: str
+) -> None:
+    """A flag for each field of `model` named in `names` (space-separated), in that order.
+
+    The flag is `--field-name`, or the field's `json_schema_extra` "flag" (with "metavar" there
+    for its placeholder); its default is the field's, shown in the help after the field's
+    description unless it is None or "" (None, the flag left out, for a default that a factory
+    computes from the other fields); a Literal gives the choices, `ge`/`gt` the bound that
+    `number` checks, and `bool | None` a `--flag/--no-flag` pair.
+    """
+    for name in names.split():
+        field = model.model_fields[name]
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        flag = str(extra.get("flag", "--" + name.replace("_", "-")))
+        dest_upper = flag[2:].replace("-", "_").upper()  # argparse's own placeholder
+        # A default computed from the other fields is left to the model: the flag's is None
+        takes_data = field.default_factory_takes_validated_data
+        default = None if takes_data else field.get_default(call_default_factory=True)
+        help_text = field.description or ""
+        kind, is_bool = flag_type(field.annotation)
+        if is_bool:
+            parser.add_argument(
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+            )
+            continue
+        if default not in (None, ""):
+            help_text += " (default: %(default)s)"
+        bounds = {
+            key: getattr(m, key) for m in field.metadata for key in ("gt", "ge") if hasattr(m, key)
+        }
+        if kind in (int, float) and bounds:
+            kind = number(kind, **bounds)
+        choices = (
+            typing.get_args(field.annotation)
+            if typing.get_origin(field.annotation) is typing.Literal
+            else None
+        )
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=default,
+            choices=choices,
+            metavar=None if choices else str(extra.get("metavar", dest_upper)),
+            help=help_text,
+        )
