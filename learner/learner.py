@@ -37,6 +37,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from learner.addresses import client_for
 from learner.client import SyncClient
 from learner.config import LearnerConfig
 from learner.fragments import (
@@ -47,7 +48,7 @@ from learner.fragments import (
     schedule_offsets,
 )
 from learner.session import Clock
-from learner.shards import ShardedClient, client_for
+from learner.shards import ShardedClient
 from learner.sync import Arrival, PushJob, SyncEngine
 from protos import codec, layout
 from protos import diloco_pb2 as pb

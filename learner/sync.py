@@ -32,7 +32,7 @@ import torch
 
 from learner.client import backoff_s
 from learner.config import LearnerConfig
-from learner.session import REJOIN_CODES, Clock, Session, Transport
+from learner.session import REJOIN_CODES, Clock, Push, Session, Transport
 from protos import diloco_pb2 as pb
 from protos import layout
 from protos.spec import ModelSpec
@@ -295,14 +295,16 @@ class SyncEngine:
                 job.ready.synchronize()
             try:
                 reply = self.client.push(
-                    p,
-                    job.seq,
-                    job.base_version,
-                    job.tokens,
-                    job.steps,
-                    job.compute_s,
-                    job.payload,
-                    job.header,
+                    Push(
+                        p,
+                        job.seq,
+                        job.base_version,
+                        job.tokens,
+                        job.steps,
+                        job.compute_s,
+                        job.payload,
+                        job.header,
+                    )
                 )
             except grpc.RpcError as e:
                 if self.stopping.is_set():

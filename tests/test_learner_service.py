@@ -19,6 +19,7 @@ from torch import nn
 from learner import Learner
 from learner.client import SyncClient
 from learner.fragments import FragmentPlan
+from learner.session import Push
 from protos import codec, layout
 from protos import diloco_pb2 as pb
 from synchronizer.config import SynchronizerConfig
@@ -323,7 +324,9 @@ def test_stale_push_is_dropped_and_the_fragment_re_pulled(tmp_path):
             n = FragmentPlan(model, 1).numel(0)
             zero = codec.encode(torch.zeros(n), pb.CODEC_FP32)
             assert (
-                other.push(0, 1, 1, 1, 1, 0.0, zero, layout.make_header(pb.CODEC_FP32, n)).outcome
+                other.push(
+                    Push(0, 1, 1, 1, 1, 0.0, zero, layout.make_header(pb.CODEC_FP32, n))
+                ).outcome
                 == pb.PUSH_ACCEPTED
             )
             assert wait_until(lambda: other.status().versions[0].version == 2)
@@ -349,14 +352,16 @@ def test_delta_pull_rebuilds_the_served_parameters_exactly_at_a_fraction_of_the_
             v0, _, p0 = client.pull(0, numel=n)
             delta = torch.randn(n) * 0.01
             reply = client.push(
-                0,
-                1,
-                v0,
-                10,
-                1,
-                0.0,
-                codec.encode(delta, pb.CODEC_FP32),
-                layout.make_header(pb.CODEC_FP32, n),
+                Push(
+                    0,
+                    1,
+                    v0,
+                    10,
+                    1,
+                    0.0,
+                    codec.encode(delta, pb.CODEC_FP32),
+                    layout.make_header(pb.CODEC_FP32, n),
+                )
             )
             assert reply.outcome == pb.PUSH_ACCEPTED
             before = client.bytes_received
