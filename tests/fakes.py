@@ -155,7 +155,7 @@ class FakeClient:
             if not learner_id:
                 self.ids += 1
                 learner_id = f"learner-{self.ids}"
-            self.learner_id = learner_id
+            self.learner_id, self.session = learner_id, f"secret-{learner_id}"
             self.known.add(learner_id)
             return pb.JoinReply(
                 learner_id=learner_id,
@@ -164,6 +164,7 @@ class FakeClient:
                 versions=self._versions(),
                 needs_init=self.needs_init,
                 next_seq=max(self.replies, default=0) + 1,
+                session=self.session,
                 inner_steps=self.inner_steps,
             )
 
