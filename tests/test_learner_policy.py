@@ -38,8 +38,9 @@ class Run:
         self.learner: Learner | None = None
 
     def start(self, **settings: Any) -> Learner:
+        merged: dict[str, Any] = {**FAST, **settings}
         self.learner = Learner(
-            self.model, None, transport=self.fake, fragments=self.fragments, **FAST, **settings
+            self.model, None, transport=self.fake, fragments=self.fragments, **merged
         )
         return self.learner
 
