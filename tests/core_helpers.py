@@ -12,7 +12,6 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec
@@ -20,7 +19,7 @@ from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.metrics import Metrics
-from tests.helpers import push_messages
+from tests.helpers import pulled, push_header, push_messages
 
 
 class CoreClient:
@@ -63,19 +62,20 @@ class CoreClient:
         if seq is None:
             self.seq += 1
             seq = self.seq
-        h = pb.PushHeader(
-            learner_id=self.learner_id,
-            session=self.session,
-            seq=seq,
-            spec_hash=self.spec.spec_hash,
-            fragment_id=fragment,
-            base_version=base,
-            tokens=tokens,
-            steps=steps,
-            compute_s=compute_s,
-            payload=layout.make_header(codec_id, delta.numel()),
+        h, buf = push_header(
+            self.learner_id,
+            self.session,
+            self.spec,
+            fragment,
+            delta,
+            codec_id,
+            base,
+            seq,
+            tokens,
+            steps,
+            compute_s,
         )
-        return self.core.push(push_messages(h, codec.encode(delta, codec_id)))
+        return self.core.push(push_messages(h, buf))
 
     def pull(
         self, fragment: int, min_version: int = 0, wait_s: float = 0.0
@@ -89,12 +89,7 @@ class CoreClient:
                 wait_s=wait_s,
             )
         )
-        header = next(replies).header
-        asm = framing.Assembler(header.payload)
-        for r in replies:
-            asm.add(r.chunk)
-        out = torch.empty(header.payload.numel, dtype=torch.float32)
-        return header.version, codec.decode(asm.finish(), header.payload, out)
+        return pulled(replies)
 
     def heartbeat(
         self,

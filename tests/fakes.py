@@ -15,6 +15,7 @@ from torch import nn
 
 from learner.fragments import FragmentPlan
 from learner.session import Push
+from learner.shards import Refusal
 from learner.sync import Arrival, PushJob, SyncEngine
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec, owned_fragments
@@ -25,18 +26,11 @@ SIZES = [f.numel for f in SPEC.fragments]
 FAST = dict(retry_initial_s=0.001, retry_max_s=0.01, heartbeat_interval_s=3600.0, pull_wait_s=60.0)
 
 
-class RpcFailure(grpc.RpcError):
+class RpcFailure(Refusal):
     """A `grpc.RpcError` with a status code, as the real client raises after its retries."""
 
     def __init__(self, code: grpc.StatusCode, details: str = "injected by the test") -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+        super().__init__(code, details)
 
 
 class FakeClient:

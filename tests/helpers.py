@@ -39,6 +39,45 @@ def push_messages(
         yield pb.PushRequest(chunk=chunk)
 
 
+def pulled(replies: Iterator[pb.PullReply]) -> tuple[int, torch.Tensor]:
+    """The version and the FP32 values of a full pull's replies."""
+    header = next(replies).header
+    asm = framing.Assembler(header.payload)
+    for r in replies:
+        asm.add(r.chunk)
+    out = torch.empty(header.payload.numel, dtype=torch.float32)
+    return header.version, codec.decode(asm.finish(), header.payload, out)
+
+
+def push_header(
+    learner_id: str,
+    session: str,
+    spec: ModelSpec,
+    fragment: int,
+    delta: torch.Tensor,
+    codec_id: int,
+    base: int,
+    seq: int,
+    tokens: int = 100,
+    steps: int = 10,
+    compute_s: float = 1.0,
+) -> tuple[pb.PushHeader, torch.Tensor]:
+    """A push's header and its encoded payload."""
+    h = pb.PushHeader(
+        learner_id=learner_id,
+        session=session,
+        seq=seq,
+        spec_hash=spec.spec_hash,
+        fragment_id=fragment,
+        base_version=base,
+        tokens=tokens,
+        steps=steps,
+        compute_s=compute_s,
+        payload=layout.make_header(codec_id, delta.numel()),
+    )
+    return h, codec.encode(delta, codec_id)
+
+
 class Client:
     def __init__(
         self,
@@ -93,20 +132,18 @@ class Client:
         if seq is None:
             self.seq += 1
             seq = self.seq
-        buf = codec.encode(delta, codec_id)
-        h = pb.PushHeader(
-            learner_id=self.learner_id,
-            session=self.session,
-            seq=seq,
-            spec_hash=self.spec.spec_hash,
-            fragment_id=fragment,
-            base_version=base,
-            tokens=tokens,
-            steps=steps,
-            compute_s=1.0,
-            payload=layout.make_header(codec_id, delta.numel()),
+        return push_header(
+            self.learner_id,
+            self.session,
+            self.spec,
+            fragment,
+            delta,
+            codec_id,
+            base,
+            seq,
+            tokens,
+            steps,
         )
-        return h, buf
 
     def push(
         self,
@@ -140,12 +177,7 @@ class Client:
             timeout=TIMEOUT,
             metadata=self.md,
         )
-        header = next(replies).header
-        asm = framing.Assembler(header.payload)
-        for r in replies:
-            asm.add(r.chunk)
-        out = torch.empty(header.payload.numel, dtype=torch.float32)
-        return header.version, codec.decode(asm.finish(), header.payload, out)
+        return pulled(replies)
 
     def heartbeat(
         self,
