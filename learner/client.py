@@ -19,7 +19,7 @@ import random
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import torch
@@ -30,6 +30,9 @@ from protos import diloco_pb2_grpc as pb_grpc
 from protos.channel import bearer, open_channel
 from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from learner.session import Push  # session imports this module
 
 logger = logging.getLogger(__name__)
 
@@ -268,40 +271,30 @@ class SyncClient:
         )
         return self._unary("Heartbeat", self.stub.Heartbeat, req)
 
-    def push(
-        self,
-        fragment_id: int,
-        seq: int,
-        base_version: int,
-        tokens: int,
-        steps: int,
-        compute_s: float,
-        encoded: torch.Tensor,
-        header: pb.PayloadHeader,
-    ) -> pb.PushReply:
+    def push(self, push: Push) -> pb.PushReply:
         """Streams one encoded outer gradient (a CPU uint8 tensor); retries keep the seq."""
         push_header = pb.PushHeader(
             learner_id=self.learner_id,
             session=self.session,
-            seq=seq,
+            seq=push.seq,
             spec_hash=self.spec_hash,
-            fragment_id=fragment_id,
-            base_version=base_version,
-            tokens=tokens,
-            steps=steps,
-            compute_s=compute_s,
-            payload=header,
+            fragment_id=push.fragment_id,
+            base_version=push.base_version,
+            tokens=push.tokens,
+            steps=push.steps,
+            compute_s=push.compute_s,
+            payload=push.header,
         )
 
         def messages() -> Iterator[pb.PushRequest]:
             yield pb.PushRequest(header=push_header)
-            for chunk in framing.iter_chunks(encoded, self.chunk_bytes):
+            for chunk in framing.iter_chunks(push.encoded, self.chunk_bytes):
                 yield pb.PushRequest(chunk=chunk)
 
         def call() -> pb.PushReply:
             reply = self.stub.PushFragment(
                 self._counted(messages()),
-                timeout=self.transfer_s(encoded.numel()),
+                timeout=self.transfer_s(push.encoded.numel()),
                 metadata=self.metadata,
             )
             self._count(received=reply.ByteSize())

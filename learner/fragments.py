@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from protos import codec, layout
+from protos import diloco_pb2 as pb
 from protos.spec import Fragment, ModelSpec, TensorInfo, plan_fragments
 
 MERGE_MODES = ("overwrite", "mix", "rebase")
@@ -111,16 +113,19 @@ class ErrorFeedback:
         self.enabled = enabled
         self.residuals = [torch.zeros(n, device=device) if enabled else None for n in numels]
 
-    def compensate(self, p: int, delta: torch.Tensor) -> torch.Tensor:
-        """delta + residual_p, in place on delta."""
+    def encode(
+        self, p: int, delta: torch.Tensor, codec_id: int, block_size: int, scale_dtype: int
+    ) -> tuple[torch.Tensor, pb.PayloadHeader, torch.Tensor | None]:
+        """What to push for fragment p: (delta + residual_p encoded, its header, the residual
+        that stands once it is applied, None without error feedback). Modifies delta in place.
+        CodecError when it is not finite."""
         r = self.residuals[p]
-        return delta if r is None else delta.add_(r)
-
-    def residual_after(
-        self, compensated: torch.Tensor, decoded: torch.Tensor
-    ) -> torch.Tensor | None:
-        """The residual that stands once `compensated` is sent as `decoded` (a new tensor)."""
-        return compensated - decoded if self.enabled else None
+        x = delta if r is None else delta.add_(r)
+        header = layout.make_header(codec_id, x.numel(), block_size, scale_dtype)
+        encoded = codec.encode(x, codec_id, block_size, scale_dtype)
+        if not self.enabled:
+            return encoded, header, None
+        return encoded, header, x - codec.decode(encoded, header, torch.empty_like(x))
 
     def commit(self, p: int, residual: torch.Tensor | None) -> None:
         if self.enabled and residual is not None:

@@ -6,21 +6,18 @@ forward pass sees them and no gradient is applied to parameters it was not compu
 a fragment's due step (staggered: fragment p at offset p*H//P) encodes its outer gradient on the
 model's device and hands it to the background. Nothing in `step()` waits on the network unless
 `strict_overlap` is set: then a push's result is merged exactly overlap_steps (tau) after it,
-waited for (bounded) when late and held back when early, so the step at which each result lands
-does not depend on timing (with the Synchronizer's canonical order of a round's pushes, a
-synchronous run is reproducible bit for bit).
+waited for (bounded) when late and held back when early (`learner.overlap`).
 
-The background side is `learner.sync.SyncEngine` (pushes, pulls, retries), within a
-`learner.session.Session` (joins, re-joins, heartbeats); `Learner` uses only their public methods.
-Against a sharded Synchronizer (several addresses in `synchronizer`) the transport is a
-`learner.shards.ShardedClient`, which routes each fragment to its shard; nothing else changes.
+The background side is `learner.sync.SyncEngine` (pushes, pulls, retries, within a
+`learner.session.Session`: joins, re-joins, heartbeats); `Learner` uses only the engine's public
+methods. It talks through a transport (`learner.session.Transport`), built from the settings by
+`learner.addresses.client_for` unless one is given: against a sharded Synchronizer (several
+addresses in `synchronizer`) a `learner.shards.ShardedClient`, which routes each fragment to its
+shard; nothing else changes.
 
-Multi-GPU islands (torchrun, default process group initialised, replicated parameters as in
-DDP): rank 0 alone talks to the Synchronizer. At the end of every `step()` all ranks take part in
-one small broadcast of which fragments rank 0 merged, then one broadcast per merged fragment of
-its flat parameters, so the island stays identical. Every rank must call `step()`, `flush()` and
-`finish()` the same number of times. Pass each rank's own `tokens`; rank 0 reports them times the
-world size.
+Multi-GPU islands (torchrun): rank 0 alone talks to the Synchronizer and broadcasts what it merged
+(`learner.island`). Every rank must call `step()`, `flush()` and `finish()` the same number of
+times. Pass each rank's own `tokens`; rank 0 reports them times the world size.
 """
 
 from __future__ import annotations
@@ -33,11 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
-import torch.distributed as dist
 
-from learner.client import SyncClient
+from learner.addresses import client_for
 from learner.config import LearnerConfig
 from learner.fragments import (
     ErrorFeedback,
@@ -46,11 +41,12 @@ from learner.fragments import (
     merge_fragment,
     schedule_offsets,
 )
-from learner.session import Clock
-from learner.shards import ShardedClient, client_for
+from learner.island import Island
+from learner.overlap import StrictOverlap
+from learner.session import Clock, Transport
 from learner.sync import Arrival, PushJob, SyncEngine
-from protos import codec, layout
 from protos import diloco_pb2 as pb
+from protos import layout
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +79,13 @@ class LearnerStats:
     version_conflicts: int = 0  # of those, served again with another checksum (a server bug)
 
 
-def _island() -> tuple[int, int]:
-    """(rank, world size) of the torchrun island; (0, 1) without torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class Learner:
     """Trains `model` with `inner_optimizer` as one learner of a Decoupled DiLoCo run.
 
     Settings are `LearnerConfig` fields, as keyword arguments or `config=` (keywords win).
     `inner_optimizer` may be None when the caller steps its optimizer itself before `step()`.
-    The constructor joins the Synchronizer and loads the global model (initialising it from this
+    `transport` replaces the client the settings would build (tests pass an in-memory fake); the
+    learner closes it when it stops. The constructor joins the Synchronizer and loads the global model (initialising it from this
     model's parameters if there is none yet); it raises if that is impossible within
     `join_timeout_s`. After that, network trouble is logged and counted, never raised.
     """
@@ -106,6 +96,7 @@ class Learner:
         inner_optimizer: torch.optim.Optimizer | None,
         *,
         config: LearnerConfig | None = None,
+        transport: Transport | None = None,
         **settings: Any,
     ) -> None:
         cfg = config or LearnerConfig()
@@ -120,15 +111,14 @@ class Learner:
         self.device = self._state_device(cfg.device)
         self.codec_id = layout.parse_codec(cfg.codec)
         self.scale_dtype = SCALE_DTYPES[cfg.scale_dtype]
-        self.rank, self.world = _island()
-        self.leader = self.rank == 0
+        self.island = Island(self.plan, self.param_device)
+        self.leader, self.world = self.island.leader, self.island.world
         self.sync_every = cfg.sync_every
         self.offsets = schedule_offsets(self.sync_every, self.num_fragments)
         self.clock = Clock()
         self.merges = 0
         self.deferred: set[int] = set()  # due while busy: pushed as soon as the fragment is free
-        self.strict_waits: dict[int, int] = {}  # fragment -> step of its push (strict_overlap)
-        self.early: dict[int, Arrival] = {}  # results back before their tau (strict_overlap)
+        self.overlap = StrictOverlap(cfg.overlap_steps)  # filled only with strict_overlap
         self.flushing = False  # the end: every result is merged as it comes
         self.since_push = [
             [0, 0, 0.0] for _ in range(self.num_fragments)
@@ -140,17 +130,18 @@ class Learner:
             self.device,
             cfg.error_feedback,
         )
-        self.client: SyncClient | ShardedClient | None = None
+        self.client: Transport | None = None
         self.engine: SyncEngine | None = None
         self.closed = False
         self.metrics_port: int | None = None  # bound port of the /metrics endpoint, if serving
         self._stop_metrics: Callable[[], None] | None = None
         if self.leader:
-            self._connect()
+            self._connect(transport)
             if cfg.metrics_port >= 0:
                 self._serve_metrics()
-        if self.world > 1:
-            self._broadcast(set(range(self.num_fragments)), announce=False)
+        elif transport is not None:
+            transport.close()  # only rank 0 talks to the Synchronizer
+        self.island.broadcast(set(range(self.num_fragments)), announce=False)
         self.last_step_end = time.perf_counter()
 
     def _state_device(self, choice: str) -> torch.device:
@@ -162,9 +153,9 @@ class Learner:
             return self.param_device if self.param_device.type == "cuda" else torch.device("cuda")
         return torch.device("cpu")
 
-    def _connect(self) -> None:
+    def _connect(self, transport: Transport | None) -> None:
         cfg = self.cfg
-        self.client = client_for(cfg)
+        self.client = transport if transport is not None else client_for(cfg)
         name = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = SyncEngine(
             self.client,
@@ -245,8 +236,7 @@ class Learner:
         merged: set[int] = set()
         if self.leader:
             merged = self._sync_step()
-        if self.world > 1:
-            self._broadcast(merged)
+        self.island.broadcast(merged)
         self.last_step_end = time.perf_counter()
 
     def reset_clock(self) -> None:
@@ -256,7 +246,7 @@ class Learner:
 
     def _sync_step(self) -> set[int]:
         assert self.engine is not None
-        h = self.engine.session.sync_every()
+        h = self.engine.sync_every()
         if h != self.sync_every:
             logger.info(
                 "learner=%s sync_every %d -> %d (Dynamic Local Updates)",
@@ -283,20 +273,11 @@ class Learner:
         try:
             with torch.no_grad():
                 theta = self.plan.gather(p, self.device)
-                x = self.ef.compensate(p, self.base[p] - theta)
-                header = layout.make_header(
-                    self.codec_id, x.numel(), self.cfg.block_size, self.scale_dtype
+                encoded, header, residual = self.ef.encode(
+                    p, self.base[p] - theta, self.codec_id, self.cfg.block_size, self.scale_dtype
                 )
-                encoded = codec.encode(x, self.codec_id, self.cfg.block_size, self.scale_dtype)
-                residual = None
-                if self.ef.enabled:
-                    residual = self.ef.residual_after(
-                        x, codec.decode(encoded, header, torch.empty_like(x))
-                    )
         except layout.CodecError as e:  # NaN/Inf in the parameters: never send them
-            self.engine.session.failed(
-                f"push skipped at step {self.clock.step}: {e}", p, network=False
-            )
+            self.engine.failed(f"push skipped at step {self.clock.step}: {e}", p, network=False)
             self.deferred.discard(p)
             return
         payload, ready = encoded, None
@@ -328,7 +309,7 @@ class Learner:
         self.deferred.discard(p)
         self.since_push[p] = [0, 0, 0.0]
         if self.cfg.strict_overlap:
-            self.strict_waits[p] = self.clock.step
+            self.overlap.pushed(p, self.clock.step)
 
     def _apply_arrivals(self) -> set[int]:
         assert self.engine is not None
@@ -340,26 +321,16 @@ class Learner:
     def _take(self, a: Arrival, merged: set[int]) -> None:
         """Merges an arrival, or (strict_overlap) holds a round's result that came back before
         its tau until `_wait_overlap` merges it at exactly tau."""
-        p = a.fragment
-        if (
-            self.cfg.strict_overlap
-            and not self.flushing
-            and a.job is not None
-            and p in self.strict_waits
-            and self.clock.step - self.strict_waits[p] < self.cfg.overlap_steps
-        ):
-            self.early[p] = a
+        if not self.flushing and self.overlap.hold(a, self.clock.step):
             return
-        if p in self.early:  # a re-sync overtook a held result: that one first
-            self._merge(self.early.pop(p))
+        self._merge_held([a.fragment], merged)  # a re-sync overtook a held result: that first
         self._merge(a)
-        merged.add(p)
+        merged.add(a.fragment)
 
-    def _merge_early(self, fragments: list[int], merged: set[int]) -> None:
-        for p in sorted(fragments):
-            if p in self.early:
-                self._merge(self.early.pop(p))
-                merged.add(p)
+    def _merge_held(self, fragments: list[int] | None, merged: set[int]) -> None:
+        for a in self.overlap.release(fragments):
+            self._merge(a)
+            merged.add(a.fragment)
 
     @torch.no_grad()
     def _merge(self, a: Arrival) -> None:
@@ -367,16 +338,15 @@ class Learner:
         p = a.fragment
         fresh = a.params.to(self.device, non_blocking=True)
         theta = self.plan.gather(p, self.device)
-        anchor = (
-            a.job.theta_at_push if a.job is not None else self.base[p]
-        )  # re-sync: all local progress
+        # A round's result keeps the progress since the push; a re-sync all local progress.
+        anchor = a.job.theta_at_push if a.job is not None else self.base[p]
         self.plan.scatter(p, merge_fragment(self.cfg.merge, theta, fresh, anchor, self.cfg.alpha))
         self.base[p] = fresh  # replaced, never modified in place (a re-join may read it)
         self.versions[p] = a.version
         if a.job is not None:
             self.ef.commit(p, a.job.residual)
         self.merges += 1
-        self.strict_waits.pop(p, None)
+        self.overlap.merged(p)
         self.engine.merged(p)
         logger.debug(
             "learner=%s fragment=%d version=%d merged (%s) at step %d",
@@ -404,52 +374,23 @@ class Learner:
         """strict_overlap: waits for fragments pushed at least tau steps ago (bounded)."""
         assert self.engine is not None
         merged: set[int] = set()
-        late = [
-            p for p, s in self.strict_waits.items() if self.clock.step - s >= self.cfg.overlap_steps
-        ]
+        late = self.overlap.due(self.clock.step)
         if not late:
             return merged
-        self._merge_early(late, merged)
+        self._merge_held(late, merged)
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.pull_wait_s + self.cfg.rpc_timeout_s
         # Through an outage too (bounded): a Synchronizer restarting keeps what it acknowledged,
         # and the result lands at the same step as if it had not been down.
-        if not self._merge_until(
-            lambda: not any(p in self.strict_waits for p in late),
-            deadline,
-            merged,
-        ):
+        if not self._merge_until(lambda: not self.overlap.waiting(late), deadline, merged):
             logger.warning(
                 "learner=%s strict overlap: fragments %s not back in time, carrying on",
                 self.learner_id,
-                [p for p in late if p in self.strict_waits],
+                self.overlap.waiting(late),
             )
-        for p in late:
-            self.strict_waits.pop(p, None)  # wait for a push at most once
+        self.overlap.forget(late)  # wait for a push at most once
         self.clock.blocked_s += time.perf_counter() - t0
         return merged
-
-    # Island (torchrun) -----------------------------------------------------------------------
-
-    @torch.no_grad()
-    def _broadcast(self, merged: set[int], announce: bool = True) -> None:
-        """Rank 0 sends the fragments it merged to the other ranks of the island."""
-        frags = sorted(merged)
-        if announce:
-            mask = torch.zeros(self.num_fragments, dtype=torch.int32, device=self.param_device)
-            if self.leader and frags:
-                mask[frags] = 1
-            dist.broadcast(mask, src=0)
-            frags = mask.nonzero().flatten().tolist()
-        for p in frags:
-            flat = (
-                self.plan.gather(p, self.param_device)
-                if self.leader
-                else torch.empty(self.plan.numel(p), dtype=torch.float32, device=self.param_device)
-            )
-            dist.broadcast(flat, src=0)
-            if not self.leader:
-                self.plan.scatter(p, flat)
 
     # Ending ----------------------------------------------------------------------------------
 
@@ -464,7 +405,7 @@ class Learner:
             engine = self.engine
             self.flushing = True
             try:
-                self._merge_early(list(self.early), merged)
+                self._merge_held(None, merged)
                 merged |= self._apply_arrivals()
                 done = self._merge_until(lambda: engine.in_flight() == 0, deadline, merged)
             finally:
@@ -475,8 +416,7 @@ class Learner:
                     self.learner_id,
                     engine.in_flight(),
                 )
-        if self.world > 1:
-            self._broadcast(merged)
+        self.island.broadcast(merged)
         return done
 
     def finish(self, timeout_s: float | None = None) -> None:
@@ -486,33 +426,17 @@ class Learner:
             return
         self.flush(timeout_s)
         if self.leader and self.engine is not None:
-            self.engine.stop()
-            client = self.engine.client
-            unreachable: set[int] = set()  # shards
-            for p in range(self.num_fragments):
-                if client.shard_of(p) in unreachable:
-                    continue  # out of reach: do not wait on every fragment of it
-                try:
-                    version, _, fresh = self.engine.pull(p, self.versions[p], exact=True)
-                except (grpc.RpcError, layout.CodecError) as e:
-                    self.engine.session.failed(
-                        f"final pull failed, keeping local parameters: {e}", p
-                    )
-                    unreachable.add(client.shard_of(p))
-                    continue
+            for p, (version, fresh) in self.engine.finish(self.versions).items():
                 self.plan.scatter(p, fresh)
                 self.base[p] = fresh.to(self.device)
                 self.versions[p] = version
-            if len(unreachable) < len({client.shard_of(p) for p in range(self.num_fragments)}):
-                self.engine.session.leave()
             logger.info(
                 "learner=%s finished at step %d with versions %s",
                 self.learner_id,
                 self.clock.step,
                 self.versions,
             )
-        if self.world > 1:
-            self._broadcast(set(range(self.num_fragments)), announce=False)
+        self.island.broadcast(set(range(self.num_fragments)), announce=False)
         self.close()
 
     def close(self) -> None:

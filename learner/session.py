@@ -7,8 +7,9 @@ its lease with heartbeats that report the training loop's `Clock`, and records f
 error count and whether the last RPC went through. When a lapsed lease, an unknown id or a new
 server epoch is noticed, `recover` re-joins once however many threads noticed, and on a new epoch
 tells the push/pull engine (`learner.sync`) to forget its unfinished syncs and re-pull every
-fragment. It talks through a `Transport`: `learner.client.SyncClient`, `learner.shards.ShardedClient`
-(one per shard of a sharded Synchronizer), or an in-memory fake in tests. A sharded transport's
+fragment. It talks through a `Transport` (defined here, with the `Push` a transport sends):
+`learner.client.SyncClient`, `learner.shards.ShardedClient` (one per shard of a sharded
+Synchronizer), or an in-memory fake in tests. A sharded transport's
 server epoch is its shards' epochs joined by EPOCH_SEP in shard order: a shard restarted with a new
 epoch makes the engine forget and re-pull only that shard's fragments. Its heartbeat loop runs on
 a thread the engine starts and stops.
@@ -39,13 +40,32 @@ REJOIN_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 EPOCH_SEP = ","  # between the shards' epochs in a sharded transport's server epoch
 
 
+@dataclass(frozen=True)
+class Push:
+    """One outer gradient as a transport sends it: the fragment, its sequence number (a retry,
+    or a push that supersedes an unsent one, keeps it), the version it was computed from, the
+    work behind it (the Synchronizer weighs contributions by it) and its encoded bytes."""
+
+    fragment_id: int
+    seq: int
+    base_version: int
+    tokens: int
+    steps: int
+    compute_s: float
+    encoded: torch.Tensor  # CPU uint8 (pinned when the model is on CUDA)
+    header: pb.PayloadHeader
+
+
 class Transport(Protocol):
-    """What the background side needs of a client. `learner.client.SyncClient` is the real one;
-    tests pass a fake. Every call fails with a `grpc.RpcError` (a pull also with `CodecError`)
-    after the transport's own retries."""
+    """What a learner needs of a client. `learner.client.SyncClient` is the real one,
+    `learner.shards.ShardedClient` one over the shards of a sharded Synchronizer; tests pass an
+    in-memory fake (`tests/test_transport_contract.py` holds all three to the same checks).
+    Every call fails with a `grpc.RpcError` (a pull also with `CodecError`) after the
+    transport's own retries."""
 
     address: str  # for messages
     learner_id: str  # set by join; sent with every later call
+    session: str  # the secret join gave learner_id: what a restarted learner gives back
 
     def join(self, name: str, spec: ModelSpec, learner_id: str = "") -> pb.JoinReply: ...
 
@@ -55,17 +75,7 @@ class Transport(Protocol):
         self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0
     ) -> pb.HeartbeatReply: ...
 
-    def push(
-        self,
-        fragment_id: int,
-        seq: int,
-        base_version: int,
-        tokens: int,
-        steps: int,
-        compute_s: float,
-        encoded: torch.Tensor,
-        header: pb.PayloadHeader,
-    ) -> pb.PushReply: ...
+    def push(self, push: Push) -> pb.PushReply: ...
 
     def pull(
         self,
@@ -85,6 +95,22 @@ class Transport(Protocol):
     def shard_of(self, fragment_id: int) -> int:
         """The shard that serves the fragment (0 when there is one): syncs of fragments on
         different shards never wait on one another."""
+        ...
+
+    @property
+    def bytes_sent(self) -> int: ...
+
+    @property
+    def bytes_received(self) -> int: ...
+
+    @property
+    def versions_checked(self) -> int:
+        """(epoch, fragment, version)s pulled with a checksum, remembered."""
+        ...
+
+    @property
+    def version_conflicts(self) -> int:
+        """Of those, served again with another checksum (a Synchronizer bug)."""
         ...
 
 

@@ -8,18 +8,14 @@ that answers hands it out; each shard keeps its own session secret), checks that
 pulls go to the fragment's owner; heartbeats go to every shard at once, and one shard down does not
 fail them while another answers. The server epoch it reports is the shards' epochs joined in shard
 order, so a shard restarted with a new epoch makes the session re-join and re-pull that shard's
-fragments, and one restarted from its write-ahead log (same epoch) changes nothing.
-
-`shard_addresses` turns the `synchronizer` setting into one address per shard (a comma-separated
-list, or one name that resolves to several addresses, such as a Kubernetes headless Service), and
-`client_for` builds the transport a `Learner` uses: a `SyncClient` for one shard, exactly as
-unsharded, a `ShardedClient` for more.
+fragments, and one restarted from its write-ahead log (same epoch) changes nothing. Which
+addresses the shards have, and whether a learner needs this class at all, is
+`learner.addresses`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -29,9 +25,8 @@ from typing import Protocol
 import grpc
 import torch
 
-from learner.client import ShardMismatch, SyncClient, backoff_s
-from learner.config import LearnerConfig
-from learner.session import EPOCH_SEP, REJOIN_CODES, Transport
+from learner.client import ShardMismatch
+from learner.session import EPOCH_SEP, REJOIN_CODES, Push, Transport
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec, owned_fragments, shard_owners
 
@@ -43,12 +38,8 @@ UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class Shard(Transport, Protocol):
-    """One shard's client (a `SyncClient`; a fake in tests)."""
-
-    session: str
-    bytes_sent: int
-    bytes_received: int
-    version_conflicts: int
+    """One shard's client (a `SyncClient`; a fake in tests): told, when it joins, how many
+    shards there are and which owns each fragment; uploads only the fragments it owns."""
 
     def join(
         self,
@@ -65,9 +56,6 @@ class Shard(Transport, Protocol):
     ) -> pb.InitModelReply: ...
 
     def status(self) -> pb.StatusReply: ...
-
-    @property
-    def versions_checked(self) -> int: ...
 
 
 class Refusal(grpc.RpcError):
@@ -304,20 +292,8 @@ class ShardedClient:
         versions.sort(key=lambda fv: fv.fragment_id)
         return pb.InitModelReply(versions=versions)
 
-    def push(
-        self,
-        fragment_id: int,
-        seq: int,
-        base_version: int,
-        tokens: int,
-        steps: int,
-        compute_s: float,
-        encoded: torch.Tensor,
-        header: pb.PayloadHeader,
-    ) -> pb.PushReply:
-        return self.shards[self.owners[fragment_id]].push(
-            fragment_id, seq, base_version, tokens, steps, compute_s, encoded, header
-        )
+    def push(self, push: Push) -> pb.PushReply:
+        return self.shards[self.owners[push.fragment_id]].push(push)
 
     def pull(
         self,
@@ -451,62 +427,3 @@ class ShardedClient:
     @property
     def version_conflicts(self) -> int:
         return sum(s.version_conflicts for s in self.shards)
-
-
-def shard_addresses(cfg: LearnerConfig, timeout_s: float = 0.0) -> list[str]:
-    """One address per shard from `cfg.synchronizer`: the comma-separated list as given, or,
-    with shards > 1 and one address, every address its name resolves to (a Kubernetes headless
-    Service), resolving again for up to timeout_s while fewer shards are ready than needed.
-    ShardMismatch when the count is not `cfg.shards`; OSError when the name does not resolve."""
-    given = [a.strip() for a in cfg.synchronizer.split(",")]
-    if len(given) > 1 or cfg.shards <= 1:
-        return given
-    host, _, port = given[0].rpartition(":")
-    deadline = time.monotonic() + timeout_s
-    failures = 0
-    while True:
-        found = resolve(host.strip("[]"), int(port))
-        if len(found) >= cfg.shards or time.monotonic() >= deadline:
-            break
-        time.sleep(backoff_s(failures, cfg.retry_initial_s, cfg.retry_max_s))
-        failures += 1
-    if len(found) != cfg.shards:
-        raise ShardMismatch(
-            f"synchronizer {given[0]!r} resolves to {len(found)} address(es) "
-            f"({', '.join(found) or 'none'}), but shards={cfg.shards} needs one per shard"
-        )
-    return found
-
-
-def resolve(host: str, port: int) -> list[str]:
-    """host:port for every distinct address `host` resolves to, in the resolver's order."""
-    out: list[str] = []
-    for family, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        ip = str(sockaddr[0])
-        address = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
-        if address not in out:
-            out.append(address)
-    return out
-
-
-def client_for(cfg: LearnerConfig) -> SyncClient | ShardedClient:
-    """The learner's transport: a `SyncClient` to the one Synchronizer, or a `ShardedClient`
-    over one per shard (resolving a shared name waits up to join_timeout_s for every shard)."""
-    addresses = shard_addresses(cfg, cfg.join_timeout_s)
-    clients = [
-        SyncClient(
-            address,
-            rpc_timeout_s=cfg.rpc_timeout_s,
-            attempts=cfg.rpc_attempts,
-            retry_initial_s=cfg.retry_initial_s,
-            retry_max_s=cfg.retry_max_s,
-            auth_token=cfg.auth_token,
-            tls_ca=cfg.tls_ca,
-            tls_cert=cfg.tls_cert,
-            tls_key=cfg.tls_key,
-            tls_server_name=cfg.tls_server_name,
-            chunk_bytes=cfg.chunk_bytes,
-        )
-        for address in addresses
-    ]
-    return clients[0] if len(clients) == 1 else ShardedClient(clients)

@@ -32,7 +32,7 @@ import torch
 
 from learner.client import backoff_s
 from learner.config import LearnerConfig
-from learner.session import REJOIN_CODES, Clock, Session, Transport
+from learner.session import REJOIN_CODES, Clock, Push, Session, Transport
 from protos import diloco_pb2 as pb
 from protos import layout
 from protos.spec import ModelSpec
@@ -184,6 +184,14 @@ class SyncEngine:
         with self.cv:
             return dict(self.pushes), self.pulls, self.session.errors
 
+    def sync_every(self) -> int:
+        """H now: the configured one, or what Dynamic Local Updates direct."""
+        return self.session.sync_every()
+
+    def failed(self, message: str, fragment: int | None = None, network: bool = True) -> None:
+        """Records a failure of the caller's (counted in `counts`, logged); never raises."""
+        self.session.failed(message, fragment, network)
+
     def sync_state(self) -> str:
         """The state for stats: "reconnecting", "syncing n/P" or "idle"."""
         if not self.session.healthy:
@@ -211,6 +219,28 @@ class SyncEngine:
         with self.cv:
             self.pulls += 1
         return version, epoch, params
+
+    def finish(self, versions: list[int]) -> dict[int, tuple[int, torch.Tensor]]:
+        """The end: stops the threads, pulls every fragment exactly (at least at `versions`) and
+        leaves the Synchronizer. Returns {fragment: (version, FP32 parameters)} of those it
+        pulled; a failed pull is recorded and the rest of its shard not waited on, and when no
+        shard answered, no Leave is sent. Never raises."""
+        self.stop()
+        fresh: dict[int, tuple[int, torch.Tensor]] = {}
+        unreachable: set[int] = set()  # shards
+        for p in range(self.num):
+            if self.client.shard_of(p) in unreachable:
+                continue  # out of reach: do not wait on every fragment of it
+            try:
+                version, _, params = self.pull(p, versions[p], exact=True)
+            except (grpc.RpcError, layout.CodecError) as e:
+                self.session.failed(f"final pull failed, keeping local parameters: {e}", p)
+                unreachable.add(self.client.shard_of(p))
+                continue
+            fresh[p] = (version, params)
+        if len(unreachable) < len({self.client.shard_of(p) for p in range(self.num)}):
+            self.session.leave()
+        return fresh
 
     def start(self) -> None:
         """Starts a sender per shard, a puller per fragment and the heartbeat."""
@@ -295,14 +325,16 @@ class SyncEngine:
                 job.ready.synchronize()
             try:
                 reply = self.client.push(
-                    p,
-                    job.seq,
-                    job.base_version,
-                    job.tokens,
-                    job.steps,
-                    job.compute_s,
-                    job.payload,
-                    job.header,
+                    Push(
+                        p,
+                        job.seq,
+                        job.base_version,
+                        job.tokens,
+                        job.steps,
+                        job.compute_s,
+                        job.payload,
+                        job.header,
+                    )
                 )
             except grpc.RpcError as e:
                 if self.stopping.is_set():

@@ -1,4 +1,6 @@
-"""Learners against the real Synchronizer in-process (real gRPC on port 0)."""
+"""Learners against the real Synchronizer in-process (real gRPC on port 0): what needs the server
+(syncing to its parameters, restarts, outages, TLS, islands, its directives and grace). Learner's
+own merge and overlap policy is tested against the fake in test_learner_policy.py."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch import nn
 from learner import Learner
 from learner.client import SyncClient
 from learner.fragments import FragmentPlan
+from learner.session import Push
 from protos import codec, layout
 from protos import diloco_pb2 as pb
 from synchronizer.config import SynchronizerConfig
@@ -231,113 +234,6 @@ def test_learner_keeps_its_session_across_a_server_restart_and_syncs_on(tmp_path
         cm.__exit__(None, None, None)
 
 
-def test_strict_overlap_with_tau_zero_merges_each_push_before_step_returns(tmp_path):
-    with running(server_config(tmp_path)) as srv:
-        model = mlp(0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        lrn = Learner(
-            model,
-            opt,
-            synchronizer=srv.address,
-            sync_every=4,
-            fragments=2,
-            codec="int8",
-            merge="overwrite",
-            strict_overlap=True,
-            overlap_steps=0,
-        )
-        try:
-            for step in range(1, 13):
-                before = lrn.stats.fragment_versions
-                train(lrn, model, opt, 1, seed=step, delay_s=0)
-                due = {4: 0, 8: 0, 12: 0, 2: 1, 6: 1, 10: 1}.get(step)
-                after = lrn.stats.fragment_versions
-                if due is None:
-                    assert after == before
-                    continue
-                assert after[due] == before[due] + 1
-                # overwrite: the local fragment now is exactly the served one
-                assert torch.equal(local(model, 2)[due], served(srv.address, model, 2)[due])
-            stats = lrn.stats
-            assert stats.blocked_s > 0 and stats.pushes.get("superseded", 0) == 0
-            assert stats.pushes["accepted"] == 6
-        finally:
-            lrn.close()
-
-
-def test_strict_overlap_merges_a_result_that_is_back_early_exactly_tau_steps_after_its_push(
-    tmp_path,
-):
-    # The step a result lands at must not depend on how fast it came back: that is what makes
-    # a synchronous run reproducible. And the end (flush) takes what is held at once.
-    with running(server_config(tmp_path)) as srv:
-        model = mlp(0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        lrn = Learner(
-            model,
-            opt,
-            synchronizer=srv.address,
-            sync_every=4,
-            fragments=1,
-            strict_overlap=True,
-            overlap_steps=2,
-        )
-        try:
-            train(lrn, model, opt, 4, seed=0, delay_s=0)  # step 4 pushes
-            engine = lrn.engine
-            assert engine is not None
-            assert wait_until(lambda: engine.inbox.qsize() > 0)  # its result is back
-            train(lrn, model, opt, 1, seed=1, delay_s=0)
-            assert lrn.stats.fragment_versions == (0,)  # back after 1 step: held until tau
-            train(lrn, model, opt, 1, seed=2, delay_s=0)
-            assert lrn.stats.fragment_versions == (1,)  # merged at exactly tau = 2
-            train(lrn, model, opt, 2, seed=3, delay_s=0)  # step 8 pushes, 0 steps before the end
-            assert wait_until(lambda: engine.inbox.qsize() > 0)
-            assert lrn.flush(timeout_s=10)  # not held past the end
-            assert lrn.stats.fragment_versions == (2,)
-        finally:
-            lrn.close()
-
-
-def test_stale_push_is_dropped_and_the_fragment_re_pulled(tmp_path):
-    with running(server_config(tmp_path, max_staleness=0)) as srv:
-        model = mlp(0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        lrn = Learner(
-            model,
-            opt,
-            synchronizer=srv.address,
-            sync_every=2,
-            fragments=1,
-            merge="rebase",
-            strict_overlap=True,
-            overlap_steps=0,
-        )
-        other = SyncClient(srv.address)
-        try:
-            train(lrn, model, opt, 2, seed=0, delay_s=0)
-            assert lrn.stats.fragment_versions == (1,)
-            other.join(
-                "other", FragmentPlan(model, 1).spec
-            )  # another learner moves the fragment on
-            n = FragmentPlan(model, 1).numel(0)
-            zero = codec.encode(torch.zeros(n), pb.CODEC_FP32)
-            assert (
-                other.push(0, 1, 1, 1, 1, 0.0, zero, layout.make_header(pb.CODEC_FP32, n)).outcome
-                == pb.PUSH_ACCEPTED
-            )
-            assert wait_until(lambda: other.status().versions[0].version == 2)
-            train(lrn, model, opt, 2, seed=1, delay_s=0)  # pushes against version 1: too stale
-            stats = lrn.stats
-            assert stats.pushes == {"accepted": 1, "dropped_stale": 1}
-            assert stats.fragment_versions == (2,)  # re-pulled while strict overlap waited
-            train(lrn, model, opt, 2, seed=2, delay_s=0)
-            assert lrn.stats.pushes["accepted"] == 2 and lrn.stats.fragment_versions == (3,)
-        finally:
-            other.close()
-            lrn.close()
-
-
 def test_delta_pull_rebuilds_the_served_parameters_exactly_at_a_fraction_of_the_bytes(tmp_path):
     with running(server_config(tmp_path)) as srv:
         plan = FragmentPlan(nn.Linear(64, 64), 1)
@@ -349,14 +245,16 @@ def test_delta_pull_rebuilds_the_served_parameters_exactly_at_a_fraction_of_the_
             v0, _, p0 = client.pull(0, numel=n)
             delta = torch.randn(n) * 0.01
             reply = client.push(
-                0,
-                1,
-                v0,
-                10,
-                1,
-                0.0,
-                codec.encode(delta, pb.CODEC_FP32),
-                layout.make_header(pb.CODEC_FP32, n),
+                Push(
+                    0,
+                    1,
+                    v0,
+                    10,
+                    1,
+                    0.0,
+                    codec.encode(delta, pb.CODEC_FP32),
+                    layout.make_header(pb.CODEC_FP32, n),
+                )
             )
             assert reply.outcome == pb.PUSH_ACCEPTED
             before = client.bytes_received
@@ -372,19 +270,6 @@ def test_delta_pull_rebuilds_the_served_parameters_exactly_at_a_fraction_of_the_
             assert torch.equal(fallback, full)
         finally:
             client.close()
-
-
-def test_dynamic_local_updates_directive_replaces_sync_every(tmp_path):
-    with running(server_config(tmp_path, dynamic_local_updates=True, inner_steps=5)) as srv:
-        model = mlp(0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        lrn = Learner(model, opt, synchronizer=srv.address, sync_every=50, fragments=2)
-        try:
-            train(lrn, model, opt, 1, seed=0)
-            assert lrn.stats.sync_every == 5
-            assert lrn.offsets == [0, 2]
-        finally:
-            lrn.close()
 
 
 def test_dynamic_local_updates_without_an_h_shorten_only_the_slow_learners_own(tmp_path):

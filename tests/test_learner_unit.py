@@ -95,14 +95,15 @@ def _quantized_sum(
     """(sum of what int4 pushes carried, the last pushed input) over rounds, with or without EF."""
     n = deltas[0].numel()
     ef = ErrorFeedback([n], "cpu", enabled=ef_enabled)
-    header = layout.make_header(pb.CODEC_INT4, n)
     sent = torch.zeros(n)
     x = deltas[0]
     for d in deltas:
-        x = ef.compensate(0, d.clone())
-        decoded = codec.decode(codec.encode(x, pb.CODEC_INT4), header, torch.empty(n))
-        ef.commit(0, ef.residual_after(x, decoded))
-        sent += decoded
+        x = d.clone()
+        encoded, header, residual = ef.encode(
+            0, x, pb.CODEC_INT4, layout.DEFAULT_BLOCK_SIZE, pb.SCALE_FP32
+        )
+        sent += codec.decode(encoded, header, torch.empty(n))
+        ef.commit(0, residual)
     return sent, x
 
 

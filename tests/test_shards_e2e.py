@@ -155,8 +155,10 @@ def test_a_killed_shard_stalls_only_its_fragments_and_they_catch_up_after_its_re
     def training() -> None:
         assert all(p.poll() is None for p, _ in runs), f"{table(rows)}\n{procs.tails()}"
 
-    up = watch(
-        "both up", lambda r: r[2] and r[3] and min([*r[2].values(), *r[3].values()]) >= 2, 90
+    up = watch(  # both learners training (joined to both shards) and both shards serving
+        "both up",
+        lambda r: r[2] and r[3] and min([*r[2].values(), *r[3].values()]) >= 2 and min(r[5]) > 0,
+        90,
     )
     assert up[2] is not None and up[3] is not None
     stalled, at_kill = sorted(up[3]), up[3]  # shard 1's fragments and their last versions

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -14,20 +14,20 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from learner.addresses import client_for, shard_addresses
 from learner.client import ShardMismatch, SyncClient
 from learner.config import LearnerConfig
-from learner.session import Clock
-from learner.shards import ShardedClient, client_for, shard_addresses
+from learner.session import Clock, Push
+from learner.shards import ShardedClient
 from learner.sync import SyncEngine
 from protos import diloco_pb2 as pb
-from protos.spec import ModelSpec, owned_fragments, shard_owners
-from tests.test_sync_engine import (
+from protos.spec import shard_owners
+from tests.fakes import (
     DEADLINE_S,
     FAST,
     SIZES,
     SPEC,
-    FakeClient,
-    RpcFailure,
+    FakeShard,
     arrival,
     job,
 )
@@ -35,90 +35,6 @@ from tests.test_sync_engine import (
 OWNERS = shard_owners(SPEC, 2)  # [0, 1, 1]
 ON_0 = [p for p, s in enumerate(OWNERS) if s == 0]
 ON_1 = [p for p, s in enumerate(OWNERS) if s == 1]
-
-
-class FakeShard(FakeClient):
-    """One shard of a sharded Synchronizer: a `FakeClient` that answers Join as shard `index`
-    of `shards` (owning `owned`, by default what `shard_owners` gives it), and refuses every
-    call UNAVAILABLE while `down`."""
-
-    def __init__(self, index: int, shards: int = 2, owned: Sequence[int] | None = None) -> None:
-        super().__init__(epoch=f"epoch-{index}")
-        self.address = f"fake:{index}"
-        self.index, self.shards, self.owned = index, shards, owned
-        self.session = ""
-        self.bytes_sent = self.bytes_received = self.version_conflicts = self.versions_checked = 0
-        self.down = False
-        self.joins: list[tuple[str, str, int, list[int]]] = []  # (id, session, shards, owners)
-        self.inits: list[list[int]] = []
-
-    def _enter(self, method: str, *args: Any) -> None:
-        super()._enter(method, *args)
-        if self.down:
-            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"shard {self.index} is down")
-
-    def mine(self, spec: ModelSpec = SPEC) -> list[int]:
-        return (
-            list(self.owned)
-            if self.owned is not None
-            else owned_fragments(spec, self.shards, self.index)
-        )
-
-    def join(
-        self,
-        name: str,
-        spec: ModelSpec,
-        learner_id: str = "",
-        *,
-        shards: int = 0,
-        fragment_shards: Sequence[int] = (),
-    ) -> pb.JoinReply:
-        sent = self.session if learner_id else ""
-        reply = super().join(name, spec, learner_id)
-        with self.cv:
-            self.joins.append((learner_id, sent, shards, list(fragment_shards)))
-            self.session = f"s{self.index}-{reply.learner_id}"
-            reply.session = self.session
-            reply.shards, reply.shard_index = self.shards, self.index
-            reply.owned_fragments.extend(self.mine(spec))
-            reply.versions.extend(
-                pb.FragmentVersion(fragment_id=p, version=self.versions[p]) for p in self.mine()
-            )
-        return reply
-
-    def init_model(
-        self, fragments: Sequence[torch.Tensor], fragment_ids: Sequence[int] | None = None
-    ) -> pb.InitModelReply:
-        self._enter("init_model")
-        ids = list(range(len(fragments))) if fragment_ids is None else list(fragment_ids)
-        with self.cv:
-            self.inits.append(ids)
-            if not self.needs_init:
-                raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, "already initialised")
-            for p, f in zip(ids, fragments, strict=True):
-                self.params[p] = f.detach().float().clone()
-            self.needs_init = False
-            return pb.InitModelReply(
-                versions=[pb.FragmentVersion(fragment_id=p, version=self.versions[p]) for p in ids]
-            )
-
-    def status(self) -> pb.StatusReply:
-        self._enter("status")
-        return pb.StatusReply(
-            server_epoch=self.epoch,
-            shards=self.shards,
-            shard_index=self.index,
-            versions=[
-                pb.FragmentVersion(fragment_id=p, version=self.versions[p]) for p in self.mine()
-            ],
-        )
-
-    def close_round(self, p: int) -> None:
-        """The round holding the push of fragment p closes (rounds left open by close_rounds=False)."""
-        with self.cv:
-            self.versions[p] += 1
-            self.params[p] = self.params[p] + 1.0
-            self.cv.notify_all()
 
 
 @pytest.fixture
@@ -181,7 +97,9 @@ def test_pushes_and_pulls_go_to_the_fragments_owner_with_the_composite_epoch(sha
     client = ShardedClient([a, b])
     client.join("l0", SPEC)
     for p in range(len(SIZES)):
-        client.push(p, p + 1, 0, 10, 1, 0.1, torch.zeros(8, dtype=torch.uint8), pb.PayloadHeader())
+        client.push(
+            Push(p, p + 1, 0, 10, 1, 0.1, torch.zeros(8, dtype=torch.uint8), pb.PayloadHeader())
+        )
         version, epoch, _ = client.pull(p, 0, 0.0, pb.CODEC_FP32)
         assert (version, epoch) == (1, "epoch-0,epoch-1")
     assert [c[0] for c in a.calls_of("push")] == ON_0

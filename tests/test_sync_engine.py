@@ -4,213 +4,18 @@ sleeps. Every wait is on an event or a condition, bounded by a generous deadline
 from __future__ import annotations
 
 import logging
-import threading
-from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import pytest
 import torch
-from torch import nn
 
 from learner.config import LearnerConfig
-from learner.fragments import FragmentPlan
 from learner.session import Clock, Transport
-from learner.sync import Arrival, PushJob, SyncEngine
+from learner.sync import Arrival, SyncEngine
 from protos import diloco_pb2 as pb
-from protos.spec import ModelSpec
-
-DEADLINE_S = 10.0  # how long a test waits for something that should happen at once
-SPEC = FragmentPlan(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), 3).spec
-SIZES = [f.numel for f in SPEC.fragments]
-FAST = dict(retry_initial_s=0.001, retry_max_s=0.01, heartbeat_interval_s=3600.0, pull_wait_s=60.0)
-
-
-class RpcFailure(grpc.RpcError):
-    """A `grpc.RpcError` with a status code, as the real client raises after its retries."""
-
-    def __init__(self, code: grpc.StatusCode, details: str = "injected by the test") -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class FakeClient:
-    """An in-memory Synchronizer behind the `Transport` interface.
-
-    Records every call in `calls` as (method, args...); `fail_next` makes the next calls of a
-    method raise (an `RpcFailure` for a status code, or any exception); `outcomes` overrides
-    the outcome of the next pushes (accepted otherwise); `hold_pushes`/`release_pushes` keep
-    pushes in flight; `restart` changes the server epoch. An accepted push closes its round at
-    once (the fragment's version goes up by one) unless `close_rounds` is False. Pulls wait,
-    like the real one, up to wait_s for min_version, and end with CANCELLED on `close`.
-    """
-
-    def __init__(self, sizes: Sequence[int] = SIZES, epoch: str = "epoch-1") -> None:
-        self.address = "fake:0"
-        self.learner_id = ""
-        self.cv = threading.Condition()
-        self.epoch = epoch
-        self.versions = [0] * len(sizes)
-        self.params = [torch.full((n,), float(i)) for i, n in enumerate(sizes)]
-        self.needs_init = False
-        self.close_rounds = True
-        self.outcomes: deque[int] = deque()
-        self.failures: defaultdict[str, deque[BaseException]] = defaultdict(deque)
-        self.calls: list[tuple[Any, ...]] = []
-        self.applied: list[tuple[int, int, int]] = []  # accepted pushes: (fragment, seq, tokens)
-        self.pushes_held = False
-        self.closed = False
-        self.ids = 0
-
-    # Test controls ---------------------------------------------------------------------------
-
-    def fail_next(
-        self, method: str, error: grpc.StatusCode | BaseException, times: int = 1
-    ) -> None:
-        with self.cv:
-            for _ in range(times):
-                self.failures[method].append(
-                    RpcFailure(error) if isinstance(error, grpc.StatusCode) else error
-                )
-
-    def hold_pushes(self) -> None:
-        with self.cv:
-            self.pushes_held = True
-
-    def release_pushes(self) -> None:
-        with self.cv:
-            self.pushes_held = False
-            self.cv.notify_all()
-
-    def restart(self, epoch: str) -> None:
-        with self.cv:
-            self.epoch = epoch
-            self.cv.notify_all()
-
-    def calls_of(self, method: str) -> list[tuple[Any, ...]]:
-        with self.cv:
-            return [c[1:] for c in self.calls if c[0] == method]
-
-    def wait_for_call(self, method: str, count: int = 1) -> None:
-        with self.cv:
-            assert self.cv.wait_for(
-                lambda: sum(c[0] == method for c in self.calls) >= count, DEADLINE_S
-            )
-
-    def _enter(self, method: str, *args: Any) -> None:
-        with self.cv:
-            self.calls.append((method, *args))
-            self.cv.notify_all()
-            if self.failures[method]:
-                raise self.failures[method].popleft()
-
-    # Transport -------------------------------------------------------------------------------
-
-    def join(self, name: str, spec: ModelSpec, learner_id: str = "") -> pb.JoinReply:
-        self._enter("join", learner_id)
-        with self.cv:
-            if not learner_id:
-                self.ids += 1
-                learner_id = f"learner-{self.ids}"
-            self.learner_id = learner_id
-            next_seq = max((seq for _, seq, _ in self.applied), default=0) + 1
-            return pb.JoinReply(
-                learner_id=learner_id,
-                lease_s=30.0,
-                server_epoch=self.epoch,
-                needs_init=self.needs_init,
-                next_seq=next_seq,
-            )
-
-    def init_model(self, fragments: Sequence[torch.Tensor]) -> pb.InitModelReply:
-        self._enter("init_model")
-        with self.cv:
-            self.params = [f.detach().float().clone() for f in fragments]
-            self.needs_init = False
-            return pb.InitModelReply(
-                versions=[
-                    pb.FragmentVersion(fragment_id=p, version=v)
-                    for p, v in enumerate(self.versions)
-                ]
-            )
-
-    def heartbeat(
-        self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0
-    ) -> pb.HeartbeatReply:
-        self._enter("heartbeat")
-        with self.cv:
-            return pb.HeartbeatReply(server_epoch=self.epoch, lease_s=30.0)
-
-    def push(
-        self,
-        fragment_id: int,
-        seq: int,
-        base_version: int,
-        tokens: int,
-        steps: int,
-        compute_s: float,
-        encoded: torch.Tensor,
-        header: pb.PayloadHeader,
-    ) -> pb.PushReply:
-        self._enter("push", fragment_id, seq, base_version, tokens)
-        with self.cv:
-            self.cv.wait_for(lambda: not self.pushes_held or self.closed)
-            if self.closed:
-                raise RpcFailure(grpc.StatusCode.CANCELLED, "channel closed")
-            if any(s == seq for _, s, _ in self.applied):
-                return pb.PushReply(
-                    outcome=pb.PUSH_DUPLICATE, round_version=self.versions[fragment_id]
-                )
-            outcome = self.outcomes.popleft() if self.outcomes else pb.PUSH_ACCEPTED
-            if outcome != pb.PUSH_ACCEPTED:
-                return pb.PushReply(outcome=outcome, current_version=self.versions[fragment_id])  # type: ignore[arg-type]
-            self.applied.append((fragment_id, seq, tokens))
-            round_version = self.versions[fragment_id] + 1
-            if self.close_rounds:
-                self.versions[fragment_id] = round_version
-                self.params[fragment_id] = self.params[fragment_id] + 1.0
-                self.cv.notify_all()
-            return pb.PushReply(outcome=pb.PUSH_ACCEPTED, round_version=round_version)
-
-    def pull(
-        self,
-        fragment_id: int,
-        min_version: int,
-        wait_s: float,
-        codec_id: int,
-        *,
-        out: torch.Tensor | None = None,
-        have: tuple[int, torch.Tensor] | None = None,
-    ) -> tuple[int, str, torch.Tensor]:
-        self._enter("pull", fragment_id, min_version, None if have is None else have[0])
-        with self.cv:
-            self.cv.wait_for(
-                lambda: self.versions[fragment_id] >= min_version or self.closed, wait_s
-            )
-            if self.closed:
-                self.calls.append(("pull_cancelled", fragment_id))
-                raise RpcFailure(grpc.StatusCode.CANCELLED, "channel closed")
-            target = out if out is not None else torch.empty_like(self.params[fragment_id])
-            target.copy_(self.params[fragment_id])
-            return self.versions[fragment_id], self.epoch, target
-
-    def leave(self, counters: pb.LearnerCounters) -> None:
-        self._enter("leave")
-
-    def close(self) -> None:
-        with self.cv:
-            self.closed = True
-            self.cv.notify_all()
-
-    def shard_of(self, fragment_id: int) -> int:
-        return 0
+from tests.fakes import DEADLINE_S, FAST, SIZES, SPEC, FakeClient, arrival, job
 
 
 def as_transport(fake: FakeClient) -> Transport:
@@ -251,29 +56,6 @@ def started() -> Iterator[Callable[..., SyncEngine]]:
     for engine in engines:
         engine.stop(timeout_s=DEADLINE_S, close_channel=True)
         assert not [t.name for t in engine.threads if t.is_alive()]
-
-
-def job(fragment: int, tokens: int = 10, base_version: int = 0) -> PushJob:
-    return PushJob(
-        fragment,
-        base_version,
-        tokens,
-        steps=1,
-        compute_s=0.1,
-        payload=torch.zeros(8, dtype=torch.uint8),
-        header=pb.PayloadHeader(),
-        residual=None,
-        theta_at_push=None,
-        step=1,
-    )
-
-
-def arrival(engine: SyncEngine) -> Arrival:
-    """The next arrival, merged (as the training loop would) so the fragment is free again."""
-    a = engine.next_arrival(DEADLINE_S)
-    assert a is not None, "no arrival within the deadline"
-    engine.merged(a.fragment)
-    return a
 
 
 def arrivals(engine: SyncEngine, n: int) -> dict[int, Arrival]:
@@ -378,6 +160,7 @@ def test_a_push_dropped_or_refused_leads_to_a_repull_of_its_fragment(
     with caplog.at_level(logging.DEBUG, logger="learner.sync"):
         assert engine.submit(job(1))
         a = arrival(engine)
+        engine.stop(timeout_s=DEADLINE_S)  # the sender logs the outcome after the pull starts
     assert (a.fragment, a.version, a.job) == (1, 0, None)  # a re-sync at the current version
     assert fake.calls_of("pull")[-1][:2] == (1, 0)
     assert fake.applied == []

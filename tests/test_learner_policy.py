@@ -1,0 +1,197 @@
+"""`Learner`'s own policy against the in-memory fake Synchronizer (tests/fakes.py, held to the real
+transports' contract): when it pushes, what a merge keeps, strict overlap's timing, re-syncs
+after a dropped push, Dynamic Local Updates, and the end. No server, no sleeps: the parameters
+move by known amounts (no optimizer), so every merge's result is known exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from learner import Learner
+from learner.config import LearnerConfig
+from learner.fragments import FragmentPlan
+from protos import diloco_pb2 as pb
+from tests.fakes import DEADLINE_S, FAST, FakeClient
+
+STEP = 0.01  # what every parameter moves by in one inner step
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+class Run:
+    """A model, the fake Synchronizer it syncs with (which has no model yet: the learner's
+    parameters become the global ones) and, once `start`ed, its Learner."""
+
+    def __init__(self, fragments: int) -> None:
+        self.model, self.fragments = mlp(), fragments
+        plan = FragmentPlan(self.model, fragments, LearnerConfig().fragment_strategy)
+        self.fake = FakeClient([plan.numel(p) for p in range(len(plan))])
+        self.fake.needs_init = True
+        self.learner: Learner | None = None
+
+    def start(self, **settings: Any) -> Learner:
+        merged: dict[str, Any] = {**FAST, **settings}
+        self.learner = Learner(
+            self.model, None, transport=self.fake, fragments=self.fragments, **merged
+        )
+        return self.learner
+
+    def train(self, steps: int) -> None:
+        """Inner steps that each move every parameter by STEP, then `Learner.step`."""
+        assert self.learner is not None
+        for _ in range(steps):
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(STEP)
+            self.learner.step(tokens=16)
+
+    def local(self, p: int) -> torch.Tensor:
+        assert self.learner is not None
+        return self.learner.plan.gather(p)
+
+    def arrived(self, p: int) -> None:
+        """Waits until fragment p's result is back, not yet merged."""
+        assert self.learner is not None and self.learner.engine is not None
+        engine = self.learner.engine
+        with engine.cv:
+            assert engine.cv.wait_for(lambda: engine.undelivered[p] == 1, DEADLINE_S)
+
+
+@pytest.fixture
+def run() -> Iterator[Any]:
+    runs: list[Run] = []
+
+    def make(fragments: int) -> Run:
+        runs.append(Run(fragments))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        if r.learner is not None:
+            r.learner.close()
+
+
+# Strict overlap ------------------------------------------------------------------------------
+
+
+def test_strict_overlap_with_tau_zero_merges_each_push_before_step_returns(run):
+    r = run(2)
+    lrn = r.start(
+        sync_every=4, codec="int8", merge="overwrite", strict_overlap=True, overlap_steps=0
+    )
+    for step in range(1, 13):
+        before = lrn.stats.fragment_versions
+        r.train(1)
+        due = {4: 0, 8: 0, 12: 0, 2: 1, 6: 1, 10: 1}.get(step)
+        after = lrn.stats.fragment_versions
+        if due is None:
+            assert after == before
+            continue
+        assert after[due] == before[due] + 1
+        assert torch.equal(r.local(due), r.fake.params[due])  # overwrite: exactly the served
+    stats = lrn.stats
+    assert stats.blocked_s > 0 and stats.pushes == {"accepted": 6}
+
+
+def test_strict_overlap_merges_a_result_that_is_back_early_exactly_tau_steps_after_its_push(run):
+    # The step a result lands at must not depend on how fast it came back: that is what makes
+    # a synchronous run reproducible. And the end (flush) takes what is held at once.
+    r = run(1)
+    lrn = r.start(sync_every=4, strict_overlap=True, overlap_steps=2)
+    r.train(4)  # step 4 pushes
+    r.arrived(0)
+    r.train(1)
+    assert lrn.stats.fragment_versions == (0,)  # back after 1 step: held until tau
+    r.train(1)
+    assert lrn.stats.fragment_versions == (1,)  # merged at exactly tau = 2
+    r.train(2)  # step 8 pushes, 0 steps before the end
+    r.arrived(0)
+    assert lrn.flush(timeout_s=DEADLINE_S)  # not held past the end
+    assert lrn.stats.fragment_versions == (2,)
+
+
+# What a merge keeps --------------------------------------------------------------------------
+
+
+def test_a_rebase_merge_keeps_the_local_progress_made_since_the_push(run):
+    r = run(1)
+    lrn = r.start(sync_every=2, merge="rebase", strict_overlap=True, overlap_steps=1)
+    r.train(2)  # pushes the fragment as it is now
+    r.train(1)  # one more step of progress, then the round's result is merged
+    assert lrn.stats.fragment_versions == (1,)
+    assert torch.allclose(r.local(0), r.fake.params[0] + STEP, atol=1e-6)
+
+
+def test_a_resync_after_a_refused_push_keeps_all_local_progress_since_the_last_merge(run):
+    r = run(1)
+    lrn = r.start(sync_every=2, merge="rebase", strict_overlap=True, overlap_steps=1)
+    r.fake.close_round(0)  # another learner moves the fragment on
+    r.fake.outcomes.append(pb.PUSH_REFUSED_NORM)  # nothing of this learner's push is applied
+    r.train(3)
+    stats = lrn.stats
+    assert stats.pushes == {"refused_norm": 1} and stats.fragment_versions == (1,)
+    # The fresh fragment plus every step since the global one it held (its own upload).
+    assert torch.allclose(r.local(0), r.fake.params[0] + 3 * STEP, atol=1e-6)
+
+
+def test_a_stale_push_is_dropped_and_the_fragment_repulled_while_strict_overlap_waits(run):
+    r = run(1)
+    r.fake.max_staleness = 0
+    lrn = r.start(sync_every=2, merge="rebase", strict_overlap=True, overlap_steps=0)
+    r.train(2)
+    assert lrn.stats.fragment_versions == (1,)
+    r.fake.close_round(0)  # another learner's round: the next push is one version behind
+    r.train(2)
+    stats = lrn.stats
+    assert stats.pushes == {"accepted": 1, "dropped_stale": 1}
+    assert stats.fragment_versions == (2,)  # re-pulled while strict overlap waited
+    r.train(2)
+    assert lrn.stats.pushes["accepted"] == 2 and lrn.stats.fragment_versions == (3,)
+
+
+# When it pushes ------------------------------------------------------------------------------
+
+
+def test_a_fragment_due_while_its_sync_is_in_flight_is_pushed_once_it_is_free_with_all_its_work(
+    run,
+):
+    r = run(1)
+    r.fake.close_rounds = False
+    r.start(sync_every=2)
+    r.train(4)  # step 2 pushes; step 4 is due while that round is still open
+    assert r.fake.calls_of("push") == [(0, 1, 0, 32)]
+    r.fake.close_round(0)
+    r.arrived(0)
+    r.train(1)  # merged, and the deferred push goes at once, with steps 3 to 5's tokens
+    r.fake.wait_for_call("push", 2)
+    assert r.fake.calls_of("push")[1] == (0, 2, 1, 48)
+
+
+def test_a_dynamic_local_updates_directive_replaces_sync_every(run):
+    r = run(2)
+    r.fake.inner_steps = 5
+    lrn = r.start(sync_every=50)
+    r.train(1)
+    assert lrn.stats.sync_every == 5 and lrn.offsets == [0, 2]
+
+
+# The end -------------------------------------------------------------------------------------
+
+
+def test_finish_ends_on_the_served_parameters_and_leaves(run):
+    r = run(2)
+    lrn = r.start(sync_every=2, merge="mix", alpha=0.5)
+    r.train(7)
+    lrn.finish()
+    assert all(torch.equal(r.local(p), r.fake.params[p]) for p in range(2))
+    stats = lrn.stats
+    assert list(stats.fragment_versions) == r.fake.versions and stats.sync_state == "closed"
+    assert r.fake.calls_of("leave") == [()] and r.fake.closed
