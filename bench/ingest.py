@@ -466,15 +466,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mem_bw_copy_GBps": applied["mem_bw_copy_GBps"],
         "mem_bw_triad_GBps": applied["mem_bw_triad_GBps"],
     }
+    missing = disk.get("missing", {}) | applied.get("missing", {})
     if headline["wal_disk_ratio"] is None:
-        why = disk["missing"]["disk_write_MBps"]
-        headline["missing"] = {"wal_disk_ratio": f"the state disk was not measured: {why}"}
-    result = combine(
-        headline,
-        disk,
-        applied,
-        {"params": params, "cells": rows, "disk": disk, "apply": applied, "machine": machine()},
-    )
+        why = missing["disk_write_MBps"]
+        missing["wal_disk_ratio"] = f"the state disk was not measured: {why}"
+    result = headline | {
+        "missing": missing,
+        "params": params,
+        "cells": rows,
+        "disk": disk,
+        "apply": applied,
+        "machine": machine(),
+    }
     print(
         f"\ningest_ratio (log off, worst cell; over raw gRPC of the same bytes) = "
         f"{shown(result, 'ingest_ratio')}\n"
