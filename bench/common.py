@@ -57,6 +57,8 @@ def machine() -> dict[str, Any]:
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     def fmt(v: Any) -> str:
+        if v is None:  # a figure whose baseline could not be measured
+            return "missing"
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
         return str(v)

@@ -1,20 +1,32 @@
-"""Ingest: how fast a real Synchronizer takes pushes, against raw gRPC streaming of the same bytes.
+"""Ingest: how fast a real Synchronizer takes pushes, against the machine's own limits.
 
 For each codec and client count, client processes stream one model's fragments (pre-encoded,
 2 MiB chunks) over loopback for a fixed time: first to a bare sink server that only counts the
-bytes (the baseline: what Python gRPC itself moves here), then to a real Synchronizer that
-validates, decodes, accumulates and applies outer steps. Headline `ingest_ratio` = Synchronizer
-payload bytes/s over raw bytes/s (the worst cell). Then, in this process, the outer-step apply
-rate: decode an INT8 push + weighted merge + Nesterov over the whole model, against one plain
-`add_` pass over the same tensors (`apply_ratio` = plain pass seconds / apply seconds).
+bytes (what Python gRPC itself moves here), then to a real Synchronizer that validates, decodes,
+accumulates and applies outer steps, once with its write-ahead log off and once with it on
+(each a fresh Synchronizer, its state in the run's state directory). Each cell is measured
+against each of its limits separately, and the headlines are the worst cells:
+- `ingest_ratio`: intake with the log off over raw gRPC's bytes/s;
+- `wal_disk_ratio`: intake with the log on over the lower of the log-off intake and the state
+  disk's sequential write bandwidth with fdatasync (`disk_write_MBps`: 64 MiB in smoke mode,
+  256 MiB otherwise, written in 4 MiB blocks then fdatasync'd, like `dd bs=4M conv=fdatasync`,
+  in the directory the Synchronizers keep their state in, before the cells).
+Then, in this process, the outer-step apply: decode an INT8 push + weighted merge + Nesterov
+over the whole model, against one plain `add_` pass over the same tensors (`apply_ratio` =
+plain pass seconds / apply seconds) and against one core's memory bandwidth over the same
+elements (`mem_bw_copy_GBps`, `mem_bw_triad_GBps`: best of 5 `copy_` and triad passes, torch
+on one thread): `apply_bw_ratio` = the 20 bytes per parameter a Nesterov step must move, per
+apply second, over the triad bandwidth, and `bytes_per_param_moved` = the apply's seconds x the
+triad bandwidth / parameters. A figure whose baseline could not be measured is written as
+null with the reason under `missing`, and printed as "missing: <why>".
 
-    python -m bench.ingest [--quick | --smoke] [--json PATH]
-Full mode: 100M parameters, 1/4/8 clients, FP32/BF16/INT8/INT4 (about 10 minutes here).
+    python -m bench.ingest [--quick | --smoke] [--state-dir DIR] [--json PATH]
+Full mode: 100M parameters, 1/4/8 clients, FP32/BF16/INT8/INT4, three 8 s streaming runs per
+cell (raw, log off, log on).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import gc
@@ -31,6 +43,7 @@ import grpc
 import torch
 
 from bench.common import machine, parser, table, write_json
+from bench.limits import combine, disk_write_bandwidth, memory_bandwidth, outer_step_figures, shown
 from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
@@ -47,6 +60,7 @@ from synchronizer.outer import make_outer
 from synchronizer.server import serving
 
 SINK_METHOD = "/bench.Sink/Push"
+OUTER = "nesterov"  # the outer optimizer `measure_apply` times (the service's default)
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 << 20),
     ("grpc.max_receive_message_length", 8 << 20),
@@ -207,22 +221,19 @@ def service_threads() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def measure_ingest(
+def sync_rate(
     params: int,
     fragments: int,
     clients: int,
-    codec_name: str,
+    codec_id: int,
     seconds: float,
     quorum: int,
-    wal: bool = True,
-) -> dict[str, Any]:
-    codec_id = layout.parse_codec(codec_name)
-    sink, sink_address = start_sink()
-    try:
-        raw = run_clients(sink_address, "raw", codec_id, params, fragments, clients, seconds)
-    finally:
-        sink.stop(0)
-    with tempfile.TemporaryDirectory() as state:
+    wal: bool,
+    state_root: Path | None,
+) -> tuple[float, int]:
+    """Payload bytes/s a fresh Synchronizer (state in a new directory under `state_root`, the
+    write-ahead log on or off) took from `clients` processes, and the outer steps it applied."""
+    with tempfile.TemporaryDirectory(dir=state_root) as state:
         cfg = SynchronizerConfig(
             port=0,
             metrics_port=-1,
@@ -242,16 +253,38 @@ def measure_ingest(
             got = run_clients(srv.address, "sync", codec_id, params, fragments, clients, seconds)
             steps = sum(f.version for f in srv.synchronizer.model.fragments)
     release_memory()
+    return got, steps
+
+
+def measure_ingest(
+    params: int,
+    fragments: int,
+    clients: int,
+    codec_name: str,
+    seconds: float,
+    quorum: int,
+    state_root: Path | None = None,
+) -> dict[str, Any]:
+    """One cell: raw gRPC to the bare sink, then a Synchronizer with its log off, then one with
+    its log on, each streamed to for `seconds` by the same client processes' code and bytes."""
+    codec_id = layout.parse_codec(codec_name)
+    sink, sink_address = start_sink()
+    try:
+        raw = run_clients(sink_address, "raw", codec_id, params, fragments, clients, seconds)
+    finally:
+        sink.stop(0)
     bytes_per_param = layout.encoded_nbytes(codec_id, params) / params
-    return {
-        "codec": codec_name,
-        "clients": clients,
-        "raw_MBps": raw / 1e6,
-        "sync_MBps": got / 1e6,
-        "ratio": got / raw,
-        "params_per_s": got / bytes_per_param,
-        "outer_steps": steps,
-    }
+    cell: dict[str, Any] = {"codec": codec_name, "clients": clients, "raw_MBps": raw / 1e6}
+    for log, wal in (("log_off", False), ("log_on", True)):
+        got, steps = sync_rate(
+            params, fragments, clients, codec_id, seconds, quorum, wal, state_root
+        )
+        cell |= {
+            f"{log}_MBps": got / 1e6,
+            f"{log}_params_per_s": got / bytes_per_param,
+            f"{log}_outer_steps": steps,
+        }
+    return cell
 
 
 def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
@@ -259,8 +292,11 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
 
     apply = an INT8 push decoded into the round's accumulator (weight folded into the scales)
     + weighted merge + Nesterov; `with_chain_s` is the whole `Fragment.apply` of a one-push
-    round with the default INT8 update chain that delta pulls are served from.
+    round with the default INT8 update chain that delta pulls are served from. Against the
+    machine: one core's memory bandwidth over the same elements, and what the apply is worth
+    in bytes moved at its triad bandwidth (`bench.limits`).
     """
+    bandwidth = memory_bandwidth(numel)  # first: its three tensors are freed before these exist
     g = torch.Generator().manual_seed(0)
     params = torch.randn(numel, generator=g)
     delta = torch.randn(numel, generator=g) * 1e-3
@@ -268,7 +304,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
     payload = codec.encode(delta, pb.CODEC_INT8)
     scratch, merged = torch.empty(numel), torch.empty(numel)
     acc = Accumulator(numel)
-    outer = make_outer("nesterov", numel)
+    outer = make_outer(OUTER, numel)
     with tempfile.TemporaryDirectory() as state:
         cfg = SynchronizerConfig(state_dir=Path(state), anchor="base", token_weight="uniform")
         metrics = Metrics()
@@ -306,7 +342,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
             assert rnd is not None and frag.admission.take(rnd)
             chain.append(frag.apply(rnd)[0])
     plain_s, apply_s = statistics.median(plain), statistics.median(apply)
-    return {
+    measured = {
         "numel": numel,
         "plain_add_s": plain_s,
         "apply_s": apply_s,
@@ -316,6 +352,48 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
         "with_chain_s": statistics.median(chain),
         **{f"{k}_s": statistics.median(v) for k, v in parts.items()},
     }
+    figures = outer_step_figures(OUTER, numel, apply_s, bandwidth["mem_bw_triad_GBps"])
+    return combine(measured, bandwidth, figures)
+
+
+def against_limits(cell: dict[str, Any], disk_MBps: float | None) -> dict[str, Any]:
+    """A cell's intake against each of its limits: `ingest_ratio` = log off over raw gRPC of the
+    same bytes; `wal_disk_ratio` = log on over the lower of the state disk's write bandwidth
+    with fdatasync and the log-off intake (None when the disk was not measured)."""
+    out = {"ingest_ratio": cell["log_off_MBps"] / cell["raw_MBps"]}
+    if disk_MBps is None:
+        return out | {"wal_limit_MBps": None, "wal_disk_ratio": None}
+    limit = min(disk_MBps, cell["log_off_MBps"])
+    return out | {"wal_limit_MBps": limit, "wal_disk_ratio": cell["log_on_MBps"] / limit}
+
+
+CELL_COLUMNS = [
+    "codec",
+    "clients",
+    "raw_MBps",
+    "log_off_MBps",
+    "ingest_ratio",
+    "log_on_MBps",
+    "wal_limit_MBps",
+    "wal_disk_ratio",
+    "log_off_outer_steps",
+    "log_on_outer_steps",
+]
+APPLY_COLUMNS = [
+    "numel",
+    "plain_add_s",
+    "apply_s",
+    "decode_s",
+    "merge_s",
+    "nesterov_s",
+    "apply_GBps_fp32",
+    "apply_ratio",
+    "mem_bw_copy_GBps",
+    "mem_bw_triad_GBps",
+    "apply_bw_ratio",
+    "bytes_per_param_moved",
+    "with_chain_s",
+]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -323,74 +401,93 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--params", type=int, help="model parameters (FP32 elements)")
     p.add_argument("--clients", help="comma-separated client counts")
     p.add_argument("--codecs", help="comma-separated codecs")
-    p.add_argument("--seconds", type=float, help="streaming time per cell")
+    p.add_argument("--seconds", type=float, help="streaming time per cell and side")
     p.add_argument(
         "--quorum", type=int, default=1, help="Synchronizer quorum K (default 1: asynchronous)"
     )
     p.add_argument(
-        "--wal",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the Synchronizer's write-ahead log (default on, as the service's default)",
+        "--state-dir",
+        type=Path,
+        help="where the Synchronizers keep their state (a fresh directory per run, deleted "
+        "after), and whose sequential write bandwidth with fdatasync is measured as the log's "
+        "limit (default: the system's temporary directory)",
     )
     args = p.parse_args(argv)
     mode: dict[str, Any]
     if args.smoke:
-        mode = dict(params=1_000_000, clients=[1], codecs=["int8"], seconds=1.0)
+        mode = dict(params=1_000_000, clients=[1], codecs=["int8"], seconds=1.0, disk=64 << 20)
     elif args.quick:
-        mode = dict(params=25_000_000, clients=[1, 4], codecs=["fp32", "int8", "int4"], seconds=4.0)
+        mode = dict(
+            params=25_000_000,
+            clients=[1, 4],
+            codecs=["fp32", "int8", "int4"],
+            seconds=4.0,
+            disk=256 << 20,
+        )
     else:
         mode = dict(
             params=100_000_000,
             clients=[1, 4, 8],
             codecs=["fp32", "bf16", "int8", "int4"],
             seconds=8.0,
+            disk=256 << 20,
         )
     params = args.params or mode["params"]
     clients = [int(c) for c in args.clients.split(",")] if args.clients else mode["clients"]
     codecs = args.codecs.split(",") if args.codecs else mode["codecs"]
     seconds = args.seconds or mode["seconds"]
-    rows = [
-        measure_ingest(params, 4, n, name, seconds, args.quorum, args.wal)
-        for name in codecs
-        for n in clients
-    ]
+    with tempfile.TemporaryDirectory(prefix="bench-ingest-", dir=args.state_dir) as root:
+        disk = disk_write_bandwidth(Path(root), mode["disk"])
+        rows = [
+            measure_ingest(params, 4, n, name, seconds, args.quorum, Path(root))
+            for name in codecs
+            for n in clients
+        ]
+    for row in rows:
+        row |= against_limits(row, disk["disk_write_MBps"])
+    print(table(rows, CELL_COLUMNS))
     print(
-        table(
-            rows,
-            ["codec", "clients", "raw_MBps", "sync_MBps", "ratio", "params_per_s", "outer_steps"],
-        )
+        f"\nstate disk ({disk['disk_dir']}): {shown(disk, 'disk_write_MBps', '.0f')} MB/s "
+        f"sequential write with fdatasync ({disk['disk_write_bytes'] >> 20} MiB in 4 MiB blocks)"
     )
     applied = measure_apply(params)
     print()
-    print(
-        table(
-            [applied],
-            [
-                "numel",
-                "plain_add_s",
-                "apply_s",
-                "decode_s",
-                "merge_s",
-                "nesterov_s",
-                "apply_GBps_fp32",
-                "apply_ratio",
-                "with_chain_s",
-            ],
-        )
-    )
-    result = {
-        "ingest_ratio": min(r["ratio"] for r in rows),
-        "ingest_ratio_median": statistics.median(r["ratio"] for r in rows),
+    print(table([applied], APPLY_COLUMNS))
+    wal_ratios = [r["wal_disk_ratio"] for r in rows if r["wal_disk_ratio"] is not None]
+    headline: dict[str, Any] = {
+        "ingest_ratio": min(r["ingest_ratio"] for r in rows),
+        "ingest_ratio_median": statistics.median(r["ingest_ratio"] for r in rows),
+        "wal_disk_ratio": min(wal_ratios) if len(wal_ratios) == len(rows) else None,
+        "disk_write_MBps": disk["disk_write_MBps"],
         "apply_ratio": applied["apply_ratio"],
+        "apply_bw_ratio": applied["apply_bw_ratio"],
+        "bytes_per_param_moved": applied["bytes_per_param_moved"],
         "apply_GBps_fp32": applied["apply_GBps_fp32"],
+        "mem_bw_copy_GBps": applied["mem_bw_copy_GBps"],
+        "mem_bw_triad_GBps": applied["mem_bw_triad_GBps"],
+    }
+    missing = disk.get("missing", {}) | applied.get("missing", {})
+    if headline["wal_disk_ratio"] is None:
+        why = missing["disk_write_MBps"]
+        missing["wal_disk_ratio"] = f"the state disk was not measured: {why}"
+    result = headline | {
+        "missing": missing,
         "params": params,
         "cells": rows,
+        "disk": disk,
         "apply": applied,
         "machine": machine(),
     }
     print(
-        f"\ningest_ratio (worst cell) = {result['ingest_ratio']:.3f}   apply: {applied['apply_GBps_fp32']:.2f} GB/s FP32-equivalent, plain add_ pass / apply = {applied['apply_ratio']:.3f}"
+        f"\ningest_ratio (log off, worst cell; over raw gRPC of the same bytes) = "
+        f"{shown(result, 'ingest_ratio')}\n"
+        f"wal_disk_ratio (log on, worst cell; over min(the disk's fdatasync write bandwidth, "
+        f"log-off intake)) = {shown(result, 'wal_disk_ratio')}\n"
+        f"apply: {applied['apply_GBps_fp32']:.2f} GB/s FP32-equivalent, plain add_ pass / apply = "
+        f"{applied['apply_ratio']:.3f}; apply_bw_ratio (its arithmetic's "
+        f"{applied['outer_bytes_per_param']} bytes/parameter over one core's triad bandwidth, "
+        f"{shown(result, 'mem_bw_triad_GBps', '.2f')} GB/s) = {shown(result, 'apply_bw_ratio')}, "
+        f"bytes_per_param_moved = {shown(result, 'bytes_per_param_moved', '.1f')}"
     )
     write_json(args.json, result)
     return result

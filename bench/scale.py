@@ -14,7 +14,13 @@ pre-encoded payloads (as `bench.ingest` does):
   on schedule: more ops due by the end of a window than the 4 clients can have in hand;
 - `outer_step_s`: the mean outer step of one fragment over the run (`diloco_round_apply_seconds`)
   and `apply_ratio`: that over one `add_` pass over a fragment in this process (how many plain
-  passes an outer step costs);
+  passes an outer step costs); against the machine (`bench.limits`, in this process after the
+  Synchronizer stopped): one core's memory bandwidth over a fragment's elements
+  (`mem_bw_copy_GBps`, `mem_bw_triad_GBps`: best of 5 passes, torch on one thread),
+  `apply_bw_ratio` = the bytes the default outer step's arithmetic must move (Nesterov: 20 per
+  parameter) per `outer_step_s` over the triad bandwidth, and `bytes_per_param_moved` =
+  `outer_step_s` x the triad bandwidth / the fragment's elements (null with the reason under
+  `missing` when no outer step ran);
 - `rss_ratio`: the peak resident memory (VmRSS sampled every 50 ms) over the model's FP32 bytes
   while it initialises, serves a join, and serves 4 learners on schedule (`serving`: 50 s, each
   pushing every fragment once), beside `synchronizer.memory`'s projection for the same settings
@@ -40,6 +46,7 @@ import torch
 from bench import scale_shards
 from bench.common import machine, parser, table, write_json
 from bench.ingest import init_synchronizer, service_threads
+from bench.limits import combine, memory_bandwidth, outer_step_figures, shown
 from bench.scale_load import (
     CLIENTS,
     FRAGMENTS,
@@ -141,10 +148,15 @@ def run(params: int, mode: str) -> dict[str, Any]:
             phases = dict(rss.peaks)
         finally:
             procs.stop_all(grace_s=30)
-    add_s = add_pass_s(params // FRAGMENTS)
+    numel = params // FRAGMENTS
+    add_s = add_pass_s(numel)
+    bandwidth = memory_bandwidth(numel)
+    figures = outer_step_figures(
+        SynchronizerConfig().outer, numel, outer_step_s, bandwidth["mem_bw_triad_GBps"]
+    )
     fp32 = 4 * params
     peak = max(v for k, v in phases.items() if k != "search")
-    return {
+    measured = {
         "params": params,
         "rss_ratio": peak / fp32,
         "rss_peak_bytes": peak,
@@ -165,6 +177,7 @@ def run(params: int, mode: str) -> dict[str, Any]:
         "learners_sustained": float(sustained),
         "windows": rows,
     }
+    return combine(measured, bandwidth, figures)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -197,6 +210,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "join_s",
                 "outer_step_s",
                 "apply_ratio",
+                "mem_bw_triad_GBps",
+                "apply_bw_ratio",
+                "bytes_per_param_moved",
                 "learners_sustained",
             ],
         )
@@ -207,6 +223,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{result['rss_ratio_search']:.2f}x in the capacity search; by phase, GiB: "
         + ", ".join(f"{k} {v / (1 << 30):.2f}" for k, v in result["rss_peak_by_phase"].items())
         + f"); {result['learners_sustained']:.0f} learners sustained (H={INNER_STEPS}, {STEP_S} s/step)"
+    )
+    print(
+        f"outer step {result['outer_step_s']:.3g} s per {result['mem_bw_numel']:,}-element "
+        f"fragment: apply_bw_ratio (its arithmetic's {result['outer_bytes_per_param']} "
+        f"bytes/parameter over one core's triad bandwidth, "
+        f"{shown(result, 'mem_bw_triad_GBps', '.2f')} GB/s) = {shown(result, 'apply_bw_ratio')}, "
+        f"bytes_per_param_moved = {shown(result, 'bytes_per_param_moved', '.1f')}"
     )
     write_json(args.json, result)
     return result

@@ -50,14 +50,14 @@ def encode(x: torch.Tensor, codec: int, bs: int, scale_dtype: int, out: torch.Te
     absmax = torch.empty(nblocks, dtype=torch.float32, device=dev)
     scales = torch.empty(nblocks, dtype=torch.float32, device=dev)
     run = max(1, RUN_ELEMS // bs) * bs
-    work = _Work(min(run, full) or bs, dev)
+    work = Work(min(run, full) or bs, dev)
     for start in range(0, full, run):
         stop = min(start + run, full)
         v = x[start:stop]
         if v.dtype != torch.float32:
             v = work.convert[: stop - start].copy_(v)
         b0, b1 = start // bs, stop // bs
-        _encode_run(
+        encode_run(
             v.view(-1, bs),
             codec,
             scale_dtype,
@@ -70,14 +70,14 @@ def encode(x: torch.Tensor, codec: int, bs: int, scale_dtype: int, out: torch.Te
         tail = torch.zeros(bs, dtype=torch.float32, device=dev)
         tail[: n - full] = x[full:]
         tail_codes = torch.empty(bs // codes_per_byte, dtype=torch.uint8, device=dev)
-        _encode_run(
+        encode_run(
             tail.view(1, bs),
             codec,
             scale_dtype,
             absmax[-1:],
             scales[-1:],
             tail_codes,
-            _Work(bs, dev),
+            Work(bs, dev),
         )
         out[full // codes_per_byte : code_bytes] = tail_codes[: code_bytes - full // codes_per_byte]
     # One check (one device sync) for the whole tensor: NaN propagates through amax.
@@ -94,7 +94,7 @@ def encode(x: torch.Tensor, codec: int, bs: int, scale_dtype: int, out: torch.Te
         out[code_bytes:].copy_(scales.view(torch.uint8))
 
 
-class _Work:
+class Work:
     """Scratch buffers for the runs of one encode call, reused from run to run."""
 
     def __init__(self, elems: int, device: torch.device) -> None:
@@ -115,14 +115,14 @@ class _Work:
         return torch.empty(self.elems, dtype=torch.float32, device=self.device)
 
 
-def _encode_run(
+def encode_run(
     v: torch.Tensor,
     codec: int,
     scale_dtype: int,
     absmax: torch.Tensor,
     scales: torch.Tensor,
     codes: torch.Tensor,
-    work: _Work,
+    work: Work,
 ) -> None:
     """Encode ``v`` (nb, bs) fp32 into ``codes`` (uint8) and fill ``absmax``/``scales`` (nb)."""
     nb, bs = v.shape

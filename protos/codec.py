@@ -145,6 +145,112 @@ def _check_finite_input(x: torch.Tensor, encoded: torch.Tensor, name: str) -> No
     )
 
 
+class RunEncoder:
+    """``encode`` of one 1-D tensor run by run, the same bytes as encoding it at once, each
+    run's decoded values (``decode_runs``'s, element for element) ready as soon as it is
+    written: a caller can encode a run, decode it and use both while they are in cache.
+
+    Runs come in order from element 0, each of whole blocks except the last, which may end with
+    the partial block; ``out`` holds the encoded tensor once the last run is in."""
+
+    def __init__(
+        self,
+        codec: int,
+        numel: int,
+        run: int,
+        device: torch.device | str = "cpu",
+        block_size: int = layout.DEFAULT_BLOCK_SIZE,
+        scale_dtype: int = pb.SCALE_FP32,
+    ) -> None:
+        self.header = layout.make_header(codec, numel, block_size, scale_dtype)
+        self.codec, self.numel = codec, numel
+        self.out = torch.empty(int(self.header.total_bytes), dtype=torch.uint8, device=device)
+        self.next = 0  # where the next run starts
+        self.blockwise = codec in blockwise.MAX_CODE
+        self.bs = int(self.header.block_size) if self.blockwise else 1
+        if run < 1 or run % self.bs:
+            raise ValueError(f"a run must be a positive multiple of the block size {self.bs}")
+        if self.blockwise:
+            self.per_byte = 1 if codec == pb.CODEC_INT8 else 2
+            self.code_bytes = layout.code_bytes(codec, numel)
+            blocks = run // self.bs
+            self.absmax = torch.empty(blocks, dtype=torch.float32, device=device)
+            self.scales = torch.empty(blocks, dtype=torch.float32, device=device)
+            self.work = blockwise.Work(run, torch.device(device))
+            self.idx = torch.empty(run // self.per_byte, dtype=torch.int32, device=device)
+
+    def encode(self, x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+        """Encodes the next run ``x`` (FP32) into ``out`` and returns its decoded values (in
+        ``decoded``, FP32 of at least ``x.numel()`` elements, or a view of ``out`` for FP32).
+        ``layout.CodecError`` on NaN or Inf (``out`` is then partly written)."""
+        start, stop = self.next, self.next + x.numel()
+        if stop > self.numel or (stop < self.numel and x.numel() % self.bs):
+            raise ValueError(
+                f"run [{start}, {stop}) is not whole blocks of a {self.numel}-element tensor"
+            )
+        self.next = stop
+        if self.codec == pb.CODEC_FP32:
+            vals = _as_dtype(self.out, torch.float32)[start:stop].copy_(x)
+            _check_finite_input(x, vals, "fp32")
+            return vals
+        if self.codec == pb.CODEC_BF16:
+            vals16 = _as_dtype(self.out, torch.bfloat16)[start:stop].copy_(x)
+            _check_finite_input(x, vals16, "bf16")
+            return decoded[: x.numel()].copy_(vals16)
+        bs, per_byte = self.bs, self.per_byte
+        full = min(stop, (self.numel // bs) * bs)  # whole blocks of this run end here
+        out = decoded[: x.numel()]
+        if full > start:
+            nb = (full - start) // bs
+            self._blocks(x[: full - start].view(nb, bs), start, nb, out[: full - start])
+        if stop > full:  # the partial last block, zero-padded as `encode` does
+            tail = torch.zeros(1, bs, dtype=torch.float32, device=x.device)
+            tail[0, : stop - full] = x[full - start :]
+            codes = torch.empty(bs // per_byte, dtype=torch.uint8, device=x.device)
+            self._blocks(tail, full, 1, None, codes)
+            self.out[full // per_byte : self.code_bytes] = codes[
+                : self.code_bytes - full // per_byte
+            ]
+            out[full - start :] = blockwise.decode_tail(
+                self.out, self.codec, bs, self.numel, self.scales[:1]
+            )
+        return out
+
+    def _blocks(
+        self,
+        v: torch.Tensor,
+        start: int,
+        nb: int,
+        decoded: torch.Tensor | None,
+        codes: torch.Tensor | None = None,
+    ) -> None:
+        """Encodes the ``nb`` whole blocks ``v`` that start at element ``start``: codes into
+        ``codes`` (default: their place in ``out``), scales into ``out``; decodes them into
+        ``decoded`` when given."""
+        bs, per_byte = self.bs, self.per_byte
+        if codes is None:
+            codes = self.out[start // per_byte : (start + nb * bs) // per_byte]
+        absmax, scales = self.absmax[:nb], self.scales[:nb]
+        scale_dtype = int(self.header.scale_dtype)
+        blockwise.encode_run(v, self.codec, scale_dtype, absmax, scales, codes, self.work)
+        if not bool(torch.isfinite(absmax).all()):
+            raise layout.CodecError("cannot encode a tensor containing NaN or Inf")
+        b0 = start // bs
+        if scale_dtype == pb.SCALE_FP16:
+            if not bool(torch.isfinite(scales).all()):
+                raise layout.CodecError(
+                    f"a block's absmax ({float(absmax.max()):.6g}) is beyond what an fp16 scale "
+                    f"holds for {layout.codec_name(self.codec)} (max scale 65504); use fp32 scales"
+                )
+            at = self.code_bytes + 2 * b0
+            self.out[at : at + 2 * nb].copy_(scales.to(torch.float16).view(torch.uint8))
+        else:
+            at = self.code_bytes + 4 * b0
+            self.out[at : at + 4 * nb].copy_(scales.view(torch.uint8))
+        if decoded is not None:
+            blockwise.decode_run(codes, self.codec, scales, decoded.view(nb, bs), self.idx)
+
+
 # ---------------------------------------------------------------------------------------------
 # decode
 

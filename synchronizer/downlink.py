@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from protos import codec, framing, layout
+from protos import blockwise, codec, framing, layout
 from protos import diloco_pb2 as pb
 from synchronizer.buffers import Snapshots
+from synchronizer.outer import RUN_ELEMS, OuterStep, runs
 
 Link = tuple[int, pb.PayloadHeader, torch.Tensor]  # (version it produces, header, encoded bytes)
 
@@ -75,28 +76,34 @@ class Downlink:
         self._snapshots: dict[int, tuple[int, pb.PayloadHeader, weakref.ref[torch.Tensor]]] = {}
         self._checksums: dict[int, int] = {}
 
-    def step(self, params: torch.Tensor, merged: torch.Tensor, factor: float, version: int) -> None:
-        """Applies the outer update `factor * merged` through the chain: params +=
-        decode(encode(update + residual)), residual = what the encoding lost. `merged` is
-        scratch afterwards. Everything goes in runs of about 1M elements, in FP32 whatever the
-        residual's dtype (a run of it is upcast, and rounded back once): no full-size temporary.
-        Each decoded run is added to the parameters by the same single add a learner applying
-        the whole link does (so the sum is the same, element for element)."""
+    def step(
+        self, params: torch.Tensor, merged: torch.Tensor, outer: OuterStep, version: int
+    ) -> None:
+        """Applies one outer step through the chain: u = residual + factor * d (d, the outer
+        step's direction from the merged delta), params += decode(encode(u)), residual = u -
+        decode(encode(u)). Fused run by run (`outer.RUN_ELEMS`): a run's momentum, merged
+        delta, residual and parameters are read and written once, while the direction, the
+        carried update, its codes and their decoded values stay in run-sized scratch (in
+        cache). Each decoded run is added to the parameters by the same single add a learner
+        applying the whole link does (so the sum is the same, element for element); the link's
+        bytes are those of encoding u at once. `merged` is only read."""
         if self.residual is None:
             self.residual = torch.zeros(self.numel, dtype=self.residual_dtype)
-        header = layout.make_header(self.codec, self.numel)
-        scratch = torch.empty(codec.run_elems(header))
-        update = merged
-        for start in range(0, self.numel, max(1, scratch.numel())):
-            stop = min(start + scratch.numel(), self.numel)
-            carried = scratch[: stop - start].copy_(self.residual[start:stop])
-            torch.add(carried, update[start:stop], alpha=factor, out=update[start:stop])
-        encoded = codec.encode(update, self.codec)  # fresh: pulls may still be streaming old links
-        for start, decoded in codec.decode_runs(encoded, header, scratch):
-            stop = start + decoded.numel()
-            params[start:stop].add_(decoded)
-            self.residual[start:stop].copy_(update[start:stop].sub_(decoded))
-        self.chain.append((version, header, encoded))
+        run = min(RUN_ELEMS, self.numel)
+        if self.codec in blockwise.MAX_CODE:
+            bs = layout.DEFAULT_BLOCK_SIZE
+            run = max(bs, run // bs * bs)
+        encoder = codec.RunEncoder(self.codec, self.numel, run)
+        direction = torch.empty(run)
+        update = torch.empty(run)
+        decoded = torch.empty(run)
+        for start, stop in runs(self.numel, run):
+            u = update[: stop - start].copy_(self.residual[start:stop])
+            outer.add_to(start, stop, merged[start:stop], u, direction)
+            values = encoder.encode(u, decoded)
+            params[start:stop].add_(values)
+            self.residual[start:stop].copy_(u.sub_(values))
+        self.chain.append((version, encoder.header, encoder.out))
         while len(self.chain) > self.history:
             self.chain.popleft()
 

@@ -38,6 +38,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected
 from synchronizer.leases import LearnerRecord, Registry
 from synchronizer.metrics import Metrics
+from synchronizer.outer import FUSED_SGD
 from synchronizer.wal import JOIN, PUSH, ROUND, Disk, Record, Wal, WalError
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ def replay_settings(cfg: SynchronizerConfig) -> dict[str, Any]:
     shard's log holds its own fragments only, so its layout is one of them (unsharded state
     keeps the settings it always had)."""
     settings = {name: getattr(cfg, name) for name in REPLAY_SETTINGS}
+    # How an outer step computes (torch's fused SGD kernel, or the same operations one by one):
+    # a log written under one is not replayed under the other.
+    settings["outer_kernel"] = "fused_sgd" if FUSED_SGD is not None else "ops"
     if cfg.shards > 1:
         settings["shard_layout"] = [cfg.shards, cfg.shard_index]
     return settings

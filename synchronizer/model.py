@@ -122,9 +122,7 @@ class FragmentModel:
             if refused is not None:
                 self.downlink.skip(start_version + 1)
             elif self.downlink.history > 0:
-                self.downlink.step(
-                    self.params, merged, self.outer.direction(merged), start_version + 1
-                )
+                self.downlink.step(self.params, merged, self.outer.begin(), start_version + 1)
             else:
                 self.outer.step(self.params, merged)
             self.version = start_version + 1

@@ -11,10 +11,66 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 import torch
 
 OUTER_KINDS = ("nesterov", "delayed_nesterov", "sgd")
+# Elements per run of a fused outer step: every array a run touches (parameters, state, the
+# merged delta, scratch) stays in cache between the run's operations, so memory is read and
+# written about once per step whatever the number of operations (256K FP32 = 1 MiB per array).
+RUN_ELEMS = 1 << 18
+# torch's fused SGD kernel (`torch.optim.SGD(fused=True)`: CPU since torch 2.4, and CUDA), or
+# None where this torch has none: the outer step then runs the same operations one by one.
+FUSED_SGD = getattr(torch, "_fused_sgd_", None)
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def runs(numel: int, run: int = RUN_ELEMS) -> Iterator[tuple[int, int]]:
+    """Consecutive (start, stop) ranges of at most `run` elements tiling [0, numel)."""
+    for start in range(0, numel, run):
+        yield start, min(start + run, numel)
+
+
+class OuterStep(ABC):
+    """One outer step under way: the optimizer's counters have advanced; `direction` advances
+    its per-element state over one range and returns that range's direction d, and the step
+    moves parameters by `factor * d`. Ranges may come in any order, each exactly once."""
+
+    factor: float
+
+    @abstractmethod
+    def direction(
+        self, start: int, stop: int, grad: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """d over [start, stop) of the pseudo-gradient `grad` (that range, FP32), written into
+        `out` (may be `grad` itself) and returned; `grad` is only read unless it is `out`."""
+
+    def add_to(
+        self,
+        start: int,
+        stop: int,
+        grad: torch.Tensor,
+        target: torch.Tensor,
+        scratch: torch.Tensor,
+    ) -> None:
+        """target += factor * d over [start, stop) (`target`: that range of the parameters, or
+        of an update being built), through `scratch` (run-sized FP32) where the step is not
+        one fused kernel. The same numbers as `direction` and then an add."""
+        d = self.direction(start, stop, grad, scratch[: stop - start])
+        target.add_(d, alpha=self.factor)
+
+
+class Plain(OuterStep):
+    """d = g: a step of `factor * g` with no state (SGD; or a caller's own update)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def direction(
+        self, start: int, stop: int, grad: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        return grad if out is grad else out.copy_(grad)
 
 
 def _check_range(name: str, value: float, low: float, high: float, high_open: bool) -> float:
@@ -59,24 +115,34 @@ class OuterOptimizer(ABC):
         self.device = torch.device(device)
 
     def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
-        """params <- params + factor * direction, with `grad` (scratch) turned into the direction."""
+        """params <- params + factor * direction, run by run (`runs`, `OuterStep.add_to`: one
+        fused kernel where torch has one); `grad` is only read."""
         if params.dtype != torch.float32:
             raise TypeError(f"params must be float32, got {params.dtype}")
         if params.shape != (self.numel,):
             raise ValueError(
                 f"params must be flat with {self.numel} elements, got {tuple(params.shape)}"
             )
-        self._check_grad(grad)  # before direction() changes any state
-        params.add_(grad, alpha=self.direction(grad))
+        self._check_grad(grad)  # before begin() changes any state
+        step = self.begin()
+        scratch = torch.empty(min(RUN_ELEMS, self.numel), device=params.device)
+        for start, stop in runs(self.numel):
+            step.add_to(start, stop, grad[start:stop], params[start:stop], scratch)
+
+    def direction(self, grad: torch.Tensor) -> float:
+        """Advance the state by one pseudo-gradient `grad` and turn `grad` in place into the
+        step's direction d; returns the factor f of the update f * d (params_new = params + f *
+        d). The whole-tensor form of `begin`."""
+        self._check_grad(grad)
+        step = self.begin()
+        step.direction(0, self.numel, grad, grad)
+        return step.factor
 
     @abstractmethod
-    def direction(self, grad: torch.Tensor) -> float:
-        """Advance the state by one pseudo-gradient `grad` and turn `grad` in place into the step's
-        direction d; returns the factor f of the update f * d (params_new = params + f * d).
-
-        Split from `step` so that a caller can fold f into its own pass over d (the update chain
-        adds f * d to its error-feedback residual in one pass).
-        """
+    def begin(self) -> OuterStep:
+        """Advance the optimizer's counters by one pseudo-gradient; the returned step advances
+        the per-element state range by range (`OuterStep.direction`), so a caller can fuse the
+        update with its own passes (the update chain quantizes f * d with its residual)."""
 
     @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]: ...
@@ -118,9 +184,8 @@ class OuterOptimizer(ABC):
 class SGD(OuterOptimizer):
     """Plain outer SGD: params -= lr * g. No state."""
 
-    def direction(self, grad: torch.Tensor) -> float:
-        self._check_grad(grad)
-        return -self.lr
+    def begin(self) -> OuterStep:
+        return Plain(-self.lr)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -146,17 +211,53 @@ class Nesterov(OuterOptimizer):
         self.momentum = _check_range("momentum", momentum, 0.0, 1.0, high_open=True)
         self.momentum_buffer = self._zeros()
 
-    def direction(self, grad: torch.Tensor) -> float:
-        self._check_grad(grad)
-        self.momentum_buffer.mul_(self.momentum).add_(grad)
-        grad.add_(self.momentum_buffer, alpha=self.momentum)
-        return -self.lr
+    def begin(self) -> OuterStep:
+        return _NesterovStep(self)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"momentum_buffer": self.momentum_buffer}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._load_into(state, {"momentum_buffer": self.momentum_buffer})
+
+
+class _NesterovStep(OuterStep):
+    def __init__(self, opt: Nesterov) -> None:
+        self.opt, self.factor = opt, -opt.lr
+
+    def add_to(
+        self,
+        start: int,
+        stop: int,
+        grad: torch.Tensor,
+        target: torch.Tensor,
+        scratch: torch.Tensor,
+    ) -> None:
+        """torch's fused SGD kernel (one vectorised pass: momentum, the Nesterov direction and
+        the add, as `torch.optim.SGD(fused=True)` runs it), where this torch has one for the
+        device; the same numbers as the separate operations (tests/test_outer.py)."""
+        if FUSED_SGD is None or target.device.type not in FUSED_DEVICES:
+            super().add_to(start, stop, grad, target, scratch)
+            return
+        FUSED_SGD(
+            [target],
+            [grad],
+            [self.opt.momentum_buffer[start:stop]],
+            weight_decay=0.0,
+            momentum=self.opt.momentum,
+            lr=self.opt.lr,
+            dampening=0.0,
+            nesterov=True,
+            maximize=False,
+            is_first_step=False,
+        )
+
+    def direction(
+        self, start: int, stop: int, grad: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        mu, buf = self.opt.momentum, self.opt.momentum_buffer[start:stop]
+        buf.mul_(mu).add_(grad)
+        return torch.add(grad, buf, alpha=mu, out=out)
 
 
 class DelayedNesterov(OuterOptimizer):
@@ -204,22 +305,9 @@ class DelayedNesterov(OuterOptimizer):
         self.grad_buffer = self._zeros()  # Delta: sum of the g since the last m update
         self.steps = 0  # t: arrivals so far
 
-    def direction(self, grad: torch.Tensor) -> float:
-        self._check_grad(grad)
-        n, beta, c = self.delay, self.momentum, self.momentum_activation
-        self.grad_buffer.add_(grad)
+    def begin(self) -> OuterStep:
         self.steps += 1
-        if self.steps % n == 0:
-            self.momentum_buffer.mul_(beta).add_(self.grad_buffer, alpha=1.0 / n)
-            self.grad_buffer.zero_()
-            momentum_coeff = (1.0 - c * (n - 1)) * beta  # the paper's (1 - cN + c) beta
-        else:
-            momentum_coeff = c * beta
-        # theta -= eta * (coeff * m + g / N), as (eta / N) * (g + N * coeff * m): with N = 1 these
-        # are exactly Nesterov's operations, and `grad` is the scratch the contract allows.
-        if momentum_coeff != 0.0:
-            grad.add_(self.momentum_buffer, alpha=momentum_coeff * n)
-        return -self.lr / n
+        return _DelayedStep(self, update_momentum=self.steps % self.delay == 0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {
@@ -239,6 +327,29 @@ class DelayedNesterov(OuterOptimizer):
             },
         )
         self.steps = int(steps)
+
+
+class _DelayedStep(OuterStep):
+    def __init__(self, opt: DelayedNesterov, update_momentum: bool) -> None:
+        n, beta, c = opt.delay, opt.momentum, opt.momentum_activation
+        self.opt, self.update_momentum, self.factor = opt, update_momentum, -opt.lr / n
+        # the paper's (1 - cN + c) beta on a momentum update, c beta in between
+        self.coeff = (1.0 - c * (n - 1)) * beta if update_momentum else c * beta
+
+    def direction(
+        self, start: int, stop: int, grad: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        opt, n = self.opt, self.opt.delay
+        grad_buffer = opt.grad_buffer[start:stop]
+        grad_buffer.add_(grad)
+        if self.update_momentum:
+            opt.momentum_buffer[start:stop].mul_(opt.momentum).add_(grad_buffer, alpha=1.0 / n)
+            grad_buffer.zero_()
+        # theta -= eta * (coeff * m + g / N), as (eta / N) * (g + N * coeff * m): with N = 1
+        # these are exactly Nesterov's operations.
+        if self.coeff != 0.0:
+            return torch.add(grad, opt.momentum_buffer[start:stop], alpha=self.coeff * n, out=out)
+        return grad if out is grad else out.copy_(grad)
 
 
 def make_outer(

@@ -21,16 +21,26 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.common import parser, run_mode
 from bench.goodput import pushed_fraction, schedule
+from bench.ingest import against_limits
+from bench.limits import (
+    OUTER_BYTES_PER_PARAM,
+    disk_write_bandwidth,
+    memory_bandwidth,
+    outer_step_figures,
+    shown,
+)
 from bench.net import LinkError, Namespaces, Proxies, Relay, TokenBucket, socket_bytes
 from bench.peers import MISSING, final_replica, headline, merged_syncs, torchft_missing
 from bench.wan import parse_links, reach_time
+from synchronizer.outer import OUTER_KINDS
 from tests.helpers import REPO, run_smoke
 
 SMOKES = [
-    ("ingest", [], ["ingest_ratio", "apply_ratio"]),
+    ("ingest", [], ["ingest_ratio", "wal_disk_ratio", "apply_ratio", "apply_bw_ratio"]),
     ("dp", [], ["dp_bytes_per_step", "dp_eval_loss"]),
     (
         "convergence",
@@ -44,7 +54,15 @@ SMOKES = [
     (
         "scale",
         [],
-        ["rss_ratio", "init_s", "join_s", "outer_step_s", "apply_ratio", "learners_sustained"],
+        [
+            "rss_ratio",
+            "init_s",
+            "join_s",
+            "outer_step_s",
+            "apply_ratio",
+            "apply_bw_ratio",
+            "learners_sustained",
+        ],
     ),
     (
         "scale",
@@ -125,6 +143,51 @@ def test_peers_without_torchft_says_so_in_one_line_exits_0_and_writes_skipped(
     ]
     result = json.loads(out.read_text())
     assert result["skipped"].startswith("torchft not installed") and "machine" in result
+
+
+def test_every_outer_kind_states_the_bytes_its_arithmetic_moves() -> None:
+    assert set(OUTER_BYTES_PER_PARAM) == set(OUTER_KINDS)
+    assert OUTER_BYTES_PER_PARAM["nesterov"] == 20 and OUTER_BYTES_PER_PARAM["sgd"] == 12
+
+
+def test_memory_bandwidth_runs_on_one_thread_and_restores_torchs_thread_count() -> None:
+    threads = torch.get_num_threads()
+    bw = memory_bandwidth(1 << 16, repeats=2)
+    assert torch.get_num_threads() == threads
+    assert bw["mem_bw_copy_GBps"] > 0 and bw["mem_bw_triad_GBps"] > 0
+    assert memory_bandwidth(0)["mem_bw_triad_GBps"] is None
+
+
+def test_outer_step_figures_count_the_arithmetics_bytes_at_the_triad_bandwidth() -> None:
+    # 1M parameters, 20 bytes each, in 4 ms: 5 GB/s, half of a 10 GB/s triad; 40 bytes' worth
+    got = outer_step_figures("nesterov", 1_000_000, 0.004, 10.0)
+    assert got["apply_bw_ratio"] == pytest.approx(0.5)
+    assert got["bytes_per_param_moved"] == pytest.approx(40.0)
+    none_ran = outer_step_figures("nesterov", 1_000_000, 0.0, 10.0)
+    assert none_ran["apply_bw_ratio"] is None
+    assert shown(none_ran, "apply_bw_ratio").startswith("missing: no outer step was timed")
+    assert outer_step_figures("sgd", 10, 1.0, None)["missing"]["bytes_per_param_moved"]
+
+
+def test_disk_bandwidth_leaves_no_file_and_is_missing_with_the_error_where_it_cannot_write(
+    tmp_path: Path,
+) -> None:
+    got = disk_write_bandwidth(tmp_path, total_bytes=3 << 20, block_bytes=1 << 20)
+    assert got["disk_write_MBps"] > 0 and list(tmp_path.iterdir()) == []
+    gone = disk_write_bandwidth(tmp_path / "nowhere", total_bytes=1 << 20)
+    assert gone["disk_write_MBps"] is None
+    assert "nowhere" in shown(gone, "disk_write_MBps")
+
+
+def test_wal_intake_is_held_to_the_slower_of_the_disk_and_the_log_off_intake() -> None:
+    cell = {"raw_MBps": 400.0, "log_off_MBps": 200.0, "log_on_MBps": 90.0}
+    assert against_limits(cell, 100.0) == {
+        "ingest_ratio": 0.5,
+        "wal_limit_MBps": 100.0,
+        "wal_disk_ratio": 0.9,
+    }
+    assert against_limits(cell, 1000.0)["wal_disk_ratio"] == pytest.approx(0.45)
+    assert against_limits(cell, None)["wal_disk_ratio"] is None
 
 
 def sync(before: int, after: int, participants: int = 2) -> dict:

@@ -25,6 +25,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.downlink import Downlink, kept_links
 from synchronizer.model import FragmentModel
+from synchronizer.outer import Plain
 from tests.helpers import TIMEOUT, Client, small_spec
 
 
@@ -65,7 +66,7 @@ def test_update_link_is_added_run_by_run_exactly_as_a_whole_decoded_link(
     decoded = codec.decode(codec.encode(update, header.codec), header, torch.empty(n))
     expected_params = params + decoded
     expected_residual = (update - decoded).to(down.residual_dtype)
-    down.step(params, merged.clone(), -0.7, 1)
+    down.step(params, merged.clone(), Plain(-0.7), 1)
     assert torch.equal(params, expected_params)
     assert down.residual.dtype == down.residual_dtype
     assert torch.equal(down.residual, expected_residual)
@@ -97,7 +98,7 @@ def test_bf16_residual_serves_within_bf16_precision_of_fp32_and_far_closer_than_
     for setting in ("fp32", "bf16"):
         down, params = Downlink(n, "int8", 4, setting), start.clone()
         for v, u in enumerate(updates):
-            down.step(params, u.clone(), 1.0, v + 1)
+            down.step(params, u.clone(), Plain(1.0), v + 1)
         served[setting] = params
     header = layout.make_header(pb.CODEC_INT8, n)
     served["none"] = start.clone()

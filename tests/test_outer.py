@@ -1,4 +1,5 @@
-"""Outer optimizers: agreement with torch and with Algorithm 3 by hand, resume, validation."""
+"""Outer optimizers: agreement with torch and with Algorithm 3 by hand, resume, validation; the
+fused outer step through the update chain against the same arithmetic on whole tensors."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from protos import codec, layout
+from protos import diloco_pb2 as pb
+from synchronizer import downlink
+from synchronizer import outer as outer_module
 from synchronizer.outer import OUTER_KINDS, DelayedNesterov, Nesterov, make_outer
 
 NUMEL = 33
@@ -25,11 +30,18 @@ def _run(opt, params: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Ten
     return trajectory
 
 
-def test_nesterov_matches_torch_sgd_nesterov_bit_for_bit() -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernel", "separate-ops"])
+def test_nesterov_matches_torch_sgd_nesterov_bit_for_bit(fused: bool, monkeypatch) -> None:
+    # With torch's fused SGD kernel (the default where torch has one), as SGD(fused=True) runs
+    # it; without, the separate operations of SGD(fused=False).
+    if fused and outer_module.FUSED_SGD is None:
+        pytest.skip("this torch has no fused SGD kernel")
+    if not fused:
+        monkeypatch.setattr(outer_module, "FUSED_SGD", None)
     init = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1))
     grads = _grads(6)
     ref = torch.nn.Parameter(init.clone())
-    torch_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    torch_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True, fused=fused)
     params = init.clone()
     outer = make_outer("nesterov", NUMEL, lr=0.7, momentum=0.9)
     for g in grads:
@@ -102,7 +114,10 @@ def test_delayed_nesterov_moves_one_period_like_one_nesterov_step_on_the_mean() 
 
 
 @pytest.mark.parametrize("activation", [0.0, 0.3])
-def test_delayed_nesterov_with_delay_1_is_nesterov_bit_for_bit(activation: float) -> None:
+def test_delayed_nesterov_with_delay_1_is_nesterov_bit_for_bit(
+    activation: float, monkeypatch
+) -> None:
+    monkeypatch.setattr(outer_module, "FUSED_SGD", None)  # the same operations, one by one
     init = torch.randn(NUMEL)
     grads = _grads(6)
     delayed = DelayedNesterov(NUMEL, 0.7, 0.9, delay=1, momentum_activation=activation)
@@ -193,3 +208,63 @@ def test_step_with_bad_params_changes_no_state() -> None:
     with pytest.raises(ValueError, match="params must be flat"):
         opt.step(torch.zeros(NUMEL - 1), torch.ones(NUMEL))
     assert torch.equal(opt.state_dict()["momentum_buffer"], before)
+
+
+@pytest.mark.parametrize("kind", OUTER_KINDS)
+@pytest.mark.parametrize("update_codec", ["int8", "fp32"])
+def test_fused_outer_step_through_the_chain_equals_the_whole_tensor_arithmetic_bit_for_bit(
+    kind: str, update_codec: str, monkeypatch
+) -> None:
+    # The fused step goes run by run (here runs of 3 blocks, a partial last block); a reference
+    # applies the same operations to whole tensors one after the other, as the step did before
+    # it was fused: direction, carried update, encode, decode, add, residual.
+    monkeypatch.setattr(downlink, "RUN_ELEMS", 3 * layout.DEFAULT_BLOCK_SIZE)
+    monkeypatch.setattr(outer_module, "FUSED_SGD", None)  # the kernel: test above
+    n = 10 * layout.DEFAULT_BLOCK_SIZE + 77
+    gen = torch.Generator().manual_seed(3)
+    params = torch.randn(n, generator=gen)
+    fused, reference = make_outer(kind, n, delay=2), make_outer(kind, n, delay=2)
+    down = downlink.Downlink(n, update_codec, 8, "bf16")
+    ref_params, ref_residual = params.clone(), torch.zeros(n, dtype=torch.bfloat16)
+    header = layout.make_header(layout.parse_codec(update_codec), n)
+    for version in range(1, 6):
+        merged = torch.randn(n, generator=gen) * 1e-2
+        down.step(params, merged.clone(), fused.begin(), version)
+        g = merged.clone()
+        factor = reference.direction(g)
+        update = torch.add(ref_residual.float(), g, alpha=factor)
+        link = codec.encode(update, header.codec)
+        decoded = codec.decode(link, header, torch.empty(n))
+        ref_params.add_(decoded)
+        ref_residual = (update - decoded).to(torch.bfloat16)
+        assert torch.equal(params, ref_params)
+        assert torch.equal(down.residual, ref_residual)
+        assert torch.equal(down.chain[-1][2], link)  # the link's bytes, as encoded at once
+    for key, value in fused.state_dict().items():
+        assert torch.equal(value, reference.state_dict()[key])
+
+
+@pytest.mark.parametrize(
+    "codec_name, scale_dtype",
+    [("int8", 0), ("int4", 0), ("fp4", 0), ("int8", 1), ("fp32", 0), ("bf16", 0)],
+)
+def test_run_encoder_writes_the_bytes_of_encode_and_returns_the_values_of_decode(
+    codec_name: str, scale_dtype: int
+) -> None:
+    codec_id = layout.parse_codec(codec_name)
+    scale = pb.SCALE_FP32 if scale_dtype == 0 else pb.SCALE_FP16
+    n, run = 7 * layout.DEFAULT_BLOCK_SIZE + 33, 2 * layout.DEFAULT_BLOCK_SIZE
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    x[:300] = 0.0  # an all-zero block
+    encoder = codec.RunEncoder(codec_id, n, run, scale_dtype=scale)
+    scratch = torch.empty(run)
+    values = []
+    for start in range(0, n, run):
+        values.append(encoder.encode(x[start : start + run], scratch).clone())
+    whole = codec.encode(x, codec_id, scale_dtype=scale)
+    assert torch.equal(encoder.out, whole)
+    header = encoder.header
+    assert torch.equal(torch.cat(values), codec.decode(whole, header, torch.empty(n)))
+    bad = codec.RunEncoder(codec_id, n, run, scale_dtype=scale)
+    with pytest.raises(layout.CodecError):
+        bad.encode(torch.full((run,), float("nan")), scratch)
