@@ -46,8 +46,7 @@ def test_failed_outer_step_fails_its_fragment_loudly_and_shutdown_finishes(
     def explode(*args: object) -> float:
         raise RuntimeError("injected fault")
 
-    broken.step = explode  # type: ignore[method-assign]
-    broken.direction = explode  # type: ignore[method-assign]
+    broken.begin = explode  # type: ignore[method-assign]  # every outer step starts there
 
     # A pull already waiting for the version the failing step would make.
     waiting: dict[str, grpc.RpcError] = {}
