@@ -259,26 +259,16 @@ def decode_run(
     out.mul_(scales.unsqueeze(1))
 
 
-_SPREAD = ((16, 0x0000FFFF0000FFFF), (8, 0x00FF00FF00FF00FF), (4, 0x0F0F0F0F0F0F0F0F))
-_PLUS_120 = 0x7878787878787878
-_TOP_BITS = 0x8080808080808080 - (1 << 64)  # as a signed int64
-
-
 def int4_values(codes: torch.Tensor) -> torch.Tensor:
-    """INT4 code values (int8, two per byte, low nibble first) of ``codes`` (4-byte aligned,
-    a multiple of 4 bytes): the table lookup's results, from whole-word integer operations.
-
-    Each 32-bit word of 8 nibbles is spread to 64 bits, one nibble per byte (shift, or, mask
-    three times). Byte b in 0..15 becomes b - 8 as int8 without carries between bytes:
-    (b + 120) ^ 0x80. Nibble 0 (never encoded) decodes to -7, as in the table.
-    """
-    x = codes.view(torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)
-    shifted = torch.empty_like(x)
-    for shift, mask in _SPREAD:
-        torch.bitwise_left_shift(x, shift, out=shifted)
-        x.bitwise_or_(shifted).bitwise_and_(mask)
-    x.add_(_PLUS_120).bitwise_xor_(_TOP_BITS)
-    return x.view(torch.int8).clamp_(min=-7)
+    """INT4 code values (int8, two per byte, low nibble first) of ``codes``: the table
+    lookup's results, from byte operations: the low and high nibbles apart (a mask and a
+    shift), interleaved by one stack, then b - 8 in uint8 arithmetic read as int8. Nibble 0
+    (never encoded) decodes to -7, as in the table. (``decode_run`` and ``accumulate`` call it
+    only for whole 4-byte words, a condition it does not need.)"""
+    lo = torch.bitwise_and(codes, 15)
+    hi = torch.bitwise_right_shift(codes, 4)
+    values = torch.stack([lo, hi], dim=1).view(-1)
+    return values.sub_(8).view(torch.int8).clamp_(min=-7)
 
 
 @functools.lru_cache(maxsize=16)
