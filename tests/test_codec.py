@@ -720,3 +720,18 @@ def test_accumulate_without_scratch_decodes_fp4_run_by_run_exactly_as_a_whole_de
     assert torch.equal(out, base.clone().add_(decoded, alpha=0.375))
     C.accumulate(buf, header, out, 2.0, overwrite=True)
     assert torch.equal(out, torch.mul(decoded, 2.0))
+
+
+def test_int4_values_of_every_byte_are_the_tables_including_the_never_encoded_nibble_0():
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4)  # whole 4-byte words, every byte
+    table = blockwise.pair_table(pb.CODEC_INT4, torch.device("cpu"))
+    expected = table[codes.long()].reshape(-1)
+    assert torch.equal(blockwise.int4_values(codes).float(), expected)
+    assert blockwise.int4_values(torch.tensor([0x00, 0x10, 0xF1], dtype=torch.uint8)).tolist() == [
+        -7,
+        -7,
+        -7,
+        -7,
+        -7,
+        7,
+    ]
