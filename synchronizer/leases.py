@@ -195,21 +195,26 @@ class Registry:
         Join gave it."""
         check_id(learner_id)
         with self.lock:
-            rec = self.learners.get(learner_id)
-            if rec is None or rec.state == "left":
-                raise Rejected(
-                    Code.NOT_FOUND,
-                    "unknown_learner",
-                    f"learner {learner_id!r} is not joined; call Join first",
-                )
-            check_session(rec, session)
-            return rec
+            return self._member(learner_id, session)
+
+    def _member(self, learner_id: str, session: str) -> LearnerRecord:
+        """`member`, lock held."""
+        rec = self.learners.get(learner_id)
+        if rec is None or rec.state == "left":
+            raise Rejected(
+                Code.NOT_FOUND,
+                "unknown_learner",
+                f"learner {learner_id!r} is not joined; call Join first",
+            )
+        check_session(rec, session)
+        return rec
 
     def alive(self, learner_id: str, session: str) -> LearnerRecord:
         """The live record for an id, lease renewed: Rejected if unknown, dead or gone, or when
         `session` is not the one Join gave it."""
-        rec = self.member(learner_id, session)
+        check_id(learner_id)
         with self.lock:
+            rec = self._member(learner_id, session)
             now = self.clock.monotonic()
             if rec.state == "dead" or now > rec.lease_deadline:
                 raise Rejected(
