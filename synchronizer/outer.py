@@ -129,15 +129,6 @@ class OuterOptimizer(ABC):
         for start, stop in runs(self.numel):
             step.add_to(start, stop, grad[start:stop], params[start:stop], scratch)
 
-    def direction(self, grad: torch.Tensor) -> float:
-        """Advance the state by one pseudo-gradient `grad` and turn `grad` in place into the
-        step's direction d; returns the factor f of the update f * d (params_new = params + f *
-        d). The whole-tensor form of `begin`."""
-        self._check_grad(grad)
-        step = self.begin()
-        step.direction(0, self.numel, grad, grad)
-        return step.factor
-
     @abstractmethod
     def begin(self) -> OuterStep:
         """Advance the optimizer's counters by one pseudo-gradient; the returned step advances
