@@ -4,17 +4,20 @@
     diloco-learner train --no-sync ...        the same loop without syncing (overhead baseline)
     diloco-learner local [--learners N] [--steps S] [--out DIR]   Synchronizer + N learners here
     diloco-learner local --shards 2 ...       the same with the Synchronizer split into 2 shards
+    diloco-learner --version
 
-`python -m demo` is the same command. `train` takes every Learner setting as a flag, from `--config FILE` (TOML/YAML) or from
-`DILOCO_<SETTING>` environment variables (flags win over the environment, which wins over the
-file). Bad input prints one line saying what is wrong and exits 2; never a traceback. The flags'
-defaults, bounds and help come from `TrainOptions` and `LocalOptions` (demo/options.py).
+`python -m demo` is the same command. `train` takes every Learner setting as a flag, from
+`--config FILE` (TOML/YAML) or from `DILOCO_LEARNER_<SETTING>` environment variables (flags win
+over the environment, which wins over the file); the example's own options are flags only. What
+goes wrong is one line on stderr, never a traceback, and an exit code of `protos.cli`: 2 for bad
+input, 3 when the Synchronizer cannot be reached within --join-timeout-s, 4 when it refuses
+this learner, 1 when training fails. The flags' defaults, bounds and help come from
+`TrainOptions` and `LocalOptions` (demo/options.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shlex
 import sys
@@ -25,9 +28,21 @@ from demo.options import EXAMPLE_SYNC_DEFAULTS, LocalOptions, TrainOptions
 from demo.train import load_factory, train
 from learner.client import ShardMismatch
 from learner.config import LearnerConfig
+from learner.session import JoinRefused, Unreachable
 from protos.channel import parse_addresses
-from protos.cli import Parser, add_option_flags
-from protos.configload import ConfigError, add_flags, from_env, load, read_file
+from protos.cli import (
+    FAILED,
+    INTERRUPTED,
+    REFUSED,
+    UNREACHABLE,
+    USAGE,
+    Parser,
+    add_log_flags,
+    add_option_flags,
+    add_version,
+    setup_logging,
+)
+from protos.configload import ConfigError, add_flags, load, read_file, variables
 
 
 class UsageError(ValueError):
@@ -36,7 +51,7 @@ class UsageError(ValueError):
 
 # TrainOptions' flags by help group ("training" has --no-sync between the two halves)
 TRAINING = "steps start_step lr warmup_steps min_lr_ratio weight_decay clip learner_index learners slow wait_for_learners"
-REPORTING = "log_every eval_windows threads out"
+REPORTING = "log_every eval_windows threads out session_out"
 MODEL_AND_DATA = "model data max_bytes n_layer d_model n_head block batch_size seed"
 # LocalOptions' flags before the hand-made ones (--train-args and the rest), then "live"
 LOCAL = "learners shards steps out slow_learner slow_factor kill_learner kill_at restart_after_s quorum grace lease_s sync_every fragments codec data seed"
@@ -65,11 +80,13 @@ def _parser() -> argparse.ArgumentParser:
         prog="diloco-learner",
         description="Learners of Decoupled DiLoCo: train locally, sync parameter fragments with a Synchronizer now and then.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    add_version(parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     t = sub.add_parser(
         "train",
         help="train as one learner against a Synchronizer",
+        usage="%(prog)s [--synchronizer HOST:PORT] [--steps N] [--config FILE] [options]",
         description="Join a Synchronizer and train the bundled example (or --model) as one learner; "
         "logs step, loss, tokens/s and sync state, and writes a JSON result with --out.",
     )
@@ -81,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         help="train alone: the same loop without a Learner (the overhead baseline)",
     )
     add_option_flags(g, TrainOptions, REPORTING)
-    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_flags(g)
     add_option_flags(
         t.add_argument_group(
             "model and data (the bundled byte-level GPT on the Python stdlib sources)"
@@ -89,9 +106,10 @@ def _parser() -> argparse.ArgumentParser:
         TrainOptions,
         MODEL_AND_DATA,
     )
-    s = t.add_argument_group("learner settings (also from --config FILE or DILOCO_* variables)")
-    s.add_argument("--config", help="TOML or YAML file with learner settings")
-    add_flags(s, LearnerConfig)
+    t.add_argument_group(
+        "learner settings (each also from --config FILE or a DILOCO_LEARNER_* variable)"
+    ).add_argument("--config", metavar="FILE", help="TOML or YAML file with learner settings")
+    add_flags(t, LearnerConfig, "learner settings: {group}")
 
     loc = sub.add_parser(
         "local",
@@ -133,7 +151,7 @@ def _train(args: argparse.Namespace) -> int:
             check_address(args.synchronizer)
         flags = vars(args).copy()
         file_values = read_file(args.config) if args.config else {}
-        env = from_env(LearnerConfig)
+        env = {setting for var, setting in variables(LearnerConfig).items() if var in os.environ}
         for key, value in EXAMPLE_SYNC_DEFAULTS.items():
             if flags.get(key) is None and key not in file_values and key not in env:
                 flags[key] = value
@@ -192,23 +210,26 @@ def _local(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO"),
-        format="%(asctime)s %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stdout,
+    setup_logging(
+        getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"), sys.stdout
     )
     try:
         return _train(args) if args.command == "train" else _local(args)
     except (UsageError, ConfigError, DataError, ShardMismatch) as e:
         print(f"diloco-learner: error: {e}", file=sys.stderr)
-        return 2
+        return USAGE
+    except Unreachable as e:
+        print(f"diloco-learner: cannot join: {e}", file=sys.stderr)
+        return UNREACHABLE
+    except JoinRefused as e:
+        print(f"diloco-learner: refused: {e}", file=sys.stderr)
+        return REFUSED
     except (ValueError, RuntimeError, TimeoutError, OSError) as e:
         print(f"diloco-learner: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return FAILED
     except KeyboardInterrupt:
         print("diloco-learner: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

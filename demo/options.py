@@ -96,6 +96,11 @@ class TrainOptions(BaseModel):
         description="write the JSON result here (rewritten at every progress line)",
         json_schema_extra={"metavar": "PATH"},
     )
+    session_out: str | None = Field(
+        None,
+        description="keep the session secret Join gave this learner in this file (mode 0600), which a restart gives back with --learner-id and --learner-session-file; the result names the file, never the secret (default: OUT.session with --out)",
+        json_schema_extra={"metavar": "PATH"},
+    )
 
 
 class LocalOptions(BaseModel):

@@ -162,8 +162,9 @@ def start_synchronizer(
 
 
 def rejoin_args(result: dict) -> list[str]:
-    """Flags that make a restarted learner come back as the one whose result this is."""
+    """Flags that make a restarted learner come back as the one whose result this is: its id,
+    and the file its session secret is kept in (never the secret itself: argv is public)."""
     info = result.get("learner") or {}
-    if not info.get("learner_id"):
+    if not info.get("learner_id") or not result.get("session_file"):
         return []
-    return ["--learner-id", info["learner_id"], "--learner-session", info.get("session", "")]
+    return ["--learner-id", info["learner_id"], "--learner-session-file", result["session_file"]]

@@ -131,10 +131,22 @@ def write_json(path: str | None, result: dict) -> None:
 
 
 def stats_dict(learner: Any) -> dict:
-    """The learner's stats, and the session that lets a restart come back as the same learner."""
-    if learner is None:
-        return {}
-    return {**asdict(learner.stats), "session": learner.client.session if learner.client else ""}
+    """The learner's stats (its id among them; not its session, a secret)."""
+    return {} if learner is None else asdict(learner.stats)
+
+
+def keep_session(path: str | None, learner: Any, kept: str) -> str:
+    """Writes the learner's session secret to `path` (mode 0600, atomically) when it is not
+    `kept` already, so that a restart can re-join as this learner; returns what is kept."""
+    session = learner.client.session if learner is not None and learner.client else ""
+    if not path or not session or session == kept:
+        return kept
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(session + "\n")
+    os.replace(tmp, path)
+    return session
 
 
 def wait_for_learners(learner: Any, n: int, timeout_s: float = 120.0) -> None:
@@ -166,6 +178,8 @@ def train(o: TrainOptions) -> dict:
         if o.wait_for_learners > 1:
             wait_for_learners(learner, o.wait_for_learners)
 
+    session_file = o.session_out or (f"{o.out}.session" if o.out else None)
+    kept = keep_session(session_file, learner, "")
     eval_start = eval_fn(model)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
@@ -183,6 +197,7 @@ def train(o: TrainOptions) -> dict:
         "step": o.start_step,
         "series": [],
         "started_at": time.time(),
+        "session_file": session_file if kept else None,
     }
 
     tokens = 0
@@ -223,6 +238,7 @@ def train(o: TrainOptions) -> dict:
                 mean_loss = window_loss / window_steps
                 window_loss, window_steps = 0.0, 0
                 stats = stats_dict(learner)
+                kept = keep_session(session_file, learner, kept)  # a re-join gets a new one
                 sync_state = stats.get("sync_state", "off")
                 logger.info(
                     "[%s] step %5d/%d | loss %.4f | %8.0f tok/s | %s",

@@ -1,14 +1,15 @@
 """`LearnerConfig`: every setting of a learner, typed and validated.
 
 `Learner(model, opt, **settings)` builds one from keyword arguments; a process loads it with
-`protos.configload.load(LearnerConfig, file, flags, environ)` (file < `DILOCO_*` environment <
-flags). Every duration is in seconds and named `*_s`. The defaults train against a Synchronizer on
+`protos.configload.load(LearnerConfig, file, flags, environ)` (file < `DILOCO_LEARNER_<FIELD>`
+environment < flags; `learner_id` and `learner_session` are `DILOCO_LEARNER_ID` and
+`DILOCO_LEARNER_SESSION`). Every duration is in seconds and named `*_s`. The defaults train against a Synchronizer on
 this host with no settings at all.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -18,6 +19,18 @@ from protos.channel import ClientTLS, parse_addresses
 
 class LearnerConfig(ClientTLS):
     model_config = ConfigDict(extra="forbid")
+    env_prefix: ClassVar[str] = "DILOCO_LEARNER_"
+    help_groups: ClassVar[dict[str, str]] = {
+        "where and who": "synchronizer shards name learner_id learner_session",
+        "schedule": "sync_every fragments fragment_strategy",
+        "push encoding": "codec block_size scale_dtype error_feedback",
+        "merge": "merge alpha overlap_steps strict_overlap delta_pulls pull_codec",
+        "network": "rpc_timeout_s rpc_attempts pull_wait_s retry_initial_s retry_max_s "
+        "join_timeout_s finish_timeout_s heartbeat_interval_s chunk_bytes",
+        "security": "auth_token tls_ca tls_cert tls_key tls_server_name",
+        "observability": "metrics_host metrics_port",
+        "placement": "device",
+    }
 
     # Where and who
     synchronizer: str = Field(
@@ -39,7 +52,8 @@ class LearnerConfig(ClientTLS):
     )
     learner_session: str = Field(
         default="",
-        description="The session secret Join gave learner_id, which re-joining under it takes; prefer DILOCO_LEARNER_SESSION to the flag, which other local users can see",
+        description="The session secret Join gave learner_id, which re-joining under it takes; give it as a file (--learner-session-file) or DILOCO_LEARNER_SESSION, not on the command line, which other local users can see",
+        json_schema_extra={"secret": True},
     )
 
     # Schedule
@@ -152,6 +166,7 @@ class LearnerConfig(ClientTLS):
     auth_token: str | None = Field(
         default=None,
         description="Bearer token sent on every RPC (metadata 'authorization: Bearer TOKEN')",
+        json_schema_extra={"secret": True},
     )
 
     # Observability

@@ -12,7 +12,8 @@ fragment. It talks through a `Transport` (defined here, with the `Push` a transp
 Synchronizer), or an in-memory fake in tests. A sharded transport's
 server epoch is its shards' epochs joined by EPOCH_SEP in shard order: a shard restarted with a new
 epoch makes the engine forget and re-pull only that shard's fragments. Its heartbeat loop runs on
-a thread the engine starts and stops.
+a thread the engine starts and stops. A join that cannot succeed raises `Unreachable` (no answer
+within the timeout), `CredentialsRefused` or `ModelRefused` (both `JoinRefused`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,27 @@ logger = logging.getLogger(__name__)
 # Refusals that mean the Synchronizer no longer knows this learner as it stands: re-join.
 REJOIN_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 EPOCH_SEP = ","  # between the shards' epochs in a sharded transport's server epoch
+
+
+def first_line(e: grpc.RpcError) -> str:
+    """The first line of a failed RPC's details (a message, not a dump of the channel's state)."""
+    return ((e.details() or "").splitlines() or [""])[0]  # type: ignore[attr-defined]
+
+
+class JoinRefused(Exception):
+    """The Synchronizer answered Join and refused this learner: its credentials or its model."""
+
+
+class CredentialsRefused(JoinRefused, PermissionError):
+    """The Synchronizer refused the learner's token or certificate."""
+
+
+class ModelRefused(JoinRefused, ValueError):
+    """The Synchronizer refused the learner's model (another spec, too large, ...)."""
+
+
+class Unreachable(TimeoutError):
+    """The Synchronizer did not answer Join (or the model did not appear) within the timeout."""
 
 
 @dataclass(frozen=True)
@@ -204,8 +226,8 @@ class Session:
                         grpc.StatusCode.FAILED_PRECONDITION,
                         grpc.StatusCode.INVALID_ARGUMENT,
                     ):
-                        raise ValueError(
-                            f"the Synchronizer at {self.client.address} refused this model: {e.details()}"
+                        raise ModelRefused(
+                            f"the Synchronizer at {self.client.address} refused this model: {first_line(e)}"
                         ) from None
                     raise
                 wait_s = 0.0
@@ -233,8 +255,8 @@ class Session:
             except grpc.RpcError as e:
                 code = e.code()
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    raise PermissionError(
-                        f"the Synchronizer at {self.client.address} refused the credentials: {e.details()}"
+                    raise CredentialsRefused(
+                        f"the Synchronizer at {self.client.address} refused the credentials: {first_line(e)}"
                     ) from None
                 # Still no model after a wait: join again soon (renewing the lease) and wait on.
                 uploading = waiting and code == grpc.StatusCode.FAILED_PRECONDITION
@@ -242,9 +264,9 @@ class Session:
                     0 if uploading else failures, self.cfg.retry_initial_s, self.cfg.retry_max_s
                 )
                 if time.monotonic() + wait > deadline:
-                    raise TimeoutError(
-                        f"could not join the Synchronizer at {self.client.address} within {timeout_s}s: "
-                        f"{code.name} {e.details()}"
+                    raise Unreachable(
+                        f"could not join the Synchronizer at {self.client.address} within {timeout_s:g} s: "
+                        f"{code.name} {first_line(e)}"
                     ) from None
                 if not uploading:
                     failures += 1

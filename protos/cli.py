@@ -1,6 +1,9 @@
 """The command-line parts both programs (`diloco-synchronizer`, `diloco-learner`) share.
 
-`Parser` is argparse with one-line errors. `number(int, ge=0)` is a flag type that checks its
+`Parser` is argparse with one-line errors and `--version`. The exit codes (`OK`, `FAILED`,
+`USAGE`, `UNREACHABLE`, `REFUSED`, `INTERRUPTED`) are the same for both programs and documented
+in docs/configuration.md. `setup_logging` gives both the same log lines: time, level, logger and
+message, as text or as one JSON object per line (`--log-format json`). `number(int, ge=0)` is a flag type that checks its
 bound as the flag is read (`argument --steps: must be >= 0, got -5`). `add_option_flags` gives
 fields of a pydantic options model their flags, taking each flag's default, bound, choices and
 help from its field, so that each is written once. Settings loaded in layers (file <
@@ -11,19 +14,92 @@ rule behind every `--synchronizer` is `protos.channel.parse_addresses`.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import sys
+import time
 import typing
 from collections.abc import Callable
+from typing import Any, TextIO
 
 from pydantic import BaseModel
 
-from protos.configload import flag_type
+from protos.configload import flag_type, plain
+from protos.version import version
+
+# Exit codes, the same for every command of both programs (docs/configuration.md)
+OK = 0  # done; a server stopped by SIGTERM/SIGINT after a clean shutdown
+FAILED = 1  # failed while running: the service failed, training raised, a file could not be written
+USAGE = 2  # bad usage or configuration: a flag, a setting, a variable, a file named by one
+UNREACHABLE = 3  # the Synchronizer could not be reached, or did not answer in time
+REFUSED = (
+    4  # the Synchronizer answered and refused: credentials, permission, the model, the request
+)
+INTERRUPTED = 130  # stopped by Ctrl-C before the end (a client command or a learner)
+
+LOG_FORMATS = ("text", "json")
 
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a bad flag prints one line (and where to look), not the whole usage."""
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """`--version`: the program's name and the installed package's version, exit 0."""
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {version()}", help="print the version"
+    )
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per record: time (UTC, ISO 8601), level, logger, message (and the
+    exception's traceback as `exception`, when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:
+    """The root logger writes `stream` (stderr by default) at `level`, as text lines
+    (`time LEVEL logger: message`) or JSON lines; replaces whatever was set before."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(
+        JsonLines()
+        if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def add_log_flags(parser: argparse._ActionsContainer, level: bool = True) -> None:
+    """`--log-format` (and `--log-level` unless `level` is False) for a command whose logging
+    is not a setting of its config model."""
+    if level:
+        parser.add_argument(
+            "--log-level",
+            default="INFO",
+            choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+            help="least severe log lines shown (default: INFO)",
+        )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="log lines as text (time, level, logger, message) or one JSON object per line "
+        "with those keys (default: text)",
+    )
 
 
 def number(
@@ -79,7 +155,7 @@ def add_option_flags(
             )
             continue
         if default not in (None, ""):
-            help_text += " (default: %(default)s)"
+            help_text += f" (default: {plain(default)})".replace("%", "%%")
         bounds = {
             key: getattr(m, key) for m in field.metadata for key in ("gt", "ge") if hasattr(m, key)
         }

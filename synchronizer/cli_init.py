@@ -4,7 +4,7 @@ The file's tensors, in file order, define the model spec (planned into `--fragme
 unless the file carries a spec in its `diloco.spec` metadata. `init` joins every shard named in
 `--synchronizer` as a learner would, checks that they are the model's shards once each, uploads
 to each uninitialised one its own fragments, and leaves. A Synchronizer that already holds a
-model is left as it is (exit 2).
+model is left as it is (`AlreadyInitialised`, exit 4: refused).
 """
 
 from __future__ import annotations
@@ -18,13 +18,17 @@ import grpc
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.channel import bearer
-from protos.cli import number
+from protos.cli import add_log_flags, number
 from protos.configload import ConfigError, add_flags
 from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec, TensorInfo, plan_fragments, shard_owners
 from synchronizer.cli_remote import RemoteConfig, connect
 
 SPEC_METADATA_KEY = "diloco.spec"  # optional: ModelSpec proto, base64, in the safetensors metadata
+
+
+class AlreadyInitialised(Exception):
+    """Every shard named already holds a model: nothing was changed."""
 
 
 def add_parser(sub: Any) -> None:
@@ -51,7 +55,8 @@ def add_parser(sub: Any) -> None:
         default=120.0,
         help="deadline of each RPC (default: %(default)s)",
     )
-    add_flags(i.add_argument_group("connection (also from DILOCO_* variables)"), RemoteConfig)
+    add_log_flags(i, level=False)
+    add_flags(i, RemoteConfig, "{group} (also from DILOCO_CTL_* variables)")
 
 
 def _read_model(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any]]:
@@ -149,7 +154,7 @@ def run(args: argparse.Namespace, cfg: RemoteConfig) -> int:
         shards = _one_per_shard(joined)
         todo = [j for j in shards if j.reply.needs_init]
         if not todo:
-            raise ConfigError(
+            raise AlreadyInitialised(
                 "the Synchronizer's model is already initialised; nothing was changed"
             )
         versions: dict[int, int] = {}

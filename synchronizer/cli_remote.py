@@ -1,13 +1,16 @@
 """How `diloco-synchronizer init` and `status` reach a running Synchronizer, and report a refusal.
 
 `RemoteConfig` holds the connection settings (the learner's of the same names: the address, or
-every shard's, TLS and the tokens), loaded like any config from `DILOCO_*` variables and flags;
+every shard's, TLS and the tokens), loaded like any config from `DILOCO_CTL_<FIELD>` variables
+and flags;
 `connect` opens a stub on it. A failed RPC is reported as one line, its code, the first line of
 its details and what to do (`rpc_error_text`); `RemoteError` carries one from one address of
 several up to `synchronizer.cli`, which prints it.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import grpc
 from pydantic import ConfigDict, Field, field_validator
@@ -21,6 +24,11 @@ class RemoteConfig(ClientTLS):
     """How `init` and `status` reach a running Synchronizer (the learner's settings of the same names)."""
 
     model_config = ConfigDict(extra="forbid")
+    env_prefix: ClassVar[str] = "DILOCO_CTL_"
+    help_groups: ClassVar[dict[str, str]] = {
+        "connection": "synchronizer",
+        "security": "auth_token admin_token tls_ca tls_cert tls_key tls_server_name",
+    }
 
     synchronizer: str = Field(
         default="127.0.0.1:50051",
@@ -29,10 +37,12 @@ class RemoteConfig(ClientTLS):
     auth_token: str | None = Field(
         default=None,
         description="Learner bearer token: init joins and uploads as a learner (status falls back to it)",
+        json_schema_extra={"secret": True},
     )
     admin_token: str | None = Field(
         default=None,
         description="Admin bearer token: status needs it when the Synchronizer has one (init may use it too)",
+        json_schema_extra={"secret": True},
     )
 
     @field_validator("synchronizer")
@@ -69,8 +79,8 @@ def connect(cfg: RemoteConfig, address: str | None = None) -> pb_grpc.Synchroniz
 
 HINTS = {
     grpc.StatusCode.UNAVAILABLE: "is a Synchronizer serving there, with TLS exactly when --tls-ca is given?",
-    grpc.StatusCode.UNAUTHENTICATED: "give its token with --auth-token or --admin-token (or DILOCO_AUTH_TOKEN / DILOCO_ADMIN_TOKEN)",
-    grpc.StatusCode.PERMISSION_DENIED: "status needs the admin token: --admin-token or DILOCO_ADMIN_TOKEN",
+    grpc.StatusCode.UNAUTHENTICATED: "give its token with --auth-token-file or --admin-token-file (or DILOCO_CTL_AUTH_TOKEN / DILOCO_CTL_ADMIN_TOKEN)",
+    grpc.StatusCode.PERMISSION_DENIED: "status needs the admin token: --admin-token-file or DILOCO_CTL_ADMIN_TOKEN",
     grpc.StatusCode.DEADLINE_EXCEEDED: "no answer within --timeout-s; raise it or check the network",
 }
 DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # no shard there to ask
@@ -82,6 +92,10 @@ def rpc_error_text(e: grpc.RpcError) -> str:
     details = ((e.details() or "").splitlines() or [""])[0]  # type: ignore[attr-defined]
     hint = f" ({HINTS[code]})" if code in HINTS else ""
     return f"{code.name}: {details}{hint}"
+
+
+class Unanswered(Exception):
+    """No shard of several answered: the command could reach none of them."""
 
 
 class RemoteError(Exception):

@@ -3,14 +3,14 @@
 `status_json` turns a Status reply into the object `status --json` prints (its fields are
 documented there) and `status_table` into the table people read; given every shard of a sharded
 Synchronizer, `shards_json` and `shards_table` show them all in one view, asked at once, a shard
-that does not answer shown as down (exit 2 only when none answers).
+that does not answer shown as down (exit 3, as for one address that does not answer, only when
+none answers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,9 +18,17 @@ import grpc
 
 from protos import diloco_pb2 as pb
 from protos.channel import bearer
-from protos.cli import number
+from protos.cli import add_log_flags, number
 from protos.configload import add_flags
-from synchronizer.cli_remote import DOWN, HINTS, RemoteConfig, RemoteError, connect, rpc_error_text
+from synchronizer.cli_remote import (
+    DOWN,
+    HINTS,
+    RemoteConfig,
+    RemoteError,
+    Unanswered,
+    connect,
+    rpc_error_text,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -42,7 +50,8 @@ def add_parser(sub: Any) -> None:
         default=10.0,
         help="deadline of the RPC, to each shard at once (default: %(default)s)",
     )
-    add_flags(st.add_argument_group("connection (also from DILOCO_* variables)"), RemoteConfig)
+    add_log_flags(st, level=False)
+    add_flags(st, RemoteConfig, "{group} (also from DILOCO_CTL_* variables)")
 
 
 def status_json(reply: pb.StatusReply) -> dict[str, Any]:
@@ -163,7 +172,9 @@ def status_table(s: dict[str, Any]) -> str:
         "",
         f"learners: {t['learners']['alive']} alive, {t['learners']['dead']} dead, {t['learners']['left']} left; "
         f"{t['steps']:,} steps, {t['tokens']:,} tokens",
-        f"goodput: {s['goodput']:.1%} of learner capacity merged (diloco_goodput_ratio)",
+        f"goodput: {s['goodput']:.1%} of learner capacity merged (diloco_goodput_ratio)"
+        if s["learners"]
+        else "goodput: none yet (no learner has joined, so there is no capacity to merge)",
         f"loop goodput: {_share(t['compute_s'], t['compute_s'] + t['blocked_s'])} of the learners' time in inner steps, "
         "the rest blocked on sync"
         if t["compute_s"] + t["blocked_s"] > 0
@@ -227,7 +238,9 @@ def shards_table(view: dict[str, Any]) -> str:
     lines = [
         f"shards: {t['shards']} given, {t['up']} up, {t['down']} down; "
         f"{t['fragments']} fragments, {t['outer_steps']} outer steps",
-        f"goodput: {t['goodput']:.1%} of learner capacity merged (each shard's for its part of the model)",
+        f"goodput: {t['goodput']:.1%} of learner capacity merged (each shard's for its part of the model)"
+        if sum(t["learners"].values())
+        else "goodput: none yet (no learner has joined, so there is no capacity to merge)",
         f"learners: {t['learners']['alive']} alive, {t['learners']['dead']} dead, "
         f"{t['learners']['left']} left (the most any shard counts)",
         *(f"PROBLEM: {p}" for p in view["problems"]),
@@ -267,10 +280,7 @@ def run(args: argparse.Namespace, cfg: RemoteConfig) -> int:
         view = shards_json(list(zip(addresses, pool.map(answer, addresses), strict=True)))
     print(json.dumps(view, indent=2) if args.json else shards_table(view))
     if view["totals"]["up"] == 0:
-        print(
-            f"diloco-synchronizer: status: none of the {len(addresses)} shards answered "
-            f"({HINTS[grpc.StatusCode.UNAVAILABLE]})",
-            file=sys.stderr,
+        raise Unanswered(
+            f"none of the {len(addresses)} shards answered ({HINTS[grpc.StatusCode.UNAVAILABLE]})"
         )
-        return 2
     return 0

@@ -1,14 +1,15 @@
 """`SynchronizerConfig`: every setting of the Synchronizer service, typed and validated.
 
-Loaded by `protos.configload.load` from a TOML/YAML file, `DILOCO_*` environment variables and
-command-line flags (in that order of precedence). Every duration is in seconds and named `*_s`.
+Loaded by `protos.configload.load` from a TOML/YAML file, `DILOCO_SYNC_<FIELD>` environment
+variables and command-line flags (in that order of precedence); `help_groups` orders `serve
+--help`. Every duration is in seconds and named `*_s`.
 The defaults run on one machine with no flags at all.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,6 +22,24 @@ MIN_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)  # one wire chunk plus its framing
 
 class SynchronizerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    env_prefix: ClassVar[str] = "DILOCO_SYNC_"
+    help_groups: ClassVar[dict[str, str]] = {
+        "network": "host port metrics_host metrics_port",
+        "sharding": "shards shard_index",
+        "rounds": "quorum grace grace_max_s grace_gamma overlap_steps max_staleness token_weight "
+        "staleness_weight staleness_alpha staleness_hinge max_norm_ratio max_weight_ratio anchor "
+        "update_history update_history_bytes update_codec update_residual_dtype merge",
+        "outer optimizer": "outer outer_lr outer_momentum outer_delay",
+        "learners": "lease_s forget_after_s max_learners dynamic_local_updates inner_steps",
+        "limits": "init_stall_s max_pull_wait_s max_waiting_pulls stream_idle_s "
+        "max_streams_per_learner max_model_params memory_limit_bytes payload_budget_bytes "
+        "snapshot_budget_bytes max_spec_bytes max_message_bytes max_concurrent_streams "
+        "max_workers apply_threads compute_threads",
+        "durability": "state_dir checkpoint_interval_s keep_checkpoints wal wal_wait_s "
+        "wal_segment_bytes shutdown_grace_s",
+        "security": "auth_token admin_token tls_cert tls_key tls_client_ca",
+        "observability": "goodput_window_s log_level log_format",
+    }
 
     # Network
     host: str = Field(
@@ -48,7 +67,7 @@ class SynchronizerConfig(BaseModel):
     shards: int = Field(
         1,
         ge=1,
-        description="Synchronizer processes the model's fragments are sharded across; each serves the fragments protos.spec.shard_owners gives its index (byte-balanced), and learners must be given every shard's address. 1: this process serves the whole model",
+        description="Synchronizer processes the model's fragments are sharded across; each serves its share of the fragments (balanced by bytes), and learners must be given every shard's address. 1: this process serves the whole model",
     )
     shard_index: int = Field(
         -1,
@@ -274,10 +293,12 @@ class SynchronizerConfig(BaseModel):
     auth_token: str | None = Field(
         None,
         description="Bearer token every learner RPC must carry (metadata 'authorization: Bearer TOKEN')",
+        json_schema_extra={"secret": True},
     )
     admin_token: str | None = Field(
         None,
         description="Bearer token for the admin Status RPC; learners' token gets PERMISSION_DENIED there",
+        json_schema_extra={"secret": True},
     )
     tls_cert: Path | None = Field(None, description="PEM server certificate: serve TLS")
     tls_key: Path | None = Field(None, description="PEM private key for tls_cert")
@@ -290,6 +311,10 @@ class SynchronizerConfig(BaseModel):
         300.0, gt=0, description="Window of the diloco_goodput_ratio gauge"
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log lines as text (time, level, logger, message) or as one JSON object per line with those keys",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> SynchronizerConfig:

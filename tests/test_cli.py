@@ -92,7 +92,7 @@ def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path)
             text=True,
             timeout=60,
         )
-        assert again.returncode == 2 and "already initialised" in again.stderr
+        assert again.returncode == 4 and "already initialised" in again.stderr  # refused
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
@@ -118,7 +118,7 @@ def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path)
     ("args", "env", "words"),
     [
         (["--quorum", "-1"], {}, "invalid setting quorum"),
-        ([], {"DILOCO_OUTER": "adam"}, "invalid setting outer"),
+        ([], {"DILOCO_SYNC_OUTER": "adam"}, "invalid setting outer (from DILOCO_SYNC_OUTER)"),
         (["--update-history", "4"], {}, "needs update_history"),
         (["--config", "/nonexistent.toml"], {}, "cannot read config file"),
     ],
@@ -179,7 +179,7 @@ def test_config_file_is_overridden_by_environment_and_flags(tmp_path):
         SynchronizerConfig,
         tmp_path / "c.toml",
         {"lease_s": 6.0},
-        {"DILOCO_OUTER_LR": "0.9", "DILOCO_LEASE_S": "5"},
+        {"DILOCO_SYNC_OUTER_LR": "0.9", "DILOCO_SYNC_LEASE_S": "5"},
     )
     assert (cfg.quorum, cfg.outer_lr, cfg.lease_s) == (3, 0.9, 6.0)
 
@@ -281,7 +281,7 @@ def test_init_and_status_json_reach_a_mutual_tls_server_with_learner_and_admin_t
     )
     try:
         monkeypatch.setenv(
-            "DILOCO_ADMIN_TOKEN", ADMIN_TOKEN
+            "DILOCO_CTL_ADMIN_TOKEN", ADMIN_TOKEN
         )  # the token from the environment, as serve's settings
         rc, out, err = _run(capsys, "status", *flags, "--json")
     finally:
@@ -425,45 +425,51 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize(
-    ("conn", "argv", "words"),
+    ("conn", "argv", "words", "code"),
     [
-        ("mtls", ["status", "--admin-token", "wrong-secret"], "UNAUTHENTICATED"),
+        ("mtls", ["status", "--admin-token", "wrong-secret"], "UNAUTHENTICATED", 4),
         (
             "mtls",
             ["status", "--auth-token", LEARNER_TOKEN],
             "PERMISSION_DENIED: this RPC needs the admin token",
+            4,
         ),
-        ("address", ["status", "--admin-token", ADMIN_TOKEN], "UNAVAILABLE"),
+        ("address", ["status", "--admin-token", ADMIN_TOKEN], "UNAVAILABLE", 3),
         (
             "mtls",
             ["status", "--tls-ca", "/nonexistent/ca.pem"],
             "cannot read tls_ca /nonexistent/ca.pem",
+            2,
         ),
-        ("mtls", ["status", "--tls-ca", "{weights}"], "is not a PEM file"),
+        ("mtls", ["status", "--tls-ca", "{weights}"], "is not a PEM file", 2),
         (
             "ca",
             ["status", "--tls-cert", "client.pem"],
             "tls_cert and tls_key must be given together",
+            2,
         ),
-        ("mtls", ["status", "--synchronizer", "localhost"], "invalid setting synchronizer"),
+        ("mtls", ["status", "--synchronizer", "localhost"], "invalid setting synchronizer", 2),
         (
             "mtls",
             ["status", "--synchronizer", "127.0.0.1:50051,localhost"],
             "invalid setting synchronizer",
+            2,
         ),
         (
             "mtls",
             ["init", "{weights}", "--synchronizer", "127.0.0.1:{free},127.0.0.1:{free}"],
             "UNAVAILABLE",
+            3,
         ),
-        ("mtls", ["status", "--synchronizer", "127.0.0.1:{free}"], "UNAVAILABLE"),
-        ("mtls", ["status", "--timeout-s", "0"], "--timeout-s: must be > 0"),
+        ("mtls", ["status", "--synchronizer", "127.0.0.1:{free}"], "UNAVAILABLE", 3),
+        ("mtls", ["status", "--timeout-s", "0"], "--timeout-s: must be > 0", 2),
         (
             "mtls",
             ["init", "/nonexistent.safetensors"],
             "cannot read /nonexistent.safetensors as safetensors",
+            2,
         ),
-        ("mtls", ["init", "{weights}", "--fragments", "0"], "--fragments: must be > 0"),
+        ("mtls", ["init", "{weights}", "--fragments", "0"], "--fragments: must be > 0", 2),
     ],
     ids=[
         "wrong-token",
@@ -481,9 +487,10 @@ def _free_port() -> int:
         "zero-fragments",
     ],
 )
-def test_bad_input_or_unreachable_server_is_one_line_and_exit_2(
-    secured, tmp_path, capsys, conn, argv, words
+def test_bad_input_unreachable_or_refusing_server_is_one_line_and_its_exit_code(
+    secured, tmp_path, capsys, conn, argv, words, code
 ):
+    """2: bad input; 3: nothing answered; 4: the Synchronizer refused (docs/configuration.md)."""
     _, flags = secured
     flags = {"mtls": flags, "ca": flags[:4], "address": flags[:2]}[conn]
     save_file(WEIGHTS, str(tmp_path / "w.safetensors"))
@@ -494,7 +501,7 @@ def test_bad_input_or_unreachable_server_is_one_line_and_exit_2(
     except SystemExit as e:  # argparse's own errors
         rc = e.code
     err = capsys.readouterr().err
-    assert rc == 2
+    assert rc == code, err
     assert words in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
 
@@ -627,10 +634,12 @@ def test_status_over_shards_totals_their_parts_and_names_what_does_not_add_up():
     ]
 
 
-def test_status_exits_2_when_no_shard_answers_or_one_refuses(make_server, tmp_path, capsys):
+def test_status_exits_3_when_no_shard_answers_and_4_when_one_refuses(
+    make_server, tmp_path, capsys
+):
     down = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
     rc, out, err = _run(capsys, "status", "--synchronizer", ",".join(down), "--timeout-s", "5")
-    assert rc == 2
+    assert rc == 3
     assert err.strip() == (
         "diloco-synchronizer: status: none of the 2 shards answered (is a Synchronizer serving "
         "there, with TLS exactly when --tls-ca is given?)"
@@ -641,6 +650,6 @@ def test_status_exits_2_when_no_shard_answers_or_one_refuses(make_server, tmp_pa
     locked = make_server(state_dir=tmp_path / "locked", admin_token=ADMIN_TOKEN)
     addresses = f"{open_.address},{locked.address}"
     rc, out, err = _run(capsys, "status", "--synchronizer", addresses, "--admin-token", "wrong")
-    assert rc == 2 and not out
+    assert rc == 4 and not out
     assert err.startswith(f"diloco-synchronizer: status at {locked.address}: UNAUTHENTICATED: ")
     assert len(err.strip().splitlines()) == 1

@@ -90,7 +90,7 @@ def start_synchronizer(docker: Any, name: str, state: Path, port: int, metrics_p
     once the image's HEALTHCHECK (run every 2 s here) says healthy."""
     settings = {"HOST": "127.0.0.1", "PORT": port, "METRICS_HOST": "127.0.0.1"}
     settings |= {"METRICS_PORT": metrics_port, "SHUTDOWN_GRACE_S": 2}
-    env = [f"--env=DILOCO_{k}={v}" for k, v in settings.items()]
+    env = [f"--env=DILOCO_SYNC_{k}={v}" for k, v in settings.items()]
     volume = f"--volume={state}:/var/lib/diloco"
     docker(
         "run",

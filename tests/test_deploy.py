@@ -41,9 +41,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from learner.config import LearnerConfig
 from learner.learner import LearnerStats
 from learner.metrics import start_learner_metrics
 from protos import diloco_pb2 as pb
+from protos.configload import variables
 from synchronizer.config import SynchronizerConfig
 from synchronizer.metrics import Metrics
 from synchronizer.server import serving
@@ -61,6 +63,8 @@ COMPOSE_HOST = DEPLOY / "compose" / "compose.host.yaml"  # host networking
 COMPOSE_SHARDED = DEPLOY / "compose" / "compose.sharded.yaml"  # two Synchronizer shards
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "goodput.json"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+SYNC_VARS = variables(SynchronizerConfig)  # {variable: setting} each program reads
+LEARNER_VARS = variables(LearnerConfig)
 KUSTOMIZATIONS = [
     DEPLOY / "k8s" / "base",
     DEPLOY / "k8s" / "overlays" / "cpu-local",
@@ -475,9 +479,9 @@ def test_dockerfile_healthcheck_command_tells_serving_from_down(stack: Stack) ->
     assert argv[0] == "python"
     argv[0] = sys.executable
     port = stack.grpc_address.rsplit(":", 1)[1]
-    serving_ = run(argv, timeout=30, env={**os.environ, "DILOCO_PORT": port})
+    serving_ = run(argv, timeout=30, env={**os.environ, "DILOCO_SYNC_PORT": port})
     assert serving_.returncode == 0, serving_.stderr
-    down = run(argv, timeout=30, env={**os.environ, "DILOCO_PORT": str(free_port())})
+    down = run(argv, timeout=30, env={**os.environ, "DILOCO_SYNC_PORT": str(free_port())})
     assert down.returncode != 0
 
 
@@ -592,7 +596,6 @@ def test_grafana_provisioning_serves_the_dashboard_from_the_compose_mounts() -> 
 
 
 def test_compose_wires_the_image_ports_and_prometheus_targets_together() -> None:
-    from learner.config import LearnerConfig
     from synchronizer.cli import _parser as synchronizer_parser
 
     services = compose()["services"]
@@ -611,15 +614,12 @@ def test_compose_wires_the_image_ports_and_prometheus_targets_together() -> None
             ).resolve() == DOCKERFILE
         for key in svc.get("environment", {}):
             if key.startswith("DILOCO_"):
-                field = key.removeprefix("DILOCO_").lower()
-                assert (
-                    field in SynchronizerConfig.model_fields or field in LearnerConfig.model_fields
-                ), f"{name}: {key} names no setting"
+                assert key in SYNC_VARS or key in LEARNER_VARS, f"{name}: {key} names no setting"
     sync = services["synchronizer"]
     assert sync["command"][:2] == ["diloco-synchronizer", "serve"]
     args = synchronizer_parser().parse_args(sync["command"][1:])
     assert "healthcheck" not in sync, "the Synchronizer keeps the image's gRPC health check"
-    grace = float(sync["environment"]["DILOCO_SHUTDOWN_GRACE_S"])
+    grace = float(sync["environment"]["DILOCO_SYNC_SHUTDOWN_GRACE_S"])
     assert float(sync["stop_grace_period"].removesuffix("s")) >= grace + 20
     metrics_ports = {"synchronizer": int(args.metrics_port)}
     for name, svc in services.items():
@@ -715,13 +715,13 @@ def test_compose_host_variant_runs_what_the_clis_accept_on_the_ports_prometheus_
     assert {"synchronizer", "prometheus"} <= set(services)
     assert all(svc["network_mode"] == "host" for svc in services.values())
     env = services["synchronizer"]["environment"]
-    assert all(k.removeprefix("DILOCO_").lower() in SynchronizerConfig.model_fields for k in env)
-    listening = {f"127.0.0.1:{env['DILOCO_METRICS_PORT']}"}
+    assert all(k in SYNC_VARS for k in env)
+    listening = {f"127.0.0.1:{env['DILOCO_SYNC_METRICS_PORT']}"}
     learners = [svc for name, svc in services.items() if name.startswith("learner-")]
     assert len(learners) >= 2
     for svc in learners:
         args = learner_parser().parse_args(shlex.split(svc["command"])[1:])
-        assert args.synchronizer == f"127.0.0.1:{env['DILOCO_PORT']}"
+        assert args.synchronizer == f"127.0.0.1:{env['DILOCO_SYNC_PORT']}"
         listening.add(f"127.0.0.1:{args.metrics_port}")
     check = run([promtool, "check", "config", str(PROM / "prometheus.host.yml")])
     assert check.returncode == 0, check.stdout + check.stderr
@@ -736,7 +736,6 @@ def test_sharded_compose_gives_shards_index_and_volume_and_prometheus_scrapes_al
     learners list every shard and wait for all; prometheus.sharded.yml scrapes every shard's
     metrics port and labels it `shard` N (its relabeling applied here to each target), and every
     learner's. The CLIs' acceptance of the commands is checked with the others above."""
-    from learner.config import LearnerConfig
 
     services = yaml.safe_load(COMPOSE_SHARDED.read_text())["services"]
     shards = {name: svc for name, svc in services.items() if name.startswith("synchronizer")}
@@ -752,8 +751,8 @@ def test_sharded_compose_gives_shards_index_and_volume_and_prometheus_scrapes_al
         assert name == f"synchronizer-{index}" and int(flags["--shards"]) == len(shards)
         grpc_ports[index], metrics_ports[index] = flags["--port"], flags["--metrics-port"]
         for key in svc["environment"]:
-            assert key.removeprefix("DILOCO_").lower() in SynchronizerConfig.model_fields, key
-        grace = float(svc["environment"]["DILOCO_SHUTDOWN_GRACE_S"])
+            assert key in SYNC_VARS, key
+        grace = float(svc["environment"]["DILOCO_SYNC_SHUTDOWN_GRACE_S"])
         assert float(svc["stop_grace_period"].removesuffix("s")) >= grace + 20
         (state,) = [v.split(":")[0] for v in svc["volumes"] if v.endswith(":/var/lib/diloco")]
         assert state in declared and state not in volumes, f"{name}: a state volume of its own"
@@ -770,7 +769,7 @@ def test_sharded_compose_gives_shards_index_and_volume_and_prometheus_scrapes_al
         assert svc["depends_on"] == {s: {"condition": "service_healthy"} for s in shards}
         assert svc["healthcheck"] == {"disable": True}
         for key in svc.get("environment", {}):
-            assert key.removeprefix("DILOCO_").lower() in LearnerConfig.model_fields, key
+            assert key in LEARNER_VARS, key
         learner_ports[name] = flags["--metrics-port"]
 
     mounts = dict(v.split(":")[:2] for v in services["prometheus"]["volumes"] if v.startswith("."))
@@ -968,7 +967,6 @@ def test_python_renderer_matches_kubectl_kustomize(kustomization: Path) -> None:
 
 
 def test_synchronizer_deployment_probes_grace_storage_and_security() -> None:
-    from learner.config import LearnerConfig
 
     objects = rendered(DEPLOY / "k8s" / "base")
     (deploy,) = by_kind(objects, "Deployment")
@@ -977,12 +975,8 @@ def test_synchronizer_deployment_probes_grace_storage_and_security() -> None:
     (container,) = pod["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     for key in env:
-        assert key.removeprefix("DILOCO_").lower() in SynchronizerConfig.model_fields, (
-            f"{key} names no Synchronizer setting"
-        )
-    settings = SynchronizerConfig(
-        **{k.removeprefix("DILOCO_").lower(): v for k, v in env.items() if v is not None}
-    )
+        assert key in SYNC_VARS, f"{key} names no Synchronizer setting"
+    settings = SynchronizerConfig(**{SYNC_VARS[k]: v for k, v in env.items() if v is not None})
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": settings.port, "metrics": settings.metrics_port}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -1015,11 +1009,7 @@ def test_synchronizer_deployment_probes_grace_storage_and_security() -> None:
     )
     (job,) = by_kind(objects, "Job")
     learner_env = {e["name"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert all(
-        k.removeprefix("DILOCO_").lower() in LearnerConfig.model_fields
-        for k in learner_env
-        if k.startswith("DILOCO_")
-    )
+    assert all(k in LEARNER_VARS for k in learner_env if k.startswith("DILOCO_"))
 
 
 def test_learners_request_gpus_in_the_base_and_none_in_the_cpu_overlay() -> None:
@@ -1073,7 +1063,7 @@ def test_sharded_statefulset_gives_each_shard_identity_volume_dns_and_a_disrupti
     args = container["args"]
     assert args[:2] == ["diloco-synchronizer", "serve"]
     assert int(args[args.index("--shards") + 1]) == shards
-    assert "--shard-index" not in args and "DILOCO_SHARD_INDEX" not in {
+    assert "--shard-index" not in args and "DILOCO_SYNC_SHARD_INDEX" not in {
         e["name"] for e in container["env"]
     }, "the ordinal comes from the pod's host name (shard_index -1)"
     ours, theirs = copy.deepcopy(template), copy.deepcopy(deploy["spec"]["template"])
@@ -1083,7 +1073,7 @@ def test_sharded_statefulset_gives_each_shard_identity_volume_dns_and_a_disrupti
     assert ours == theirs, "the shard's pod drifted from the Deployment's"
     state_mount = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}["/var/lib/diloco"]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["DILOCO_STATE_DIR"] == "/var/lib/diloco"
+    assert env["DILOCO_SYNC_STATE_DIR"] == "/var/lib/diloco"
     (claim,) = spec["volumeClaimTemplates"]
     assert claim["metadata"]["name"] == state_mount
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]

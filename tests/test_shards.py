@@ -302,7 +302,8 @@ def test_init_with_every_shards_address_uploads_each_its_part(
     rc = main(["init", str(model), "--synchronizer", f"{a},{a}", "--fragments", "4"])
     assert rc == 2
     assert "both shard 0 (shards [1] not named); nothing was changed" in capsys.readouterr().err
-    assert main(["init", str(model), "--synchronizer", f"{a},{b},{b}", "--fragments", "4"]) == 2
+    # the shards themselves refuse a learner routing to 3 of them: exit 4 (refused)
+    assert main(["init", str(model), "--synchronizer", f"{a},{b},{b}", "--fragments", "4"]) == 4
     assert "routes to 3 shards" in capsys.readouterr().err
     assert not any(s.synchronizer.model.initialized for s in servers)
 
@@ -320,7 +321,7 @@ def test_init_with_every_shards_address_uploads_each_its_part(
             expected = torch.cat([weights[t.name].reshape(-1) for t in SPEC.fragments[fid].tensors])
             assert torch.equal(c.pull(fid)[1], expected)
         c.close()
-    assert main(["init", str(model), "--synchronizer", f"{a},{b}", "--fragments", "4"]) == 2
+    assert main(["init", str(model), "--synchronizer", f"{a},{b}", "--fragments", "4"]) == 4
     assert "already initialised" in capsys.readouterr().err
 
 
