@@ -634,9 +634,7 @@ def test_status_over_shards_totals_their_parts_and_names_what_does_not_add_up():
     ]
 
 
-def test_status_exits_3_when_no_shard_answers_and_4_when_one_refuses(
-    make_server, tmp_path, capsys
-):
+def test_status_exits_3_when_no_shard_answers_and_4_when_one_refuses(make_server, tmp_path, capsys):
     down = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
     rc, out, err = _run(capsys, "status", "--synchronizer", ",".join(down), "--timeout-s", "5")
     assert rc == 3

@@ -177,7 +177,10 @@ def test_config_loads_from_file_environment_and_flags(tmp_path):
     f = tmp_path / "learner.toml"
     f.write_text('synchronizer = "sync:1"\nsync_every = 25\nmerge = "rebase"\n')
     cfg = load(
-        LearnerConfig, f, {"fragments": 8}, {"DILOCO_LEARNER_SYNC_EVERY": "50", "DILOCO_LEARNER_CODEC": "int8"}
+        LearnerConfig,
+        f,
+        {"fragments": 8},
+        {"DILOCO_LEARNER_SYNC_EVERY": "50", "DILOCO_LEARNER_CODEC": "int8"},
     )
     assert (cfg.synchronizer, cfg.sync_every, cfg.fragments, cfg.codec, cfg.merge) == (
         "sync:1",
