@@ -210,9 +210,7 @@ def _local(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    setup_logging(
-        getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"), sys.stdout
-    )
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"), "stdout")
     try:
         return _train(args) if args.command == "train" else _local(args)
     except (UsageError, ConfigError, DataError, ShardMismatch) as e:

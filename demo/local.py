@@ -34,6 +34,11 @@ from typing import Any
 
 from demo.options import LocalOptions
 from demo.procs import Procs, Samples, metric, read_json, rejoin_args, scrape, start_synchronizer
+from protos.configload import program_env
+
+# Each child gets the environment with its own settings only (DILOCO_SYNC_* for the Synchronizer,
+# DILOCO_LEARNER_* for the learners), never the other program's
+SYNCHRONIZER_ENV, LEARNER_ENV = "DILOCO_SYNC_", "DILOCO_LEARNER_"
 
 
 def synchronizer_flags(o: LocalOptions) -> list[str]:
@@ -137,7 +142,7 @@ def start_learner(
     cmd = learner_cmd(o, address, slot, slot.runs[-1], start_step)
     if start_step:
         cmd += rejoin_args(read_json(slot.runs[0]))  # come back as the same learner
-    slot.proc = procs.start(f"learner-{slot.index}", cmd)
+    slot.proc = procs.start(f"learner-{slot.index}", cmd, program_env(LEARNER_ENV))
 
 
 def kill_or_restart(o: LocalOptions, procs: Procs, address: str, slot: Slot) -> None:
@@ -237,6 +242,7 @@ def start_shards(
             flags,
             state_dir=state_dir if o.shards == 1 else state_dir / f"shard-{i}",
             name=name,
+            env=program_env(SYNCHRONIZER_ENV),
         )
         started.append((name, proc))
         addresses.append(info["address"])
@@ -276,6 +282,7 @@ def run(o: LocalOptions) -> dict:
     (o.out / "logs").mkdir(parents=True, exist_ok=True)
     for old in [
         *o.out.glob("learner-*.json"),
+        *o.out.glob("*.session"),  # the learners' session secrets (0600), for their restarts
         *(o.out / "logs").glob("*.log"),
         o.out / "final.json",
         o.out / "summary.json",
@@ -335,7 +342,9 @@ def run(o: LocalOptions) -> dict:
             o.out / "final.json"
         )  # zero steps: join, adopt the served model, evaluate, leave
         final = procs.start(
-            "final-eval", learner_cmd(o, address, Slot(0, 0), final_out, name="final-eval")
+            "final-eval",
+            learner_cmd(o, address, Slot(0, 0), final_out, name="final-eval"),
+            program_env(LEARNER_ENV),
         )
         if final.wait(timeout=120) != 0:
             raise RuntimeError(
@@ -347,6 +356,8 @@ def run(o: LocalOptions) -> dict:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         procs.stop_all()
         shutil.rmtree(state_dir, ignore_errors=True)
+        for secret in o.out.glob("*.session"):  # no learner is left to restart
+            secret.unlink(missing_ok=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -63,8 +63,11 @@ class Procs:
     def log(self, name: str) -> Path:
         return self.root / "logs" / f"{name}.log"
 
-    def start(self, name: str, cmd: Sequence[str]) -> subprocess.Popen:
-        """Starts `cmd` in a new session, stdout and stderr appended to `log(name)`."""
+    def start(
+        self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """Starts `cmd` in a new session (with `env`, else this process's environment), stdout
+        and stderr appended to `log(name)`."""
         with open(self.log(name), "ab") as f:
             p = subprocess.Popen(
                 list(cmd),
@@ -72,6 +75,7 @@ class Procs:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=env,
             )
         self.procs.append(p)
         return p
@@ -123,10 +127,12 @@ def start_synchronizer(
     port: int = 0,
     name: str = "synchronizer",
     timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, dict[str, Any]]:
-    """`python -m synchronizer serve` with `flags`, state in `state_dir` (default ROOT/state);
-    returns the process and its ready file's content once it serves. RuntimeError naming the
-    log if it exits first or is not ready within `timeout_s`."""
+    """`python -m synchronizer serve` with `flags`, state in `state_dir` (default ROOT/state),
+    environment `env` (default this process's); returns the process and its ready file's
+    content once it serves. RuntimeError naming the log if it exits first or is not ready
+    within `timeout_s`."""
     ready = procs.root / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
     proc = procs.start(
@@ -146,6 +152,7 @@ def start_synchronizer(
             str(ready),
             *flags,
         ],
+        env,
     )
     deadline = time.monotonic() + timeout_s
     while not (info := read_json(ready)):

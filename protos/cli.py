@@ -71,16 +71,39 @@ class JsonLines(logging.Formatter):
         return json.dumps(out)
 
 
-def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:
-    """The root logger writes `stream` (stderr by default) at `level`, as text lines
-    (`time LEVEL logger: message`) or JSON lines; replaces whatever was set before."""
-    handler = logging.StreamHandler(stream or sys.stderr)
+class _Console(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler on sys.stdout or sys.stderr as they are when each record is written (so that a
+    program run in-process, in tests, writes where its caller captures)."""
+
+    def __init__(self, name: str) -> None:
+        self.name_of_stream = name
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        stream: TextIO = getattr(sys, self.name_of_stream)
+        return stream
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass  # always the current sys.stdout / sys.stderr
+
+
+def setup_logging(level: str = "INFO", fmt: str = "text", stream: str = "stderr") -> None:
+    """The root logger writes to sys.stderr (or sys.stdout) at `level`, as text lines
+    (`time LEVEL logger: message`) or JSON lines; a second call replaces the first's handler
+    and leaves any other handler alone."""
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _Console)]:
+        root.removeHandler(old)
+    handler = _Console(stream)
     handler.setFormatter(
         JsonLines()
         if fmt == "json"
         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    root.addHandler(handler)
+    root.setLevel(level)
 
 
 def add_log_flags(parser: argparse._ActionsContainer, level: bool = True) -> None:

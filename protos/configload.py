@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 LEGACY_PREFIX = "DILOCO_"  # what every program read before each had its own prefix
+# Each program's own: the service, the learner, the operator commands (init, status)
+PROGRAM_PREFIXES = ("DILOCO_SYNC_", "DILOCO_LEARNER_", "DILOCO_CTL_")
 FILE_SUFFIX = "_file"
 
 
@@ -56,6 +58,14 @@ def env_prefix(model: type[BaseModel]) -> str:
     if not isinstance(prefix, str) or not prefix.endswith("_"):
         raise TypeError(f"{model.__name__} names no env_prefix ending in '_'")
     return prefix
+
+
+def program_env(prefix: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment to start the program reading `prefix` with: every variable but the
+    other programs' settings (a launcher of several programs hands each only its own)."""
+    env = os.environ if environ is None else environ
+    others = tuple(p for p in PROGRAM_PREFIXES if p != prefix)
+    return {k: v for k, v in env.items() if not k.startswith(others)}
 
 
 def env_name(prefix: str, field: str) -> str:

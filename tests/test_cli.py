@@ -120,6 +120,8 @@ def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path)
         (["--quorum", "-1"], {}, "invalid setting quorum"),
         ([], {"DILOCO_SYNC_OUTER": "adam"}, "invalid setting outer (from DILOCO_SYNC_OUTER)"),
         (["--update-history", "4"], {}, "needs update_history"),
+        ([], {"DILOCO_SYNC_QUORUM": "abc"}, "invalid setting quorum (from DILOCO_SYNC_QUORUM)"),
+        ([], {"DILOCO_SYNC_AUTH_TOKEN_FILE": "/nonexistent"}, "cannot read auth_token_file"),
         (["--config", "/nonexistent.toml"], {}, "cannot read config file"),
     ],
 )
@@ -200,6 +202,104 @@ def test_help_explains_every_option():
     assert "--memory-limit-bytes" in out.stdout and "diloco_memory_bytes" in out.stdout
 
 
+@pytest.mark.slow
+def test_both_programs_print_their_version():
+    from protos.version import version
+
+    for module, prog in (("synchronizer", "diloco-synchronizer"), ("demo", "diloco-learner")):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"{prog} {version()}"
+
+
+@pytest.mark.slow
+def test_serve_logs_json_lines_and_warns_of_an_open_port_and_of_legacy_variables(tmp_path):
+    proc, info = _start(
+        tmp_path, "--host", "0.0.0.0", "--log-format", "json", env={"DILOCO_MERGE": "radial"}
+    )
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    records = [json.loads(line) for line in out.splitlines()]  # every line is one object
+    assert all(set(r) >= {"time", "level", "logger", "message"} for r in records), records
+    warnings = {r["logger"]: r["message"] for r in records if r["level"] == "WARNING"}
+    assert "set DILOCO_SYNC_MERGE" in warnings["protos.configload"]
+    assert (
+        "serving on 0.0.0.0 with neither --auth-token-file nor TLS"
+        in (warnings["synchronizer.cli_serve"])
+    )
+    assert any(f"serving gRPC on 0.0.0.0:{info['port']}" in r["message"] for r in records)
+
+
+def _tiny_train(*flags: str) -> list[str]:
+    """`diloco-learner train` of a very small example model, with `flags`."""
+    return [
+        "train",
+        "--steps",
+        "1",
+        "--n-layer",
+        "1",
+        "--d-model",
+        "8",
+        "--n-head",
+        "1",
+        "--context",
+        "16",
+        "--max-bytes",
+        "4096",
+        "--eval-windows",
+        "2",
+        "--batch-size",
+        "2",
+        *flags,
+    ]
+
+
+@pytest.mark.slow
+def test_a_learner_that_cannot_join_exits_3_with_one_line_and_logs_json(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "demo",
+            *_tiny_train(
+                "--synchronizer",
+                f"127.0.0.1:{_free_port()}",
+                "--join-timeout-s",
+                "2",
+                "--retry-initial-s",
+                "0.2",
+                "--log-format",
+                "json",
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.startswith("diloco-learner: cannot join: could not join the Synchronizer")
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert any(r["logger"] == "learner.session" and r["level"] == "INFO" for r in records)
+
+
+def test_a_learner_the_synchronizer_refuses_exits_4_with_one_line(make_server, tmp_path, capsys):
+    from demo.cli import main as learner_main
+
+    srv = make_server(auth_token=LEARNER_TOKEN)
+    (tmp_path / "token").write_text("not-the-token\n")
+    rc = learner_main(
+        _tiny_train("--synchronizer", srv.address, "--auth-token-file", str(tmp_path / "token"))
+    )
+    err = capsys.readouterr().err
+    assert rc == 4, err
+    assert err.startswith("diloco-learner: refused: the Synchronizer at ")
+    assert "refused the credentials" in err and len(err.strip().splitlines()) == 1
+
+
 # init and status through TLS and tokens, in-process ----------------------------------------------
 
 LEARNER_TOKEN, ADMIN_TOKEN = "learner-secret", "admin-secret"
@@ -261,6 +361,7 @@ def test_init_and_status_json_reach_a_mutual_tls_server_with_learner_and_admin_t
 ):
     srv, flags = secured
     save_file(WEIGHTS, str(tmp_path / "init.safetensors"))
+    (tmp_path / "token").write_text(LEARNER_TOKEN + "\n")  # as `echo TOKEN > FILE` writes it
     rc, out, err = _run(
         capsys,
         "init",
@@ -268,8 +369,8 @@ def test_init_and_status_json_reach_a_mutual_tls_server_with_learner_and_admin_t
         "--fragments",
         "2",
         *flags,
-        "--auth-token",
-        LEARNER_TOKEN,
+        "--auth-token-file",
+        str(tmp_path / "token"),
     )
     assert rc == 0, err
     assert "initialised 37 parameters in 2 fragments" in out
@@ -414,6 +515,7 @@ def test_status_of_an_empty_synchronizer_says_it_is_not_initialised(make_server,
         and "no learners" in out
         and "no inner steps reported yet" in out
     )
+    assert "goodput: none yet (no learner has joined" in out and "0.0%" not in out
 
 
 def _free_port() -> int:
