@@ -276,7 +276,7 @@ def _help_text(parser_of, command: str) -> str:
 def test_serving_beyond_loopback_without_token_or_tls_is_warned_of(settings, warns):
     warning = open_to_all(SynchronizerConfig(**settings))
     assert (warning is not None) == warns
-    if warns:
+    if warning is not None:
         assert settings["host"] in warning and "--auth-token-file" in warning
 
 
