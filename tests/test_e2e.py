@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -121,6 +122,13 @@ def test_a_killed_learner_does_not_stall_the_others_and_rejoins(procs: Procs):
     )
     result = finish_ok(procs, restarted, restarted_out)
     assert result["learner"]["learner_id"] == victim_id and victim_state() == "left"
+    # the session came from a 0600 file, never argv, and no result file holds it
+    session_file = Path(read_json(victim_out)["session_file"])
+    assert stat.S_IMODE(session_file.stat().st_mode) == 0o600
+    session = session_file.read_text().strip()
+    assert session and "--learner-session-file" in restarted.args
+    assert not any(session in arg for arg in restarted.args)
+    assert session not in victim_out.read_text() + restarted_out.read_text()
     assert result["start_step"] == killed_at and result["step"] == 300
     assert result["learner"]["pushes"].get("accepted", 0) > 0
     assert (
