@@ -36,6 +36,7 @@ class LearnerConfig(ClientTLS):
     synchronizer: str = Field(
         default="127.0.0.1:50051",
         description="host:port of the Synchronizer's gRPC endpoint; a sharded Synchronizer: every shard's, comma-separated in any order, or one name that resolves to all of them (a Kubernetes headless Service) with shards set",
+        json_schema_extra={"metavar": "HOST:PORT[,...]"},
     )
     shards: int = Field(
         default=0,

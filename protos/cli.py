@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from pydantic import BaseModel
 
-from protos.configload import flag_type, plain
+from protos.configload import flag_type, metavar, plain
 from protos.version import version
 
 # Exit codes, the same for every command of both programs (docs/configuration.md)
@@ -162,7 +162,6 @@ def add_option_flags(
         field = model.model_fields[name]
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         flag = str(extra.get("flag", "--" + name.replace("_", "-")))
-        dest_upper = flag[2:].replace("-", "_").upper()  # argparse's own placeholder
         # A default computed from the other fields is left to the model: the flag's is None
         takes_data = field.default_factory_takes_validated_data
         default = None if takes_data else field.get_default(call_default_factory=True)
@@ -195,6 +194,8 @@ def add_option_flags(
             type=kind,
             default=default,
             choices=choices,
-            metavar=None if choices else str(extra.get("metavar", dest_upper)),
+            metavar=None
+            if choices
+            else str(extra.get("metavar", metavar(name, kind, field.annotation))),
             help=help_text,
         )

@@ -209,6 +209,7 @@ def _add_flag(
     group: argparse._ActionsContainer, model: type[BaseModel], name: str, prefix: str
 ) -> None:
     field = model.model_fields[name]
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     kind, is_bool = flag_type(field.annotation)
     secret = name in secrets(model)
     choices = (
@@ -234,7 +235,9 @@ def _add_flag(
         type=kind,
         default=None,
         choices=choices,
-        metavar=None if choices else metavar(name, kind, field.annotation),
+        metavar=None
+        if choices
+        else str(extra.get("metavar", metavar(name, kind, field.annotation))),
         help=help_text,
     )
     if secret:
@@ -249,7 +252,8 @@ def _add_flag(
 
 
 def metavar(name: str, kind: Any, annotation: Any) -> str:
-    """A flag's placeholder in one word: what kind of value the flag wants."""
+    """A flag's placeholder in one word, what kind of value it wants (unless the field's
+    `json_schema_extra` names one as "metavar")."""
     if name.endswith("_s"):
         return "SECONDS"
     if name.endswith("_bytes"):

@@ -52,6 +52,7 @@ def add_parser(sub: Any) -> None:
     i.add_argument(
         "--timeout-s",
         type=number(float, gt=0),
+        metavar="SECONDS",
         default=120.0,
         help="deadline of each RPC (default: %(default)s)",
     )

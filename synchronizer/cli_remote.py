@@ -33,6 +33,7 @@ class RemoteConfig(ClientTLS):
     synchronizer: str = Field(
         default="127.0.0.1:50051",
         description="host:port of the Synchronizer's gRPC endpoint; for a sharded one every shard's, comma-separated, in any order (init uploads each shard its fragments; status shows them all)",
+        json_schema_extra={"metavar": "HOST:PORT[,...]"},
     )
     auth_token: str | None = Field(
         default=None,

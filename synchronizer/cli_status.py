@@ -47,6 +47,7 @@ def add_parser(sub: Any) -> None:
     st.add_argument(
         "--timeout-s",
         type=number(float, gt=0),
+        metavar="SECONDS",
         default=10.0,
         help="deadline of the RPC, to each shard at once (default: %(default)s)",
     )
