@@ -1,7 +1,11 @@
 """`Learner`: wraps a model and its inner optimizer, and keeps it in sync with the Synchronizer.
 
-The training loop calls `step()` after each backward pass. `step()` runs the inner optimizer,
-then merges the fresh global fragments that have arrived (after the optimizer step, so the next
+Two ways into a training loop. The loop keeps its own `opt.step()` and `zero_grad()`: the
+learner hooks the inner optimizer (a post-step hook), so each real optimizer step (one a
+`GradScaler` skipped for inf/NaN gradients is not one) is an inner step, with its tokens from
+the `tokens=` argument (a number per optimizer step, or a callable asked after each step).
+Or the loop calls `learner.step()` after each backward pass instead of `opt.step()`. Either way,
+after the optimizer step the learner merges the fresh global fragments that have arrived (after the optimizer step, so the next
 forward pass sees them and no gradient is applied to parameters it was not computed at), and on
 a fragment's due step (staggered: fragment p at offset p*H//P) encodes its outer gradient on the
 model's device and hands it to the background. Nothing in `step()` waits on the network unless
@@ -84,6 +88,10 @@ class Learner:
 
     Settings are `LearnerConfig` fields, as keyword arguments or `config=` (keywords win).
     `inner_optimizer` may be None when the caller steps its optimizer itself before `step()`.
+    Given one, the learner hooks it: the loop's own `inner_optimizer.step()` is then an inner
+    step (do not also call `step()`, which steps the optimizer itself), with `tokens` (a count
+    per optimizer step, or a callable returning the last step's) and `record(loss=...)` for the
+    loss shown in stats. The hook is removed when the learner finishes or closes.
     `transport` replaces the client the settings would build (tests pass an in-memory fake); the
     learner closes it when it stops. The constructor joins the Synchronizer and loads the global model (initialising it from this
     model's parameters if there is none yet); it raises if that is impossible within
@@ -97,6 +105,7 @@ class Learner:
         *,
         config: LearnerConfig | None = None,
         transport: Transport | None = None,
+        tokens: int | Callable[[], int] | None = None,
         **settings: Any,
     ) -> None:
         cfg = config or LearnerConfig()
@@ -142,6 +151,15 @@ class Learner:
         elif transport is not None:
             transport.close()  # only rank 0 talks to the Synchronizer
         self.island.broadcast(set(range(self.num_fragments)), announce=False)
+        self.tokens_per_step = tokens
+        self.pending_loss: float | None = None
+        self.stepping = False  # inside step(): the optimizer hook leaves the step to it
+        self.hooked_steps = 0  # inner steps the optimizer hook took (then step() is refused)
+        self.hook = (
+            inner_optimizer.register_step_post_hook(self._optimizer_stepped)
+            if inner_optimizer is not None
+            else None
+        )
         self.last_step_end = time.perf_counter()
 
     def _state_device(self, choice: str) -> torch.device:
@@ -212,13 +230,45 @@ class Learner:
         """One inner step: optimizer.step(), then merge arrivals and push the fragments due.
 
         `tokens`: tokens this step trained on; the Synchronizer weighs contributions by them
-        (when none are given, each step counts as one token). `loss` is only reported in stats.
+        (0: the constructor's `tokens`; when there are none either, each step counts as one
+        token). `loss` is only reported in stats.
         """
         if self.closed:
             raise RuntimeError("step() after finish() or close()")
+        if self.hooked_steps:
+            raise RuntimeError(
+                "the inner optimizer was stepped directly, which already makes an inner step (the "
+                "learner hooks it): call either optimizer.step() or learner.step(), not both"
+            )
         t_enter = time.perf_counter()
         if self.optimizer is not None:
-            self.optimizer.step()
+            self.stepping = True
+            try:
+                self.optimizer.step()
+            finally:
+                self.stepping = False
+        self._inner_step(t_enter, tokens or self._step_tokens(), loss)
+
+    def record(self, *, loss: float | None = None) -> None:
+        """The loss of the step being trained, shown in stats (for loops that step the optimizer
+        themselves; `step()` takes it as an argument)."""
+        self.pending_loss = loss
+
+    def _step_tokens(self) -> int:
+        t = self.tokens_per_step
+        return int(t() if callable(t) else t or 0)
+
+    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The inner optimizer's post-step hook: the loop stepped it itself."""
+        if self.stepping or self.closed:
+            return
+        self.hooked_steps += 1
+        loss, self.pending_loss = self.pending_loss, None
+        self._inner_step(time.perf_counter(), self._step_tokens(), loss)
+
+    def _inner_step(self, t_enter: float, tokens: int, loss: float | None) -> None:
+        """What follows an optimizer step: the clock, then merges and pushes (rank 0), then the
+        island's broadcast."""
         compute = time.perf_counter() - self.last_step_end  # forward/backward + optimizer step
         c = self.clock
         tokens = tokens * self.world
@@ -444,6 +494,8 @@ class Learner:
         if self.closed:
             return
         self.closed = True
+        if self.hook is not None:
+            self.hook.remove()
         if self._stop_metrics is not None:
             self._stop_metrics()
         if self.engine is not None:
