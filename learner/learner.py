@@ -83,6 +83,29 @@ class LearnerStats:
     version_conflicts: int = 0  # of those, served again with another checksum (a server bug)
 
 
+STATE_FORMAT = 1  # of `Learner.state_dict()`
+
+
+def check_state(state: dict[str, Any], numels: list[int], leader: bool) -> None:
+    """ValueError naming what does not fit when `state` is not a learner state for this model's
+    fragments."""
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise ValueError(
+            f"not a learner state of format {STATE_FORMAT} (from Learner.state_dict()): "
+            f"format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}"
+        )
+    if state.get("numels") != numels:
+        raise ValueError(
+            f"the learner state is for fragments of {state.get('numels')} elements, this model "
+            f"has {numels}: same model, fragments and fragment_strategy needed to resume"
+        )
+    if leader and "learner_id" not in state:
+        raise ValueError(
+            "this learner state was saved by an island rank other than 0, which holds no sync "
+            "state: resume rank 0 from rank 0's state"
+        )
+
+
 class Learner:
     """Trains `model` with `inner_optimizer` as one learner of a Decoupled DiLoCo run.
 
@@ -92,6 +115,8 @@ class Learner:
     step (do not also call `step()`, which steps the optimizer itself), with `tokens` (a count
     per optimizer step, or a callable returning the last step's) and `record(loss=...)` for the
     loss shown in stats. The hook is removed when the learner finishes or closes.
+    `state` (from `state_dict()`, saved with the model and optimizer, whose saved states the
+    caller loads first) resumes a restarted learner as itself; see `state_dict`.
     `transport` replaces the client the settings would build (tests pass an in-memory fake); the
     learner closes it when it stops. The constructor joins the Synchronizer and loads the global model (initialising it from this
     model's parameters if there is none yet); it raises if that is impossible within
@@ -106,6 +131,7 @@ class Learner:
         config: LearnerConfig | None = None,
         transport: Transport | None = None,
         tokens: int | Callable[[], int] | None = None,
+        state: dict[str, Any] | None = None,
         **settings: Any,
     ) -> None:
         cfg = config or LearnerConfig()
@@ -144,8 +170,12 @@ class Learner:
         self.closed = False
         self.metrics_port: int | None = None  # bound port of the /metrics endpoint, if serving
         self._stop_metrics: Callable[[], None] | None = None
+        if state is not None:
+            numels = [self.plan.numel(p) for p in range(self.num_fragments)]
+            check_state(state, numels, self.leader)
+            self._restore_clock(state)
         if self.leader:
-            self._connect(transport)
+            self._connect(transport, state)
             if cfg.metrics_port >= 0:
                 self._serve_metrics()
         elif transport is not None:
@@ -171,7 +201,7 @@ class Learner:
             return self.param_device if self.param_device.type == "cuda" else torch.device("cuda")
         return torch.device("cpu")
 
-    def _connect(self, transport: Transport | None) -> None:
+    def _connect(self, transport: Transport | None, state: dict[str, Any] | None) -> None:
         cfg = self.cfg
         self.client = transport if transport is not None else client_for(cfg)
         name = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
@@ -185,8 +215,9 @@ class Learner:
             pin=self.device.type == "cuda",
         )
         try:
-            self.client.learner_id = cfg.learner_id  # empty: the Synchronizer assigns one
-            self.client.session = cfg.learner_session
+            # empty: the Synchronizer assigns one; a resumed learner comes back as itself
+            self.client.learner_id = state["learner_id"] if state else cfg.learner_id
+            self.client.session = state["session"] if state else cfg.learner_session
             versions, fetched = self.engine.connect(
                 cfg.join_timeout_s,
                 lambda: [self.plan.gather(p, "cpu") for p in range(self.num_fragments)],
@@ -194,15 +225,18 @@ class Learner:
         except BaseException:
             self.client.close()
             raise
-        self.versions = versions
-        for p in range(self.num_fragments):
-            if fetched is not None:
-                self.plan.scatter(p, fetched[p])
-            self.base.append(
-                fetched[p].to(self.device)
-                if fetched is not None
-                else self.plan.gather(p, self.device)
-            )
+        if state is not None and self._resumable(state, versions, fetched is None):
+            self._restore_sync(state)
+        else:
+            self.versions = versions
+            for p in range(self.num_fragments):
+                if fetched is not None:
+                    self.plan.scatter(p, fetched[p])
+                self.base.append(
+                    fetched[p].to(self.device)
+                    if fetched is not None
+                    else self.plan.gather(p, self.device)
+                )
         self.engine.start()
         logger.info(
             "learner=%s joined %s: %d fragments of %s parameters, versions %s",
@@ -210,6 +244,102 @@ class Learner:
             cfg.synchronizer,
             self.num_fragments,
             f"{self.plan.spec.numel:,}",
+            self.versions,
+        )
+
+    # Resume ----------------------------------------------------------------------------------
+
+    def state_dict(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """What a restarted learner needs to continue as itself, to save beside the model's and
+        the inner optimizer's state and give back as `Learner(..., state=...)`: its learner id
+        and session, the fragment versions it holds and their global parameters (what its next
+        outer gradients are measured from), its error-feedback residuals, the step, tokens and
+        sync schedule, the work not yet pushed, and the next push sequence number.
+
+        Flushes first (bounded by `timeout_s`, default `finish_timeout_s`; collective under
+        torchrun): a state saved with a push in flight would push that push's progress again
+        after a restart. RuntimeError when the flush does not complete: save again later."""
+        if self.closed:
+            raise RuntimeError("state_dict() after finish() or close()")
+        if not self.flush(timeout_s):
+            raise RuntimeError(
+                "syncs are still in flight (the Synchronizer is slow or unreachable): no "
+                "consistent state to save now; save again later"
+            )
+        c = self.clock
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "numels": [self.plan.numel(p) for p in range(self.num_fragments)],
+            "step": c.step,
+            "tokens": c.tokens,
+            "compute_s": c.compute_s,
+            "sync_every": self.sync_every,
+            "since_push": [list(acc) for acc in self.since_push],
+            "deferred": sorted(self.deferred),
+        }
+        if self.leader and self.engine is not None and self.client is not None:
+            state |= {
+                "learner_id": self.client.learner_id,
+                "session": self.client.session,
+                "epoch": self.engine.session.epoch,
+                "next_seq": self.engine.session.next_seq,
+                "versions": list(self.versions),
+                "base": [b.detach().to("cpu", copy=True) for b in self.base],
+                "residuals": [
+                    None if r is None else r.detach().to("cpu", copy=True)
+                    for r in self.ef.residuals
+                ],
+            }
+        return state
+
+    def _restore_clock(self, state: dict[str, Any]) -> None:
+        c = self.clock
+        c.step, c.tokens, c.compute_s = state["step"], state["tokens"], state["compute_s"]
+        self.sync_every = state["sync_every"]
+        self.offsets = schedule_offsets(self.sync_every, self.num_fragments)
+        self.since_push = [list(acc) for acc in state["since_push"]]
+        self.deferred = set(state["deferred"])
+
+    def _resumable(self, state: dict[str, Any], versions: list[int], uploaded: bool) -> bool:
+        """Whether the Synchronizer still holds the run the state was saved in: the same epoch
+        (its write-ahead log keeps it across restarts), no fragment behind the saved version,
+        and the model not just uploaded by this learner (a Synchronizer that lost its state)."""
+        assert self.engine is not None
+        behind = [
+            p for p, (v, s) in enumerate(zip(versions, state["versions"], strict=True)) if v < s
+        ]
+        if not uploaded and state["epoch"] == self.engine.session.epoch and not behind:
+            return True
+        logger.warning(
+            "learner=%s resumed at step %d, but the Synchronizer no longer holds the run its "
+            "state was saved in (epoch %s, now %s; fragments behind the saved versions: %s): "
+            "starting from its global model",
+            self.learner_id,
+            self.clock.step,
+            state["epoch"],
+            self.engine.session.epoch,
+            behind,
+        )
+        self.since_push = [[0, 0, 0.0] for _ in range(self.num_fragments)]
+        self.deferred.clear()
+        return False
+
+    def _restore_sync(self, state: dict[str, Any]) -> None:
+        """Keeps the local parameters (the caller loaded them) and measures the next outer
+        gradients from the saved global parameters and versions."""
+        assert self.engine is not None
+        self.versions = list(state["versions"])
+        self.base = [b.to(self.device) for b in state["base"]]
+        if self.ef.enabled:
+            for p, r in enumerate(state["residuals"]):
+                if r is not None:
+                    self.ef.residuals[p] = r.to(self.device)
+        with self.engine.session.lock:
+            self.engine.session.next_seq = max(self.engine.session.next_seq, state["next_seq"])
+        logger.info(
+            "learner=%s resumed at step %d with versions %s",
+            self.learner_id,
+            self.clock.step,
             self.versions,
         )
 
