@@ -58,23 +58,23 @@ def test_a_learner_restarted_from_its_state_continues_as_itself(make_server: Any
     first = start(srv, model, opt)
     train(first, model, opt, 2 * H + 1)
     state = first.state_dict()  # flushes: nothing in flight is saved
-    saved = {"model": params(model), "opt": opt.state_dict(), "learner": state}
+    saved_params, saved_opt = params(model), opt.state_dict()
     accepted_before = first.stats.pushes.get("accepted", 0)
     assert accepted_before > 0 and state["next_seq"] > 1
     first.close()  # no Leave: as a process that was killed
 
     model2 = mlp(1)  # a fresh process: other initial weights until the checkpoint is loaded
     with torch.no_grad():
-        for p, v in zip(model2.parameters(), saved["model"], strict=True):
+        for p, v in zip(model2.parameters(), saved_params, strict=True):
             p.copy_(v)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    opt2.load_state_dict(saved["opt"])
-    second = start(srv, model2, opt2, state=saved["learner"])
+    opt2.load_state_dict(saved_opt)
+    second = start(srv, model2, opt2, state=state)
     assert second.learner_id == state["learner_id"]
     assert second.stats.step == 2 * H + 1 and second.stats.fragment_versions == tuple(
         state["versions"]
     )
-    assert all(torch.equal(a, b) for a, b in zip(params(model2), saved["model"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params(model2), saved_params, strict=True))
     train(second, model2, opt2, 2 * H)
     assert second.flush()
     pushes = second.stats.pushes
