@@ -10,6 +10,7 @@ and without touching prometheus_client's process-wide switch, so a registry a us
 
 from __future__ import annotations
 
+import hmac
 import json
 import socket
 import threading
@@ -51,24 +52,37 @@ class _Quiet(WSGIRequestHandler):
 
 
 def serve(
-    port: int, host: str, registry: CollectorRegistry, pages: dict[str, Page] | None = None
+    port: int,
+    host: str,
+    registry: CollectorRegistry,
+    pages: dict[str, Page] | None = None,
+    pages_token: str | None = None,
 ) -> tuple[ThreadingWSGIServer, threading.Thread]:
     """Serves `registry` on host:port (0 picks a free port) from a daemon thread: each path in
-    `pages` as the JSON of its function's result, every other path as `/metrics`. Returns the
-    server (`server_port`, `shutdown()`, `server_close()`) and its thread. Raises OSError if
-    the port cannot be bound."""
+    `pages` as the JSON of its function's result, every other path as `/metrics`. With
+    `pages_token`, a page needs `Authorization: Bearer TOKEN` (401 without it); `/metrics`
+    stays open to scrapers. Returns the server (`server_port`, `shutdown()`, `server_close()`)
+    and its thread. Raises OSError if the port cannot be bound."""
     metrics_app = make_wsgi_app(exposed(registry))
     pages = dict(pages or {})
+    expected = f"Bearer {pages_token}".encode() if pages_token else None
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         page = pages.get(environ.get("PATH_INFO", "/"))
         if page is None:
             return metrics_app(environ, start_response)  # type: ignore[no-any-return]
-        body = json.dumps(page(), indent=2).encode() + b"\n"
-        start_response(
-            "200 OK",
-            [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
-        )
+        presented = environ.get("HTTP_AUTHORIZATION", "").encode()
+        status, extra = "200 OK", []
+        if expected is None or hmac.compare_digest(presented, expected):
+            content = page()
+        else:
+            status, extra = "401 Unauthorized", [("WWW-Authenticate", "Bearer")]
+            content = {
+                "error": "missing or wrong bearer token (header 'Authorization: Bearer TOKEN')"
+            }
+        body = json.dumps(content, indent=2).encode() + b"\n"
+        length = ("Content-Length", str(len(body)))
+        start_response(status, [("Content-Type", "application/json"), length, *extra])
         return [body]
 
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]

@@ -177,12 +177,14 @@ def start(
         )
     metrics_port, httpd = None, None
     if cfg.metrics_port >= 0:
-        # /status: what `diloco-synchronizer status --json` prints, for a browser or curl.
+        # /status: what `diloco-synchronizer status --json` prints, behind the token the Status
+        # RPC asks for (the admin token, else the learner token, else none).
         httpd, _ = exposition.serve(
             cfg.metrics_port,
             cfg.metrics_host,
             metrics.registry,
             {"/status": lambda: status_json(core.status())},
+            cfg.admin_token or cfg.auth_token,
         )
         metrics_port = httpd.server_port
     server.start()

@@ -187,6 +187,27 @@ def test_status_page_on_the_metrics_port_is_what_status_json_prints(tmp_path: Pa
     assert page["learners"][0]["steps"] == 30 and page["totals"]["tokens"] == 3000
 
 
+@pytest.mark.parametrize(
+    "tokens, needed",
+    [({"admin_token": "adm", "auth_token": "lrn"}, "adm"), ({"auth_token": "lrn"}, "lrn")],
+    ids=["admin-token", "learner-token"],
+)
+def test_status_page_asks_for_the_token_the_status_rpc_asks_for(
+    tmp_path: Path, tokens: dict[str, str], needed: str
+) -> None:
+    with serving(config(tmp_path, **tokens), Metrics()) as srv:
+        url = f"http://127.0.0.1:{srv.metrics_port}/status"
+        for presented in (None, "wrong", *({"lrn"} - {needed})):
+            headers = {"Authorization": f"Bearer {presented}"} if presented else {}
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10)
+            assert e.value.code == 401 and "bearer token" in json.loads(e.value.read())["error"]
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {needed}"})
+        with urllib.request.urlopen(request, timeout=10) as r:
+            assert json.loads(r.read())["server_epoch"] == srv.synchronizer.epoch
+        assert "diloco_build_info" in scrape(srv)  # scrapers need no token
+
+
 def test_status_page_answers_while_metrics_scrapes_go_on(tmp_path: Path) -> None:
     """/status beside /metrics on one port: each path its own content, any other path the
     metrics (as prometheus_client serves them), nothing at all with the metrics port off."""
