@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from learner.addresses import client_for
 from learner.config import LearnerConfig
@@ -81,6 +82,7 @@ class LearnerStats:
     sync_state: str  # "idle", "syncing 2/4", "reconnecting"
     versions_checked: int = 0  # (epoch, fragment, version)s pulled, with their checksums
     version_conflicts: int = 0  # of those, served again with another checksum (a server bug)
+    step_time_s: float | None = None  # moving average of an inner step's compute seconds
 
 
 STATE_FORMAT = 1  # of `Learner.state_dict()`
@@ -121,6 +123,9 @@ class Learner:
     learner closes it when it stops. The constructor joins the Synchronizer and loads the global model (initialising it from this
     model's parameters if there is none yet); it raises if that is impossible within
     `join_timeout_s`. After that, network trouble is logged and counted, never raised.
+    `metrics_registry`: a Prometheus registry to add the `diloco_learner_*` metrics to (served on
+    `metrics_port` when that is set, else by the caller's own exporter); by default they get a
+    registry of their own, served only with `metrics_port`.
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class Learner:
         transport: Transport | None = None,
         tokens: int | Callable[[], int] | None = None,
         state: dict[str, Any] | None = None,
+        metrics_registry: CollectorRegistry | None = None,
         **settings: Any,
     ) -> None:
         cfg = config or LearnerConfig()
@@ -176,8 +182,8 @@ class Learner:
             self._restore_clock(state)
         if self.leader:
             self._connect(transport, state)
-            if cfg.metrics_port >= 0:
-                self._serve_metrics()
+            if cfg.metrics_port >= 0 or metrics_registry is not None:
+                self._serve_metrics(metrics_registry)
         elif transport is not None:
             transport.close()  # only rank 0 talks to the Synchronizer
         self.island.broadcast(set(range(self.num_fragments)), announce=False)
@@ -343,13 +349,19 @@ class Learner:
             self.versions,
         )
 
-    def _serve_metrics(self) -> None:
-        from learner.metrics import start_learner_metrics
+    def _serve_metrics(self, registry: CollectorRegistry | None) -> None:
+        """The learner's metrics on its own port (metrics_port >= 0), in `registry` when given
+        (the caller's, served by their exporter when metrics_port is -1)."""
+        from learner.metrics import register_learner_metrics, start_learner_metrics
 
         try:
-            self.metrics_port, self._stop_metrics = start_learner_metrics(
-                lambda: self.stats, self.cfg.metrics_port, self.cfg.metrics_host
-            )
+            if self.cfg.metrics_port >= 0:
+                self.metrics_port, self._stop_metrics = start_learner_metrics(
+                    lambda: self.stats, self.cfg.metrics_port, self.cfg.metrics_host, registry
+                )
+            else:
+                assert registry is not None
+                self._stop_metrics = register_learner_metrics(lambda: self.stats, registry)
         except BaseException:
             self.close()
             raise
@@ -676,4 +688,5 @@ class Learner:
             sync_state=("closed" if self.closed else e.sync_state()) if e else "island member",
             versions_checked=self.client.versions_checked if self.client else 0,
             version_conflicts=self.client.version_conflicts if self.client else 0,
+            step_time_s=c.step_time_s if c.step else None,
         )
