@@ -143,7 +143,7 @@ def run(params: int, mode: str) -> dict[str, Any]:
             samples = scrape(metrics_url)
             rounds = metric(samples, "diloco_round_apply_seconds_count")
             outer_step_s = metric(samples, "diloco_round_apply_seconds_sum") / max(rounds, 1)
-            exported = metric(samples, "diloco_memory_bytes", component="total")
+            exported = sum(samples.get("diloco_memory_projected_bytes", {}).values())
             rss.stop()
             phases = dict(rss.peaks)
         finally:

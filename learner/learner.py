@@ -1,7 +1,11 @@
 """`Learner`: wraps a model and its inner optimizer, and keeps it in sync with the Synchronizer.
 
-The training loop calls `step()` after each backward pass. `step()` runs the inner optimizer,
-then merges the fresh global fragments that have arrived (after the optimizer step, so the next
+Two ways into a training loop. The loop keeps its own `opt.step()` and `zero_grad()`: the
+learner hooks the inner optimizer (a post-step hook), so each real optimizer step (one a
+`GradScaler` skipped for inf/NaN gradients is not one) is an inner step, with its tokens from
+the `tokens=` argument (a number per optimizer step, or a callable asked after each step).
+Or the loop calls `learner.step()` after each backward pass instead of `opt.step()`. Either way,
+after the optimizer step the learner merges the fresh global fragments that have arrived (after the optimizer step, so the next
 forward pass sees them and no gradient is applied to parameters it was not computed at), and on
 a fragment's due step (staggered: fragment p at offset p*H//P) encodes its outer gradient on the
 model's device and hands it to the background. Nothing in `step()` waits on the network unless
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from learner.addresses import client_for
 from learner.config import LearnerConfig
@@ -77,6 +82,30 @@ class LearnerStats:
     sync_state: str  # "idle", "syncing 2/4", "reconnecting"
     versions_checked: int = 0  # (epoch, fragment, version)s pulled, with their checksums
     version_conflicts: int = 0  # of those, served again with another checksum (a server bug)
+    step_time_s: float | None = None  # moving average of an inner step's compute seconds
+
+
+STATE_FORMAT = 1  # of `Learner.state_dict()`
+
+
+def check_state(state: dict[str, Any], numels: list[int], leader: bool) -> None:
+    """ValueError naming what does not fit when `state` is not a learner state for this model's
+    fragments."""
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise ValueError(
+            f"not a learner state of format {STATE_FORMAT} (from Learner.state_dict()): "
+            f"format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}"
+        )
+    if state.get("numels") != numels:
+        raise ValueError(
+            f"the learner state is for fragments of {state.get('numels')} elements, this model "
+            f"has {numels}: same model, fragments and fragment_strategy needed to resume"
+        )
+    if leader and "learner_id" not in state:
+        raise ValueError(
+            "this learner state was saved by an island rank other than 0, which holds no sync "
+            "state: resume rank 0 from rank 0's state"
+        )
 
 
 class Learner:
@@ -84,10 +113,19 @@ class Learner:
 
     Settings are `LearnerConfig` fields, as keyword arguments or `config=` (keywords win).
     `inner_optimizer` may be None when the caller steps its optimizer itself before `step()`.
+    Given one, the learner hooks it: the loop's own `inner_optimizer.step()` is then an inner
+    step (do not also call `step()`, which steps the optimizer itself), with `tokens` (a count
+    per optimizer step, or a callable returning the last step's) and `record(loss=...)` for the
+    loss shown in stats. The hook is removed when the learner finishes or closes.
+    `state` (from `state_dict()`, saved with the model and optimizer, whose saved states the
+    caller loads first) resumes a restarted learner as itself; see `state_dict`.
     `transport` replaces the client the settings would build (tests pass an in-memory fake); the
     learner closes it when it stops. The constructor joins the Synchronizer and loads the global model (initialising it from this
     model's parameters if there is none yet); it raises if that is impossible within
     `join_timeout_s`. After that, network trouble is logged and counted, never raised.
+    `metrics_registry`: a Prometheus registry to add the `diloco_learner_*` metrics to (served on
+    `metrics_port` when that is set, else by the caller's own exporter); by default they get a
+    registry of their own, served only with `metrics_port`.
     """
 
     def __init__(
@@ -97,6 +135,9 @@ class Learner:
         *,
         config: LearnerConfig | None = None,
         transport: Transport | None = None,
+        tokens: int | Callable[[], int] | None = None,
+        state: dict[str, Any] | None = None,
+        metrics_registry: CollectorRegistry | None = None,
         **settings: Any,
     ) -> None:
         cfg = config or LearnerConfig()
@@ -135,13 +176,26 @@ class Learner:
         self.closed = False
         self.metrics_port: int | None = None  # bound port of the /metrics endpoint, if serving
         self._stop_metrics: Callable[[], None] | None = None
+        if state is not None:
+            numels = [self.plan.numel(p) for p in range(self.num_fragments)]
+            check_state(state, numels, self.leader)
+            self._restore_clock(state)
         if self.leader:
-            self._connect(transport)
-            if cfg.metrics_port >= 0:
-                self._serve_metrics()
+            self._connect(transport, state)
+            if cfg.metrics_port >= 0 or metrics_registry is not None:
+                self._serve_metrics(metrics_registry)
         elif transport is not None:
             transport.close()  # only rank 0 talks to the Synchronizer
         self.island.broadcast(set(range(self.num_fragments)), announce=False)
+        self.tokens_per_step = tokens
+        self.pending_loss: float | None = None
+        self.stepping = False  # inside step(): the optimizer hook leaves the step to it
+        self.hooked_steps = 0  # inner steps the optimizer hook took (then step() is refused)
+        self.hook = (
+            inner_optimizer.register_step_post_hook(self._optimizer_stepped)
+            if inner_optimizer is not None
+            else None
+        )
         self.last_step_end = time.perf_counter()
 
     def _state_device(self, choice: str) -> torch.device:
@@ -153,7 +207,7 @@ class Learner:
             return self.param_device if self.param_device.type == "cuda" else torch.device("cuda")
         return torch.device("cpu")
 
-    def _connect(self, transport: Transport | None) -> None:
+    def _connect(self, transport: Transport | None, state: dict[str, Any] | None) -> None:
         cfg = self.cfg
         self.client = transport if transport is not None else client_for(cfg)
         name = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
@@ -167,8 +221,9 @@ class Learner:
             pin=self.device.type == "cuda",
         )
         try:
-            self.client.learner_id = cfg.learner_id  # empty: the Synchronizer assigns one
-            self.client.session = cfg.learner_session
+            # empty: the Synchronizer assigns one; a resumed learner comes back as itself
+            self.client.learner_id = state["learner_id"] if state else cfg.learner_id
+            self.client.session = state["session"] if state else cfg.learner_session
             versions, fetched = self.engine.connect(
                 cfg.join_timeout_s,
                 lambda: [self.plan.gather(p, "cpu") for p in range(self.num_fragments)],
@@ -176,15 +231,18 @@ class Learner:
         except BaseException:
             self.client.close()
             raise
-        self.versions = versions
-        for p in range(self.num_fragments):
-            if fetched is not None:
-                self.plan.scatter(p, fetched[p])
-            self.base.append(
-                fetched[p].to(self.device)
-                if fetched is not None
-                else self.plan.gather(p, self.device)
-            )
+        if state is not None and self._resumable(state, versions, fetched is None):
+            self._restore_sync(state)
+        else:
+            self.versions = versions
+            for p in range(self.num_fragments):
+                if fetched is not None:
+                    self.plan.scatter(p, fetched[p])
+                self.base.append(
+                    fetched[p].to(self.device)
+                    if fetched is not None
+                    else self.plan.gather(p, self.device)
+                )
         self.engine.start()
         logger.info(
             "learner=%s joined %s: %d fragments of %s parameters, versions %s",
@@ -195,13 +253,115 @@ class Learner:
             self.versions,
         )
 
-    def _serve_metrics(self) -> None:
-        from learner.metrics import start_learner_metrics
+    # Resume ----------------------------------------------------------------------------------
+
+    def state_dict(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """What a restarted learner needs to continue as itself, to save beside the model's and
+        the inner optimizer's state and give back as `Learner(..., state=...)`: its learner id
+        and session, the fragment versions it holds and their global parameters (what its next
+        outer gradients are measured from), its error-feedback residuals, the step, tokens and
+        sync schedule, the work not yet pushed, and the next push sequence number.
+
+        Flushes first (bounded by `timeout_s`, default `finish_timeout_s`; collective under
+        torchrun): a state saved with a push in flight would push that push's progress again
+        after a restart. RuntimeError when the flush does not complete: save again later."""
+        if self.closed:
+            raise RuntimeError("state_dict() after finish() or close()")
+        if not self.flush(timeout_s):
+            raise RuntimeError(
+                "syncs are still in flight (the Synchronizer is slow or unreachable): no "
+                "consistent state to save now; save again later"
+            )
+        c = self.clock
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "numels": [self.plan.numel(p) for p in range(self.num_fragments)],
+            "step": c.step,
+            "tokens": c.tokens,
+            "compute_s": c.compute_s,
+            "sync_every": self.sync_every,
+            "since_push": [list(acc) for acc in self.since_push],
+            "deferred": sorted(self.deferred),
+        }
+        if self.leader and self.engine is not None and self.client is not None:
+            state |= {
+                "learner_id": self.client.learner_id,
+                "session": self.client.session,
+                "epoch": self.engine.session.epoch,
+                "next_seq": self.engine.session.next_seq,
+                "versions": list(self.versions),
+                "base": [b.detach().to("cpu", copy=True) for b in self.base],
+                "residuals": [
+                    None if r is None else r.detach().to("cpu", copy=True)
+                    for r in self.ef.residuals
+                ],
+            }
+        return state
+
+    def _restore_clock(self, state: dict[str, Any]) -> None:
+        c = self.clock
+        c.step, c.tokens, c.compute_s = state["step"], state["tokens"], state["compute_s"]
+        self.sync_every = state["sync_every"]
+        self.offsets = schedule_offsets(self.sync_every, self.num_fragments)
+        self.since_push = [list(acc) for acc in state["since_push"]]
+        self.deferred = set(state["deferred"])
+
+    def _resumable(self, state: dict[str, Any], versions: list[int], uploaded: bool) -> bool:
+        """Whether the Synchronizer still holds the run the state was saved in: the same epoch
+        (its write-ahead log keeps it across restarts), no fragment behind the saved version,
+        and the model not just uploaded by this learner (a Synchronizer that lost its state)."""
+        assert self.engine is not None
+        behind = [
+            p for p, (v, s) in enumerate(zip(versions, state["versions"], strict=True)) if v < s
+        ]
+        if not uploaded and state["epoch"] == self.engine.session.epoch and not behind:
+            return True
+        logger.warning(
+            "learner=%s resumed at step %d, but the Synchronizer no longer holds the run its "
+            "state was saved in (epoch %s, now %s; fragments behind the saved versions: %s): "
+            "starting from its global model",
+            self.learner_id,
+            self.clock.step,
+            state["epoch"],
+            self.engine.session.epoch,
+            behind,
+        )
+        self.since_push = [[0, 0, 0.0] for _ in range(self.num_fragments)]
+        self.deferred.clear()
+        return False
+
+    def _restore_sync(self, state: dict[str, Any]) -> None:
+        """Keeps the local parameters (the caller loaded them) and measures the next outer
+        gradients from the saved global parameters and versions."""
+        assert self.engine is not None
+        self.versions = list(state["versions"])
+        self.base = [b.to(self.device) for b in state["base"]]
+        if self.ef.enabled:
+            for p, r in enumerate(state["residuals"]):
+                if r is not None:
+                    self.ef.residuals[p] = r.to(self.device)
+        with self.engine.session.lock:
+            self.engine.session.next_seq = max(self.engine.session.next_seq, state["next_seq"])
+        logger.info(
+            "learner=%s resumed at step %d with versions %s",
+            self.learner_id,
+            self.clock.step,
+            self.versions,
+        )
+
+    def _serve_metrics(self, registry: CollectorRegistry | None) -> None:
+        """The learner's metrics on its own port (metrics_port >= 0), in `registry` when given
+        (the caller's, served by their exporter when metrics_port is -1)."""
+        from learner.metrics import register_learner_metrics, start_learner_metrics
 
         try:
-            self.metrics_port, self._stop_metrics = start_learner_metrics(
-                lambda: self.stats, self.cfg.metrics_port, self.cfg.metrics_host
-            )
+            if self.cfg.metrics_port >= 0:
+                self.metrics_port, self._stop_metrics = start_learner_metrics(
+                    lambda: self.stats, self.cfg.metrics_port, self.cfg.metrics_host, registry
+                )
+            else:
+                assert registry is not None
+                self._stop_metrics = register_learner_metrics(lambda: self.stats, registry)
         except BaseException:
             self.close()
             raise
@@ -212,13 +372,45 @@ class Learner:
         """One inner step: optimizer.step(), then merge arrivals and push the fragments due.
 
         `tokens`: tokens this step trained on; the Synchronizer weighs contributions by them
-        (when none are given, each step counts as one token). `loss` is only reported in stats.
+        (0: the constructor's `tokens`; when there are none either, each step counts as one
+        token). `loss` is only reported in stats.
         """
         if self.closed:
             raise RuntimeError("step() after finish() or close()")
+        if self.hooked_steps:
+            raise RuntimeError(
+                "the inner optimizer was stepped directly, which already makes an inner step (the "
+                "learner hooks it): call either optimizer.step() or learner.step(), not both"
+            )
         t_enter = time.perf_counter()
         if self.optimizer is not None:
-            self.optimizer.step()
+            self.stepping = True
+            try:
+                self.optimizer.step()
+            finally:
+                self.stepping = False
+        self._inner_step(t_enter, tokens or self._step_tokens(), loss)
+
+    def record(self, *, loss: float | None = None) -> None:
+        """The loss of the step being trained, shown in stats (for loops that step the optimizer
+        themselves; `step()` takes it as an argument)."""
+        self.pending_loss = loss
+
+    def _step_tokens(self) -> int:
+        t = self.tokens_per_step
+        return int(t() if callable(t) else t or 0)
+
+    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The inner optimizer's post-step hook: the loop stepped it itself."""
+        if self.stepping or self.closed:
+            return
+        self.hooked_steps += 1
+        loss, self.pending_loss = self.pending_loss, None
+        self._inner_step(time.perf_counter(), self._step_tokens(), loss)
+
+    def _inner_step(self, t_enter: float, tokens: int, loss: float | None) -> None:
+        """What follows an optimizer step: the clock, then merges and pushes (rank 0), then the
+        island's broadcast."""
         compute = time.perf_counter() - self.last_step_end  # forward/backward + optimizer step
         c = self.clock
         tokens = tokens * self.world
@@ -444,6 +636,8 @@ class Learner:
         if self.closed:
             return
         self.closed = True
+        if self.hook is not None:
+            self.hook.remove()
         if self._stop_metrics is not None:
             self._stop_metrics()
         if self.engine is not None:
@@ -494,4 +688,5 @@ class Learner:
             sync_state=("closed" if self.closed else e.sync_state()) if e else "island member",
             versions_checked=self.client.versions_checked if self.client else 0,
             version_conflicts=self.client.version_conflicts if self.client else 0,
+            step_time_s=c.step_time_s if c.step else None,
         )

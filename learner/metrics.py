@@ -6,23 +6,33 @@ snapshot (a `LearnerStats`, or any object with the same fields) into samples. Na
 `diloco_learner_`, in base units; the learner's identity comes from the scrape target (the
 `instance` label), never from a label here.
 
+Scrapes change nothing: every value is the snapshot's, so any number of Prometheus servers may
+scrape one learner. Step time over a window is `rate(diloco_learner_compute_seconds_total)` /
+`rate(diloco_learner_steps_total)`; `diloco_learner_step_seconds` is the learner's own moving
+average (the one its heartbeats report).
+
+`register_learner_metrics(stats_fn, registry)` adds the same families to a registry of the
+caller's (the process's global `prometheus_client.REGISTRY`, served by their own exporter);
+`start_learner_metrics(..., registry=...)` serves that registry.
+
 `diloco_learner_sync_blocked_seconds_total` is this learner's own time blocked on sync. The
 Synchronizer exports the fleet-wide sum of the same quantity (reported in heartbeats) as
 `diloco_learner_blocked_seconds_total`; the names differ so that summing one never double-counts
-the other.
+the other (and so the learner's build information is `diloco_learner_build_info`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from protos import exposition
+from protos.version import version
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +42,6 @@ class LearnerCollector(Collector):
 
     def __init__(self, stats_fn: Callable[[], Any]) -> None:
         self.stats_fn = stats_fn
-        self._lock = threading.Lock()
-        self._last: tuple[int, float] | None = None  # (step, compute_s) at the previous scrape
-        self._step_s = math.nan
-
-    def _step_seconds(self, step: int, compute_s: float) -> float:
-        """Mean compute seconds per inner step since the previous scrape (lifetime mean at first)."""
-        with self._lock:
-            prev_step, prev_compute = self._last if self._last is not None else (0, 0.0)
-            if step > prev_step:
-                self._step_s = (compute_s - prev_compute) / (step - prev_step)
-            elif step < prev_step:  # a restarted learner feeding the same endpoint
-                self._step_s = math.nan
-            self._last = (step, compute_s)
-            return self._step_s
 
     def describe(self) -> Iterator[Metric]:
         return self._families(None)
@@ -59,6 +55,15 @@ class LearnerCollector(Collector):
         def value(field: str) -> float | None:
             return None if s is None else float(getattr(s, field))
 
+        info = GaugeMetricFamily(
+            "diloco_learner_build_info",
+            "1, labelled with the running decoupled-diloco version.",
+            labels=["version"],
+        )
+        if s is not None:
+            info.add_metric([version()], 1)
+        yield info
+
         yield CounterMetricFamily(
             "diloco_learner_steps", "Inner optimizer steps taken.", value=value("step")
         )
@@ -70,11 +75,15 @@ class LearnerCollector(Collector):
             "Seconds spent in inner steps.",
             value=value("compute_s"),
         )
-        yield GaugeMetricFamily(
+        step_s = GaugeMetricFamily(
             "diloco_learner_step_seconds",
-            "Mean compute seconds per inner step since the previous scrape.",
-            value=None if s is None else self._step_seconds(s.step, s.compute_s),
+            "Moving average of compute seconds per inner step over about the last 10 steps, as "
+            "heartbeats report it (absent before the first step); rate(compute_seconds_total) / "
+            "rate(steps_total) is the mean over any window.",
         )
+        if s is not None and getattr(s, "step_time_s", None) is not None:
+            step_s.add_metric([], float(s.step_time_s))
+        yield step_s
         yield GaugeMetricFamily(
             "diloco_learner_tokens_per_second",
             "Recent training throughput.",
@@ -114,6 +123,17 @@ class LearnerCollector(Collector):
         )
 
 
+def register_learner_metrics(
+    stats_fn: Callable[[], Any], registry: CollectorRegistry
+) -> Callable[[], None]:
+    """Adds the `diloco_learner_*` families, read from `stats_fn()` at each scrape, to
+    `registry`; returns the function that takes them out again. Raises ValueError if the
+    registry holds them already (one learner per registry)."""
+    collector = LearnerCollector(stats_fn)
+    registry.register(collector)
+    return lambda: registry.unregister(collector)
+
+
 def start_learner_metrics(
     stats_fn: Callable[[], Any],
     port: int,
@@ -123,11 +143,17 @@ def start_learner_metrics(
     """Serves `/metrics` on host:port (0 picks a free port); returns the bound port and a stop function.
 
     `stats_fn` is called once per scrape, on the HTTP server's thread; it must be cheap and
-    thread-safe (`lambda: learner.stats` is both). Raises OSError if the port cannot be bound.
+    thread-safe (`lambda: learner.stats` is both). `registry`: where the families are added and
+    what is served (default: a registry of their own); stop takes them out again. Raises
+    OSError if the port cannot be bound.
     """
     registry = registry if registry is not None else CollectorRegistry()
-    registry.register(LearnerCollector(stats_fn))
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    unregister = register_learner_metrics(stats_fn, registry)
+    try:
+        httpd, thread = exposition.serve(port, host, registry)
+    except BaseException:
+        unregister()
+        raise
     bound = int(httpd.server_port)
     logger.info("learner metrics on http://%s:%d/metrics", host, bound)
 
@@ -135,5 +161,6 @@ def start_learner_metrics(
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=5)
+        unregister()
 
     return bound, stop

@@ -221,7 +221,7 @@ class SynchronizerConfig(BaseModel):
     memory_limit_bytes: int = Field(
         0,
         ge=0,
-        description="Resident memory the Synchronizer may plan for; a model whose projected memory (logged, and exported as diloco_memory_bytes) is above it is refused at Join, and a start on a state directory holding one exits with one line. 0 = no limit",
+        description="Resident memory the Synchronizer may plan for; a model whose projected memory (logged, and exported as diloco_memory_projected_bytes) is above it is refused at Join, and a start on a state directory holding one exits with one line. 0 = no limit",
     )
     payload_budget_bytes: int = Field(
         0,

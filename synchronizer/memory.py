@@ -23,8 +23,9 @@ the code allocates, per fragment, at its bounds:
   outgrow that room;
 - `baseline`: the process itself (Python, torch, gRPC), measured idle;
 
-and `total`, their sum. The Synchronizer logs it, exports it as `diloco_memory_bytes{component}`
-and refuses a model (or a start) that cannot fit `memory_limit_bytes`.
+and `total`, their sum. The Synchronizer logs it, exports the components (not `total`) as
+`diloco_memory_projected_bytes{component}` and refuses a model (or a start) that cannot fit
+`memory_limit_bytes`.
 """
 
 from __future__ import annotations

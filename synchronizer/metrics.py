@@ -1,15 +1,24 @@
 """The Synchronizer's Prometheus metrics: names, labels, and the registry they live in.
 
 All names are prefixed `diloco_`, in base units, with low-cardinality labels only (no learner ids,
-no tensor names). One `Metrics` object per service instance, on its own `CollectorRegistry`, so
-tests can run several servers in one process.
+no tensor names). One `Metrics` object per service instance, on its own `CollectorRegistry`
+unless the caller passes one (the process's global `prometheus_client.REGISTRY`, to serve these
+beside its own), so tests can run several servers in one process. `protos.exposition` serves the
+registry without prometheus_client's `_created` series.
+
+Duration buckets reach past the slowest figures measured at 1B parameters (docs/performance.md):
+an outer step of a 250M-element fragment takes 4.5-5.5 s on 2 cores, and a checkpoint of the
+whole state (about 14 bytes per parameter at ~240 MB/s of fsynced writes) about a minute.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from protos.version import version
 
 if TYPE_CHECKING:
     from synchronizer.buffers import Fp32Buffers, Payloads
@@ -18,11 +27,63 @@ GOODPUT_BUCKETS = ("merged", "discarded", "lost")
 PUSH_OUTCOMES = ("accepted", "dropped_stale", "duplicate", "refused_norm", "rejected")
 LEARNER_STATES = ("alive", "dead")
 
+# Seconds. A 1B model's outer step (4.5-5.5 s per 250M-element fragment) sits mid-range, with
+# room for larger fragments and slower hosts; a 1B checkpoint (about a minute) likewise.
+ROUND_WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+ROUND_APPLY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+    15,
+    30,
+    60,
+    120,
+)
+CHECKPOINT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 90, 120, 180, 300, 600, 1200)
+WAL_FSYNC_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+)
+
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        private = registry is None
+        self.registry = CollectorRegistry() if registry is None else registry
         r = self.registry
+        if private:  # the global registry has its own (process_resident_memory_bytes, ...)
+            ProcessCollector(registry=r)
+        self.build_info = Gauge(
+            "diloco_build_info",
+            "1, labelled with the running decoupled-diloco version.",
+            ["version"],
+            registry=r,
+        )
+        self.build_info.labels(version()).set(1)
         self.learners = Gauge("diloco_learners", "Learners by lease state.", ["state"], registry=r)
         self.pushes = Counter(
             "diloco_pushes_total", "Fragment pushes by outcome.", ["outcome"], registry=r
@@ -87,13 +148,13 @@ class Metrics:
         self.round_wait = Histogram(
             "diloco_round_wait_seconds",
             "Seconds from a round's first contribution to its close.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            buckets=ROUND_WAIT_BUCKETS,
             registry=r,
         )
         self.round_apply = Histogram(
             "diloco_round_apply_seconds",
             "Seconds to merge a round and apply the outer step.",
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            buckets=ROUND_APPLY_BUCKETS,
             registry=r,
         )
         self.bytes_in = Counter(
@@ -159,13 +220,19 @@ class Metrics:
         self.checkpoint_seconds = Histogram(
             "diloco_checkpoint_seconds",
             "Seconds to write one checkpoint.",
-            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30),
+            buckets=CHECKPOINT_BUCKETS,
             registry=r,
         )
+        self.checkpoint_last_success = Gauge(
+            "diloco_checkpoint_last_success_timestamp_seconds",
+            "Unix time the newest checkpoint was written (at start, the one restored; NaN before any).",
+            registry=r,
+        )
+        self.checkpoint_last_success.set(math.nan)
         self.wal_fsync = Histogram(
             "diloco_wal_fsync_seconds",
             "Seconds of one write-ahead log group commit's fsync (it acknowledges every push written with it).",
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1),
+            buckets=WAL_FSYNC_BUCKETS,
             registry=r,
         )
         self.wal_failing = Gauge(
@@ -174,8 +241,8 @@ class Metrics:
             registry=r,
         )
         self.memory = Gauge(
-            "diloco_memory_bytes",
-            "Projected peak resident memory by component (synchronizer.memory); component 'total' is their sum.",
+            "diloco_memory_projected_bytes",
+            "Projected peak resident memory by component (synchronizer.memory), a projection and not a measurement: sum() over the components is the projected total; process_resident_memory_bytes is what the process holds.",
             ["component"],
             registry=r,
         )

@@ -54,8 +54,10 @@ def known_fragment(fragment_id: int, count: int) -> None:
 
 
 def export_memory(metrics: Metrics, projection: dict[str, int]) -> None:
+    """The projection's components; not its `total`, which a sum() over them would count twice."""
     for component, nbytes in projection.items():
-        metrics.memory.labels(component).set(nbytes)
+        if component != "total":
+            metrics.memory.labels(component).set(nbytes)
 
 
 class ServedModel:

@@ -21,9 +21,10 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from protos import diloco_pb2 as pb
+from protos import exposition
+from synchronizer.cli_status import status_json
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.metrics import Metrics
@@ -176,8 +177,14 @@ def start(
         )
     metrics_port, httpd = None, None
     if cfg.metrics_port >= 0:
-        httpd, _ = start_http_server(
-            cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry
+        # /status: what `diloco-synchronizer status --json` prints, behind the token the Status
+        # RPC asks for (the admin token, else the learner token, else none).
+        httpd, _ = exposition.serve(
+            cfg.metrics_port,
+            cfg.metrics_host,
+            metrics.registry,
+            {"/status": lambda: status_json(core.status())},
+            cfg.admin_token or cfg.auth_token,
         )
         metrics_port = httpd.server_port
     server.start()

@@ -173,6 +173,7 @@ class State:
             self.checkpointed = versions
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+        self.metrics.checkpoint_last_success.set(time.time())
         logger.info(
             "checkpoint %s written (versions %s)", path.name, [f.version for f in fragments]
         )
@@ -193,6 +194,7 @@ class State:
         self.checkpointed = {frag.fid: frag.version for frag in model.fragments}
         model.initialized = True
         self.registry.restore(meta.get("learners", []))
+        self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
         logger.info("restored %s: versions %s", path, [f.version for f in model.fragments])
 
     def replay(self, epoch: str) -> None:

@@ -199,7 +199,7 @@ def test_help_explains_every_option():
 
     for name in SynchronizerConfig.model_fields:
         assert "--" + name.replace("_", "-") in out.stdout
-    assert "--memory-limit-bytes" in out.stdout and "diloco_memory_bytes" in out.stdout
+    assert "--memory-limit-bytes" in out.stdout and "diloco_memory_projected_bytes" in out.stdout
 
 
 @pytest.mark.slow

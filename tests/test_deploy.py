@@ -82,7 +82,7 @@ KUBERNETES_VERSIONS = (
 )  # oldest supported (Indexed Jobs, gRPC probes) and newest schemas shipped
 DEBIAN = "install it with `bash deploy/ci/install-tools.sh` (Debian's {} package)"
 PYPI = "install it with `pip install {}` (the project's dev extra)"
-PROMETHEUS_OWN = {"up"}  # series Prometheus makes itself
+PROMETHEUS_OWN = {"up", "ALERTS"}  # series Prometheus makes itself (ALERTS while alerts fire)
 PROMQL_WORDS = {
     "and",
     "or",
@@ -448,7 +448,7 @@ def test_every_dashboard_and_rule_metric_is_one_the_services_export(stack: Stack
                     )
     unknown = {n: where for n, where in needed.items() if n not in exported | PROMETHEUS_OWN}
     assert not unknown, f"names no running service exports: {unknown}"
-    not_stored = {n for n in needed if n not in stored}
+    not_stored = {n for n in needed if n not in stored and n != "ALERTS"}
     assert not not_stored, f"Prometheus scraped none of: {sorted(not_stored)}"
 
 
@@ -496,7 +496,7 @@ def test_learner_metrics_are_read_from_stats_at_scrape_time_and_stop_frees_the_p
         url = f"http://127.0.0.1:{port}/metrics"
         base = current["s"]
         current["s"] = dataclasses.replace(
-            base, step=100, compute_s=4.0, tokens=204800, loss=2.5, blocked_s=0.5
+            base, step=100, compute_s=4.0, tokens=204800, loss=2.5, blocked_s=0.5, step_time_s=0.04
         )
         first = {
             s.name: s.value
@@ -514,11 +514,8 @@ def test_learner_metrics_are_read_from_stats_at_scrape_time_and_stop_frees_the_p
     finally:
         stop()
     assert first["diloco_learner_steps_total"] == 100 and first["diloco_learner_loss"] == 2.5
-    assert first["diloco_learner_step_seconds"] == pytest.approx(0.04)
+    assert first["diloco_learner_step_seconds"] == 0.04  # the learner's own, not per scrape
     assert first["diloco_learner_sync_blocked_seconds_total"] == 0.5
-    assert second[("diloco_learner_step_seconds", ())] == pytest.approx(
-        2.5 / 50
-    )  # since the last scrape
     assert second[("diloco_learner_tokens_total", ())] == 307200
     assert second[("diloco_learner_sent_bytes_total", ())] == 123
     assert (

@@ -167,6 +167,7 @@ def test_a_fragment_due_while_its_sync_is_in_flight_is_pushed_once_it_is_free_wi
     r.fake.close_rounds = False
     r.start(sync_every=2)
     r.train(4)  # step 2 pushes; step 4 is due while that round is still open
+    r.fake.wait_for_call("push", 1)  # the sender thread's call, not the training loop's
     assert r.fake.calls_of("push") == [(0, 1, 0, 32)]
     r.fake.close_round(0)
     r.arrived(0)

@@ -121,16 +121,23 @@ def test_projection_is_logged_and_exported_before_and_after_the_model_is_initial
     cfg = srv.synchronizer.cfg
 
     def gauge(component: str) -> float | None:
-        return registry.get_sample_value("diloco_memory_bytes", {"component": component})
+        return registry.get_sample_value("diloco_memory_projected_bytes", {"component": component})
 
-    assert gauge("total") == memory.project(cfg, [])["total"]
+    def exported_total() -> float:
+        (family,) = [f for f in registry.collect() if f.name == "diloco_memory_projected_bytes"]
+        return sum(s.value for s in family.samples)
+
+    # The components only: a sum() over the series is the projection's total, counted once.
+    assert gauge("total") is None
+    assert exported_total() == memory.project(cfg, [])["total"]
     spec = small_spec()
     c = Client(srv.address, spec)
     c.join()
     c.init([torch.zeros(f.numel) for f in spec.fragments])
     expected = memory.project(cfg, spec)
     for component, nbytes in expected.items():
-        assert gauge(component) == nbytes, component
+        assert gauge(component) == (None if component == "total" else nbytes), component
+    assert exported_total() == expected["total"]
     c.close()
     logged = [r.getMessage() for r in caplog.records if "memory projection" in r.getMessage()]
     assert "bytes per model parameter" in logged[0]

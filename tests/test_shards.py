@@ -89,7 +89,7 @@ def test_two_shards_each_hold_only_their_fragments(make_server: Start, tmp_path:
         assert [f.fid for f in core.model.fragments] == ids and sorted(core.model.by_id) == ids
         numel = sum(SPEC.fragments[f].numel for f in ids)
         params = core.metrics.registry.get_sample_value(
-            "diloco_memory_bytes", {"component": "params"}
+            "diloco_memory_projected_bytes", {"component": "params"}
         )
         assert params == 4 * numel
         assert (
