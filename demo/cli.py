@@ -11,7 +11,8 @@
 over the environment, which wins over the file); the example's own options are flags only. What
 goes wrong is one line on stderr, never a traceback, and an exit code of `protos.cli`: 2 for bad
 input, 3 when the Synchronizer cannot be reached within --join-timeout-s, 4 when it refuses
-this learner, 1 when training fails. The flags' defaults, bounds and help come from
+this learner, 1 when training fails, 143 when SIGTERM stopped it (after its checkpoint, with
+--resume DIR). The flags' defaults, bounds and help come from
 `TrainOptions` and `LocalOptions` (demo/options.py).
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from demo.example.data import DataError
 from demo.options import EXAMPLE_SYNC_DEFAULTS, LocalOptions, TrainOptions
-from demo.train import load_factory, train
+from demo.train import Stopped, load_factory, train
 from learner.client import ShardMismatch
 from learner.config import LearnerConfig
 from learner.session import JoinRefused, Unreachable
@@ -34,6 +35,7 @@ from protos.cli import (
     FAILED,
     INTERRUPTED,
     REFUSED,
+    TERMINATED,
     UNREACHABLE,
     USAGE,
     Parser,
@@ -51,7 +53,7 @@ class UsageError(ValueError):
 
 # TrainOptions' flags by help group ("training" has --no-sync between the two halves)
 TRAINING = "steps start_step lr warmup_steps min_lr_ratio weight_decay clip learner_index learners slow wait_for_learners"
-REPORTING = "log_every eval_windows threads out session_out"
+REPORTING = "log_every eval_windows threads out session_out resume save_every"
 MODEL_AND_DATA = "model data max_bytes n_layer d_model n_head block batch_size seed"
 # LocalOptions' flags before the hand-made ones (--train-args and the rest), then "live"
 LOCAL = "learners shards steps out slow_learner slow_factor kill_learner kill_at restart_after_s quorum grace lease_s sync_every fragments codec data seed"
@@ -228,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("diloco-learner: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except Stopped as e:
+        print(f"diloco-learner: {e}", file=sys.stderr)
+        return TERMINATED
 
 
 if __name__ == "__main__":

@@ -96,6 +96,17 @@ class TrainOptions(BaseModel):
         description="write the JSON result here (rewritten at every progress line)",
         json_schema_extra={"metavar": "PATH"},
     )
+    resume: str | None = Field(
+        None,
+        description="keep this learner's checkpoint in DIR (the model, the inner optimizer and the learner's own state, every --save-every steps and on SIGTERM) and, when one is there, continue from it as the same learner",
+        json_schema_extra={"metavar": "DIR"},
+    )
+    save_every: int = Field(
+        100,
+        ge=1,
+        description="steps between checkpoints with --resume",
+        json_schema_extra={"metavar": "N"},
+    )
     session_out: str | None = Field(
         None,
         description="keep the session secret Join gave this learner in this file (mode 0600), which a restart gives back with --learner-id and --learner-session-file; the result names the file, never the secret (default: OUT.session with --out)",

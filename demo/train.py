@@ -20,6 +20,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -37,12 +39,15 @@ logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def lr_at(step: int, o: TrainOptions) -> float:
+def lr_at(step: int, o: TrainOptions, warm_from: int | None = None) -> float:
     """Linear warm-up to lr, then cosine decay to min_lr_ratio * lr at the last step.
 
-    A resumed learner starts with a fresh AdamW state, so it warms up again from start_step.
+    A learner restarted with `--start-step` has a fresh AdamW state, so it warms up again from
+    start_step; one resumed from its checkpoint (`--resume`) has its own and does not
+    (`warm_from` 0).
     """
-    warm = min(1.0, (step - o.start_step + 1) / o.warmup_steps) if o.warmup_steps else 1.0
+    start = o.start_step if warm_from is None else warm_from
+    warm = min(1.0, (step - start + 1) / o.warmup_steps) if o.warmup_steps else 1.0
     progress = min(1.0, max(0, step - o.warmup_steps) / max(1, o.steps - o.warmup_steps))
     return (
         warm
@@ -96,9 +101,9 @@ def build(
     model = GPT(GPTConfig(n_layer=o.n_layer, d_model=o.d_model, n_head=o.n_head, block=o.block)).to(
         device
     )
-    gen = torch.Generator().manual_seed(
-        o.seed * 1000 + o.learner_index
-    )  # each learner its own windows
+    # Each learner its own windows; a restarted one (start_step) other windows than its first
+    seed = o.seed * 1000 + o.learner_index
+    gen = torch.Generator().manual_seed(seed + 1_000_003 * o.start_step if o.start_step else seed)
     eval_set = data.eval_set(o.eval_windows)
 
     def batch_fn() -> Batch:
@@ -149,6 +154,85 @@ def keep_session(path: str | None, learner: Any, kept: str) -> str:
     return session
 
 
+CHECKPOINT = "learner.pt"  # in the --resume directory
+
+
+def load_checkpoint(directory: str) -> dict[str, Any] | None:
+    """The checkpoint `save_checkpoint` left in `directory`, or None when there is none yet.
+    ValueError naming the file when it cannot be read."""
+    path = os.path.join(directory, CHECKPOINT)
+    if not os.path.exists(path):
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a torn or foreign file: say which, never resume from half of one
+        raise ValueError(f"cannot read the learner checkpoint {path}: {e}") from None
+    if not isinstance(saved, dict) or "learner" not in saved:
+        raise ValueError(f"{path} is not a learner checkpoint written by --resume")
+    return saved
+
+
+def save_checkpoint(
+    directory: str, step: int, model: nn.Module, optimizer: Any, learner: Any
+) -> bool:
+    """Writes the model, the inner optimizer and the learner's state (`Learner.state_dict`,
+    which first waits for syncs in flight) to `directory`, atomically and durably (a temporary
+    file, fsynced, renamed, the directory fsynced); False, with a warning, when the learner
+    has syncs it cannot finish now (the previous checkpoint stays)."""
+    try:
+        state = learner.state_dict() if learner is not None else None
+    except RuntimeError as e:
+        logger.warning("checkpoint at step %d skipped: %s", step, e)
+        return False
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, CHECKPOINT)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(
+            {
+                "step": step,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "learner": state,
+            },
+            f,
+        )
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+class Terminated:
+    """From `install()` to `restore()`, SIGTERM only sets `requested`: the loop checkpoints and
+    stops at the end of its step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous: Any = None
+
+    def install(self) -> Terminated:
+        if threading.current_thread() is threading.main_thread():  # signals reach only it
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+class Stopped(Exception):
+    """Training stopped on SIGTERM after its checkpoint (`diloco-learner train` exits 143)."""
+
+
 def wait_for_learners(learner: Any, n: int, timeout_s: float = 120.0) -> None:
     """Blocks until n learners have joined the Synchronizer, so a run starts together. Learners
     that already left count: a short run may finish between two polls of another."""
@@ -167,14 +251,27 @@ def train(o: TrainOptions) -> dict:
     if o.threads:
         torch.set_num_threads(o.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    saved = load_checkpoint(o.resume) if o.resume else None
+    if saved is not None:  # continue where the checkpoint left off, data order included
+        o = o.model_copy(update={"start_step": saved["step"]})
     model, batch_fn, eval_fn = build(o, device)
     optimizer = make_optimizer(model, o)
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        logger.info("[%s] resuming from %s at step %d", o.name, o.resume, saved["step"])
 
     learner = None
     if o.sync is not None:
         from learner.learner import Learner  # the client library
 
-        learner = Learner(model, optimizer, config=o.sync)  # joins and adopts the global model
+        # Joins and adopts the global model, or (resumed) comes back as itself, keeping its own
+        learner = Learner(
+            model,
+            optimizer,
+            config=o.sync,
+            state=saved["learner"] if saved is not None else None,
+        )
         if o.wait_for_learners > 1:
             wait_for_learners(learner, o.wait_for_learners)
 
@@ -206,11 +303,13 @@ def train(o: TrainOptions) -> dict:
     t_start, cpu_start = time.perf_counter(), time.process_time()
     if learner is not None:
         learner.reset_clock()  # the evaluation and barrier above are not training compute
+    warm_from = 0 if saved is not None else None  # a resumed optimizer needs no new warm-up
+    terminated = Terminated().install()  # SIGTERM: checkpoint and stop after this step
     try:
         for step in range(o.start_step, o.steps):
             t0 = time.perf_counter()
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, o)
+                group["lr"] = lr_at(step, o, warm_from)
             x, y = batch_fn()
             out = model(x, y)
             loss = out[1] if isinstance(out, tuple) else out
@@ -259,10 +358,23 @@ def train(o: TrainOptions) -> dict:
                     learner=stats,
                 )
                 write_json(o.out, result)
+            if terminated.requested or (o.resume and (step + 1) % o.save_every == 0):
+                saved_now = o.resume is not None and save_checkpoint(
+                    o.resume, step + 1, model, optimizer, learner
+                )
+                if terminated.requested:
+                    result.update(step=step + 1, stopped=True, checkpointed=saved_now)
+                    write_json(o.out, result)
+                    raise Stopped(
+                        f"stopped by SIGTERM at step {step + 1}"
+                        + (f"; checkpoint in {o.resume}" if saved_now else "; no checkpoint")
+                    )
     except BaseException:  # Ctrl-C or a crash: stop the sync threads (no final pull) and re-raise
         if learner is not None:
             learner.close()
         raise
+    finally:
+        terminated.restore()
 
     train_s = time.perf_counter() - t_start
     cpu_s = time.process_time() - cpu_start  # every thread of this process, sync threads included

@@ -36,6 +36,9 @@ REFUSED = (
     4  # the Synchronizer answered and refused: credentials, permission, the model, the request
 )
 INTERRUPTED = 130  # stopped by Ctrl-C before the end (a client command or a learner)
+# A learner stopped by SIGTERM after writing its checkpoint (`train --resume`): not 0, so that a
+# Kubernetes Job counts the pod as failed and starts it again, to resume where it stopped
+TERMINATED = 143
 
 LOG_FORMATS = ("text", "json")
 

@@ -142,6 +142,36 @@ def test_a_killed_learner_does_not_stall_the_others_and_rejoins(procs: Procs):
 
 
 @pytest.mark.timeout(150)
+def test_a_learner_stopped_by_sigterm_resumes_from_its_checkpoint_as_itself(procs: Procs):
+    sync = start_synchronizer(procs, "--quorum", "1")
+    address = sync["address"]
+    ckpt = procs.root / "learner-ckpt"
+    resume = ["--resume", str(ckpt), "--save-every", "20"]
+    first, first_out = start_learner(procs, address, 0, 1, 400, *resume, "--slow", "3")
+    wait_until(
+        lambda: (ckpt / "learner.pt").exists() and read_json(first_out).get("step", 0) >= 50,
+        90,
+        "a checkpoint and 50 steps",
+        procs,
+    )
+    learner_id = read_json(first_out)["learner"]["learner_id"]
+    os.killpg(first.pid, signal.SIGTERM)  # as Kubernetes stops a pod
+    assert first.wait(timeout=60) == 143, procs.tails()  # not 0: the Job starts it again
+    stopped = read_json(first_out)
+    assert stopped["stopped"] and stopped["checkpointed"] and not stopped["finished"]
+
+    second, second_out = start_learner(procs, address, 0, 1, 400, *resume, run=1)
+    result = finish_ok(procs, second, second_out)
+    assert result["start_step"] == stopped["step"] and result["step"] == 400
+    assert result["learner"]["learner_id"] == learner_id  # itself, with no id or secret on argv
+    assert not any("session" in arg for arg in cast(list[str], second.args))
+    pushes = result["learner"]["pushes"]
+    assert pushes.get("accepted", 0) > 0 and not pushes.get("duplicate"), pushes
+    assert [x.learner_id for x in status(address).learners] == [learner_id]
+    assert result["eval_loss_end"] < stopped["eval_loss_start"]
+
+
+@pytest.mark.timeout(150)
 def test_learners_ride_out_a_synchronizer_crash_and_restart(procs: Procs):
     sync = start_synchronizer(
         procs, "--quorum", "2", "--lease-s", "5", "--checkpoint-interval-s", "0.5"
