@@ -229,10 +229,20 @@ class SynchronizerConfig(BaseModel):
         ge=1,
         description="Push and pull streams served at once (each holds a gRPC worker); more get RESOURCE_EXHAUSTED",
     )
+    max_unidentified_streams: int = Field(
+        32,
+        ge=1,
+        description="Calls (of any method) waiting for their first message at once, before any says whose it is; each holds a gRPC worker and nothing else, for at most 5 s. Past it a new call displaces the oldest of the connection holding the most, so clients that open calls and send nothing cannot keep out learners that send theirs",
+    )
+    max_unidentified_per_peer: int = Field(
+        16,
+        ge=1,
+        description="Of max_unidentified_streams, how many one client connection (gRPC peer) may hold; past it a new call on that connection displaces its own oldest",
+    )
     max_workers: int = Field(
         0,
         ge=0,
-        description=f"gRPC worker threads; at least max_concurrent_streams + max_waiting_pulls + {RESERVED_WORKERS}, so heartbeats, joins and health checks always find one; 0 = exactly that",
+        description=f"gRPC worker threads; at least max_concurrent_streams + max_waiting_pulls + max_unidentified_streams + {RESERVED_WORKERS}, so heartbeats, joins and health checks always find one; 0 = exactly that",
     )
     apply_threads: int = Field(
         1,
@@ -300,13 +310,18 @@ class SynchronizerConfig(BaseModel):
                 raise ValueError(
                     f"{name} must be 0 (off) or at least 1, got {ratio}: below 1 it would refuse or cap honest learners' typical pushes"
                 )
-        needed = self.max_concurrent_streams + self.max_waiting_pulls + RESERVED_WORKERS
+        needed = (
+            self.max_concurrent_streams
+            + self.max_waiting_pulls
+            + self.max_unidentified_streams
+            + RESERVED_WORKERS
+        )
         if self.max_workers == 0:
             self.max_workers = needed
         elif self.max_workers < needed:
             raise ValueError(
-                f"max_workers ({self.max_workers}) must be at least max_concurrent_streams ({self.max_concurrent_streams}) + max_waiting_pulls ({self.max_waiting_pulls}) + {RESERVED_WORKERS}: "
-                "every push, pull or waiting pull holds a gRPC worker, and heartbeats, joins and health checks need workers of their own"
+                f"max_workers ({self.max_workers}) must be at least max_concurrent_streams ({self.max_concurrent_streams}) + max_waiting_pulls ({self.max_waiting_pulls}) + max_unidentified_streams ({self.max_unidentified_streams}) + {RESERVED_WORKERS}: "
+                "every push, pull, waiting pull or call not yet identified holds a gRPC worker, and heartbeats, joins and health checks need workers of their own"
             )
         if self.anchor == "current" and self.update_history < self.max_staleness:
             raise ValueError(

@@ -68,9 +68,14 @@ class PullPath:
                 if free:
                     self._wait_for(request, call)
                 stream = held.enter_context(
-                    self.streams.transfer("pull", call, SLOT_PATIENCE_S if free else 0.0)
+                    self.streams.transfer(
+                        "pull",
+                        rec.learner_id,
+                        call,
+                        lambda: self.registry.renew(rec),
+                        SLOT_PATIENCE_S if free else 0.0,
+                    )
                 )
-            stream.owned_by(rec.learner_id, lambda: self.registry.renew(rec))
             self.model.require_initialized()
             frag = self.model.fragment(request.fragment_id)
             self.model.check_spec_hash(rec.spec_hash)  # the spec this learner joined with

@@ -1,4 +1,5 @@
-"""Running the Synchronizer: the gRPC server with health, reflection, auth and limits.
+"""Running the Synchronizer: the gRPC server with health, reflection, auth and limits (every
+call waits for its first message in a bounded place, `FirstMessageInterceptor`).
 
 `serving(config)` is a context manager that starts everything (port 0 picks a free port) and
 yields a `RunningServer` with the bound addresses; leaving it shuts down in the documented order:
@@ -9,6 +10,7 @@ acknowledged contribution, final checkpoint. `serve(config)` runs until SIGTERM/
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import signal
 import threading
@@ -28,6 +30,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.metrics import Metrics
 from synchronizer.service import SynchronizerService
+from synchronizer.streams import FirstMessages
 from synchronizer.wal import Disk
 
 logger = logging.getLogger(__name__)
@@ -102,6 +105,80 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         )
 
 
+_NOTHING = object()  # a request stream that ended before its first message
+
+
+def _first_message_first(
+    handler: grpc.RpcMethodHandler, method: str, gate: FirstMessages
+) -> grpc.RpcMethodHandler:
+    """`handler` as a request-streaming handler (the same on the wire) that waits for the
+    call's first message in `gate`, then hands it to the real behaviour."""
+
+    def first(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        with gate.waiting(context.peer(), method, context.cancel):
+            head = next(requests, _NOTHING)
+        if head is _NOTHING and not context.is_active():
+            # Cut, or gone: the stream can end before the call reads as cancelled. The call is
+            # over, so this answers nobody; it ends the handler without an error logged.
+            context.abort(grpc.StatusCode.CANCELLED, "the call ended before its first message")
+        return head
+
+    behavior: Callable[..., Any]
+    wrapped: Callable[..., Any]
+    if handler.request_streaming:
+        behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
+
+        def wrapped(requests: Iterator[Any], context: grpc.ServicerContext, *more: Any) -> Any:
+            head = first(requests, context)
+            rest = requests if head is _NOTHING else itertools.chain((head,), requests)
+            return behavior(rest, context, *more)
+
+    else:
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+        def wrapped(requests: Iterator[Any], context: grpc.ServicerContext, *more: Any) -> Any:
+            head = first(requests, context)
+            if head is _NOTHING:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method} takes exactly one request message; the call ended without one",
+                )
+            return behavior(head, context, *more)
+
+    # A non-blocking behaviour (health's Watch) stays non-blocking: it answers through the
+    # callback gRPC passes (`more`), and holds no worker while it waits for changes.
+    for attr in ("experimental_non_blocking", "experimental_thread_pool"):
+        if hasattr(behavior, attr):
+            setattr(wrapped, attr, getattr(behavior, attr))
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
+    return make(wrapped, handler.request_deserializer, handler.response_serializer)
+
+
+class FirstMessageInterceptor(grpc.ServerInterceptor):
+    """Holds every call, of every service, in `FirstMessages` until its first request message
+    arrives, so a call that sends nothing holds one bounded, displaceable place there and
+    nothing else: no transfer slot, no learner's count, no worker beyond that place. gRPC would
+    otherwise read a unary request on a worker before any handler runs, with no deadline but
+    the client's; here the handler reads it, and the real handler gets it."""
+
+    def __init__(self, gate: FirstMessages) -> None:
+        self.gate = gate
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        return _first_message_first(handler, details.method, self.gate)  # type: ignore[attr-defined]
+
+
 @dataclass
 class RunningServer:
     server: grpc.Server
@@ -143,11 +220,13 @@ def start(
     log's file operations (tests inject faults there)."""
     metrics = metrics or Metrics()
     core = Synchronizer(cfg, metrics, disk).start()
-    interceptors = (
-        [BearerTokenInterceptor(cfg.auth_token, cfg.admin_token)]
-        if cfg.auth_token or cfg.admin_token
-        else []
-    )
+    # The first-message gate is outermost: a call refused for its token still waits for its
+    # first message (gRPC reads a unary request before any handler) in a bounded place.
+    interceptors: list[grpc.ServerInterceptor] = [
+        FirstMessageInterceptor(core.streams.first_messages)
+    ]
+    if cfg.auth_token or cfg.admin_token:
+        interceptors.append(BearerTokenInterceptor(cfg.auth_token, cfg.admin_token))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
