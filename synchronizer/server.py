@@ -36,7 +36,8 @@ from synchronizer.wal import Disk
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Synchronizer"].full_name
-OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
+REFLECTION = "/grpc.reflection."
+OPEN_METHODS = ("/grpc.health.v1.Health/", REFLECTION)  # probes carry no token
 
 
 ADMIN_METHODS = (f"/{SERVICE_NAME}/Status",)
@@ -158,12 +159,30 @@ def _first_message_first(
     return make(wrapped, handler.request_deserializer, handler.response_serializer)
 
 
+def _held_for_the_whole_call(
+    handler: grpc.RpcMethodHandler, method: str, gate: FirstMessages
+) -> grpc.RpcMethodHandler:
+    """A stream-stream `handler` whose call keeps its place in `gate` until it ends: reflection
+    answers for as long as its stream stays open, holding a worker and naming no one, so an open
+    one is bounded, displaced and cut like a call that has sent nothing."""
+    behavior = handler.stream_stream
+
+    def wrapped(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        with gate.waiting(context.peer(), method, context.cancel):
+            yield from behavior(requests, context)
+
+    return grpc.stream_stream_rpc_method_handler(
+        wrapped, handler.request_deserializer, handler.response_serializer
+    )
+
+
 class FirstMessageInterceptor(grpc.ServerInterceptor):
     """Holds every call, of every service, in `FirstMessages` until its first request message
     arrives, so a call that sends nothing holds one bounded, displaceable place there and
     nothing else: no transfer slot, no learner's count, no worker beyond that place. gRPC would
     otherwise read a unary request on a worker before any handler runs, with no deadline but
-    the client's; here the handler reads it, and the real handler gets it."""
+    the client's; here the handler reads it, and the real handler gets it. Reflection streams,
+    which never name a learner, keep their place until they end."""
 
     def __init__(self, gate: FirstMessages) -> None:
         self.gate = gate
@@ -176,7 +195,10 @@ class FirstMessageInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
-        return _first_message_first(handler, details.method, self.gate)  # type: ignore[attr-defined]
+        method: str = details.method  # type: ignore[attr-defined]
+        if method.startswith(REFLECTION) and handler.stream_stream is not None:
+            return _held_for_the_whole_call(handler, method, self.gate)
+        return _first_message_first(handler, method, self.gate)
 
 
 @dataclass

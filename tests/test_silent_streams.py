@@ -16,6 +16,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos import diloco_pb2 as pb
 from synchronizer.server import SERVICE_NAME
@@ -198,5 +199,47 @@ def test_health_watches_pass_the_first_message_gate_and_hold_no_worker(make_serv
         for w in watches:
             w.cancel()
     finally:
+        for ch in channels:
+            ch.close()
+
+
+def test_open_reflection_streams_are_bounded_like_silent_calls(make_server):
+    # Reflection needs no token and answers as long as its stream stays open: streams that ask
+    # once and stay open hold their place for their whole life, so they are bounded and
+    # displaced like calls that never send a first message, and never take every worker.
+    srv = make_server(max_concurrent_streams=2, max_waiting_pulls=2)
+    cfg = srv.synchronizer.cfg
+    channels = [
+        grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(4)
+    ]
+    hold = threading.Event()
+
+    def ask_once() -> Iterator[reflection_pb2.ServerReflectionRequest]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        hold.wait(TIMEOUT)
+
+    try:
+        stubs = [reflection_pb2_grpc.ServerReflectionStub(ch) for ch in channels]
+        streams = [
+            stubs[i % 4].ServerReflectionInfo(ask_once(), timeout=TIMEOUT)
+            for i in range(cfg.max_workers)  # as many as there are workers
+        ]
+        answered = 0
+        for s in streams:
+            try:
+                answered += next(s).HasField("list_services_response")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.CANCELLED  # displaced by a newer one
+        assert answered >= cfg.max_unidentified_streams
+        gate = srv.synchronizer.streams.first_messages
+        assert gate.held() <= cfg.max_unidentified_streams
+        with grpc.insecure_channel(srv.address) as ch:
+            probe = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=ANSWER_S
+            )
+        assert probe.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        hold.set()
         for ch in channels:
             ch.close()
