@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protos.framing import CHUNK_BYTES
+from synchronizer.credentials import load_tokens
 from synchronizer.shards import resolve_index
 
 RESERVED_WORKERS = 8  # gRPC workers no stream may take: heartbeats, joins, health checks
@@ -289,6 +290,19 @@ class SynchronizerConfig(BaseModel):
         None,
         description="Bearer token for the admin Status RPC; learners' token gets PERMISSION_DENIED there",
     )
+    learner_tokens_file: Path | None = Field(
+        None,
+        description="Per-learner credentials: a file of 'NAME TOKEN' lines the operator manages, one token per credential name; each learner sends its own token, its learner id is bound at Join to that credential, and limits are counted per credential. Instead of auth_token",
+    )
+    client_cert_credentials: bool = Field(
+        False,
+        description="Per-learner credentials under mTLS (tls_client_ca): a learner's credential is the identity its client certificate names; ids bound at Join, limits counted per credential",
+    )
+    max_learners_per_credential: int = Field(
+        1,
+        ge=1,
+        description="With per-learner credentials: live learners one credential may have joined at once (each with its own streams and share of a round)",
+    )
     tls_cert: Path | None = Field(None, description="PEM server certificate: serve TLS")
     tls_key: Path | None = Field(None, description="PEM private key for tls_cert")
     tls_client_ca: Path | None = Field(
@@ -335,6 +349,14 @@ class SynchronizerConfig(BaseModel):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        if self.client_cert_credentials and self.tls_client_ca is None:
+            raise ValueError("client_cert_credentials needs mTLS: tls_client_ca, tls_cert, tls_key")
+        if self.learner_tokens_file is not None:
+            if self.auth_token or self.client_cert_credentials:
+                raise ValueError(
+                    "learner_tokens_file gives each learner its own token: use it instead of auth_token and client_cert_credentials, not with them"
+                )
+            load_tokens(self.learner_tokens_file)  # a bad file is a configuration error
         return self
 
     @property

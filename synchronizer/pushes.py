@@ -26,7 +26,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Rejected, invalid
 from synchronizer.fragments import Fragment
 from synchronizer.journal import Journal
-from synchronizer.leases import LearnerRecord, Registry
+from synchronizer.leases import LearnerRecord, Registry, check_credential
 from synchronizer.metrics import Metrics
 from synchronizer.served import ServedModel
 from synchronizer.streams import Call, Streams
@@ -84,8 +84,11 @@ class PushPath:
             raise invalid("bad_stream", "PushFragment must start with a PushHeader")
         h = first.header
         rec = self.registry.alive(h.learner_id, h.session)
+        check_credential(rec, call.credential)
         self.journal.refuse_if_failing()
-        held.enter_context(self.streams.claimed(rec.learner_id))
+        held.enter_context(
+            self.streams.claimed(rec.learner_id, self.streams.counted(rec.credential))
+        )
         stream = held.enter_context(
             self.streams.transfer("push", rec.learner_id, call, lambda: self.registry.renew(rec))
         )
@@ -129,6 +132,7 @@ class PushPath:
                     hold=reserved,
                     journal=self.journal.push_journal(frag, h, received, rec.name, reserved),
                     order=(rec.name, rec.learner_id, h.seq),
+                    owner=self.streams.counted(rec.credential) or "",
                 )
                 kept = reserved and verdict.outcome == pb.PUSH_ACCEPTED  # the round owns it now
                 reply = pb.PushReply(

@@ -14,7 +14,7 @@ import itertools
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -63,13 +63,13 @@ def _abort_handler(
 class BearerTokenInterceptor(grpc.ServerInterceptor):
     """Checks `authorization: Bearer T` on every RPC but health and reflection.
 
-    Learner RPCs accept the learner token (or the admin token); admin RPCs need the admin token
-    when one is configured: a valid learner token there gets PERMISSION_DENIED, no or a wrong
-    token UNAUTHENTICATED.
+    Learner RPCs accept a learner token (the shared one, or any of the per-learner tokens) or
+    the admin token; admin RPCs need the admin token when one is configured: a valid learner
+    token there gets PERMISSION_DENIED, no or a wrong token UNAUTHENTICATED.
     """
 
-    def __init__(self, token: str | None, admin_token: str | None) -> None:
-        self.learner = f"Bearer {token}" if token else None
+    def __init__(self, tokens: Iterable[str], admin_token: str | None) -> None:
+        self.learners = {f"Bearer {t}" for t in tokens}
         self.admin = f"Bearer {admin_token}" if admin_token else None
 
     def intercept_service(
@@ -81,7 +81,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         if method.startswith(OPEN_METHODS):
             return continuation(details)
         presented = dict(details.invocation_metadata or ()).get("authorization")  # type: ignore[attr-defined]
-        known = {t for t in (self.learner, self.admin) if t}
+        known = self.learners | ({self.admin} if self.admin else set())
         if method in ADMIN_METHODS and self.admin:
             if presented == self.admin:
                 return continuation(details)
@@ -97,7 +97,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')",
             )
-        if self.learner is None or presented in known:
+        if not self.learners or presented in known:
             return continuation(details)
         return _abort_handler(
             continuation(details),
@@ -247,8 +247,9 @@ def start(
     interceptors: list[grpc.ServerInterceptor] = [
         FirstMessageInterceptor(core.streams.first_messages)
     ]
-    if cfg.auth_token or cfg.admin_token:
-        interceptors.append(BearerTokenInterceptor(cfg.auth_token, cfg.admin_token))
+    learner_tokens = list(core.credentials.tokens) or ([cfg.auth_token] if cfg.auth_token else [])
+    if learner_tokens or cfg.admin_token:
+        interceptors.append(BearerTokenInterceptor(learner_tokens, cfg.admin_token))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
@@ -285,6 +286,13 @@ def start(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     core.model.health_listeners.append(lambda reason: _not_serving(health_servicer, reason))
+    (logger.info if core.credentials.per_learner else logger.warning)(
+        "learner credentials: %s%s",
+        core.credentials.describe(),
+        f"; at most {cfg.max_learners_per_credential} live learners and their streams per credential"
+        if core.credentials.per_learner
+        else "; use learner_tokens_file or client_cert_credentials where learners are not trusted",
+    )
     logger.info(
         "Synchronizer serving gRPC on %s:%d, metrics on %s (epoch %s)",
         cfg.host,

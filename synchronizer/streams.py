@@ -24,7 +24,9 @@ arrived:
   slot for at most `SLOT_PATIENCE_S`. With every waiting slot taken, a pull is answered at
   once with what exists instead of waiting;
 - transfers and waiting pulls count toward the learner's own limit
-  (`max_streams_per_learner`), so one learner cannot take the slots every other learner needs.
+  (`max_streams_per_learner`), so one learner cannot take the slots every other learner needs,
+  and with per-learner credentials toward its credential's (that limit times
+  `max_learners_per_credential`), so joining many times buys no more.
 
 gRPC-free: a call's `cancel` is whatever ends it (the server passes the call's), its peer a
 string naming where it came from.
@@ -64,10 +66,12 @@ def _ignore(_callback: Callable[[], None]) -> None:
 
 @dataclass
 class Call:
-    """What the service lets the core do with an RPC: end it, and hear when it ends."""
+    """What the service lets the core do with an RPC: end it, hear when it ends, and know the
+    credential it was made under."""
 
     cancel: Callable[[], None] = _never
     on_end: Callable[[Callable[[], None]], object] = _ignore
+    credential: str = ""  # whose it is (`synchronizer.credentials`; "" in shared mode)
 
 
 @dataclass(eq=False)
@@ -218,10 +222,17 @@ class Streams:
         self.transfers = 0
         self.waiters = 0
         self.per_learner: dict[str, int] = {}
+        self.per_credential: dict[str, int] = {}  # with per-learner credentials
         self.per_learner_limit = cfg.max_streams_per_learner
         self.first_messages = FirstMessages(
             cfg.max_unidentified_per_peer, cfg.max_unidentified_streams, metrics, self.clock
         )
+
+    def counted(self, credential: str) -> str | None:
+        """The key `claimed` counts a learner's credential under: None in shared mode, where a
+        credential says nothing of who is calling."""
+        per_learner = self.cfg.learner_tokens_file is not None or self.cfg.client_cert_credentials
+        return credential if per_learner else None
 
     def limit_per_learner(self, fragments: int) -> None:
         """Sets the automatic per-learner limit once the model's fragment count is known: a
@@ -267,26 +278,41 @@ class Streams:
                 self.freed.notify()
 
     @contextlib.contextmanager
-    def claimed(self, learner_id: str) -> Iterator[None]:
-        """Counts one stream toward its learner's limit (RESOURCE_EXHAUSTED past it)."""
+    def claimed(self, learner_id: str, credential: str | None = None) -> Iterator[None]:
+        """Counts one stream toward its learner's limit, and with per-learner credentials
+        (`credential` not None) toward its credential's: that limit times
+        `max_learners_per_credential`, however many ids the credential joined
+        (RESOURCE_EXHAUSTED past either)."""
+        keys = [(self.per_learner, learner_id, self.per_learner_limit, "learner")]
+        if credential is not None:
+            limit = self.per_learner_limit * self.cfg.max_learners_per_credential
+            keys.append((self.per_credential, credential, limit, "credential"))
         with self.lock:
-            held = self.per_learner.get(learner_id, 0)
-            if self.per_learner_limit and held >= self.per_learner_limit:
-                raise Rejected(
-                    Code.RESOURCE_EXHAUSTED,
-                    "too_many_learner_streams",
-                    f"learner {learner_id!r} has {held} streams open already (max_streams_per_learner {self.per_learner_limit}); retry when one ends",
-                )
-            self.per_learner[learner_id] = held + 1
+            for counts, key, limit, what in keys:
+                held = counts.get(key, 0)
+                if limit and held >= limit:
+                    per_credential = (
+                        f" x max_learners_per_credential {self.cfg.max_learners_per_credential}"
+                        if what == "credential"
+                        else ""
+                    )
+                    raise Rejected(
+                        Code.RESOURCE_EXHAUSTED,
+                        f"too_many_{what}_streams",
+                        f"{what} {key!r} has {held} streams open already (max_streams_per_learner {self.per_learner_limit}{per_credential}); retry when one ends",
+                    )
+            for counts, key, _, _ in keys:
+                counts[key] = counts.get(key, 0) + 1
         try:
             yield
         finally:
             with self.lock:
-                left = self.per_learner.get(learner_id, 1) - 1
-                if left > 0:
-                    self.per_learner[learner_id] = left
-                else:
-                    self.per_learner.pop(learner_id, None)
+                for counts, key, _, _ in keys:
+                    left = counts.get(key, 1) - 1
+                    if left > 0:
+                        counts[key] = left
+                    else:
+                        counts.pop(key, None)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[bool]:
