@@ -298,6 +298,10 @@ class Synchronizer:
         self.goodput.tick(self.registry.capacity_slots())
         for learner_state, n in self.registry.counts().items():
             self.metrics.learners.labels(learner_state).set(n)
+        if self.credentials.per_learner:
+            live = self.registry.live_by_credential()
+            for name in set(self.credentials.tokens.values()) | set(live):
+                self.metrics.credential_learners.labels(name).set(live.get(name, 0))
         interval = self.cfg.checkpoint_interval_s
         now = self.clock.monotonic()
         if interval > 0 and now - self.last_checkpoint >= interval:

@@ -356,6 +356,16 @@ class Registry:
                 r for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline
             ]
 
+    def live_by_credential(self) -> dict[str, int]:
+        """Live learners per credential of every learner known (0 where none is live)."""
+        now = self.clock.monotonic()
+        counts: dict[str, int] = {}
+        with self.lock:
+            for r in self.learners.values():
+                live = r.state == "alive" and now <= r.lease_deadline
+                counts[r.credential] = counts.get(r.credential, 0) + live
+        return counts
+
     def live_ids(self) -> set[str]:
         return {r.learner_id for r in self._live()}
 

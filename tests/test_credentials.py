@@ -102,6 +102,9 @@ def test_one_credential_holds_one_learners_share_of_a_round_however_many_times_i
 
     learners = {x.name: x.credential for x in g.status().learners}
     assert learners == {"greedy-0": "greedy", "honest": "honest"}
+    live = srv.synchronizer.metrics.registry.get_sample_value  # set by the housekeeping tick
+    for name in ("greedy", "honest"):
+        assert wait_until(lambda: live("diloco_credential_learners", {"credential": name}) == 1)  # noqa: B023
 
 
 def test_a_credential_cannot_gather_streams_through_learners_it_lets_lapse(
