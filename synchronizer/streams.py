@@ -109,7 +109,6 @@ class Silent:
     method: str
     cancel: Callable[[], None]
     since: float
-    cut: bool = False
 
 
 class FirstMessages:
@@ -160,7 +159,6 @@ class FirstMessages:
         else:
             return None
         self._remove(victim)
-        victim.cut = True
         return victim
 
     def _remove(self, entry: Silent) -> None:
@@ -179,7 +177,6 @@ class FirstMessages:
             overdue = [e for q in self.by_peer.values() for e in q if now - e.since > IDENTIFY_S]
             for e in overdue:
                 self._remove(e)
-                e.cut = True
         self._cut(overdue, f"sent nothing for {IDENTIFY_S:.0f} s")
         return len(overdue)
 
