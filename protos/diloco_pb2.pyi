@@ -345,18 +345,20 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("learner_id", "name", "state", "counters", "inner_steps")
+    __slots__ = ("learner_id", "name", "state", "counters", "inner_steps", "credential")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     name: str
     state: str
     counters: LearnerCounters
     inner_steps: int
-    def __init__(self, learner_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    credential: str
+    def __init__(self, learner_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., inner_steps: _Optional[int] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("server_epoch", "initialized", "spec_hash", "versions", "learners", "outer_steps", "goodput", "unhealthy", "shards", "shard_index", "model_fraction")

@@ -61,6 +61,7 @@ class Round:
     opened_at: float  # on the core's clock
     acc: Accumulator | None = None  # the round's sums, once it starts adding (`Fp32Buffers`)
     contributions: list[Contribution] = field(default_factory=list)
+    owners: set[str] = field(default_factory=set)  # credentials that contributed (per-learner)
     quorum_at: float | None = None
     timer: Timer | None = None  # its grace window's, once it has its quorum
     expired: bool = False  # the grace window ran out
@@ -151,9 +152,13 @@ class Admission:
         hold: bool,
         journal: Callable[[Verdict], int] | None = None,
         order: tuple[str, str, int] = ("", "", 0),
+        owner: str = "",
     ) -> tuple[Verdict, Round | None]:
         """Judges one push (its encoded bytes and header) and adds it to the open round; returns
-        the verdict and its round. An accepted push is given to `journal` (the write-ahead log)
+        the verdict and its round. `owner`: the credential of the learner, where each learner
+        has its own ("" otherwise): the bounds judge it against other credentials' pushes, and
+        a round takes one contribution per credential (a second is PUSH_DROPPED_STALE), so
+        joining many times buys no more of a round's weight nor of the bounds' history. An accepted push is given to `journal` (the write-ahead log)
         in the order it enters its round, and the verdict carries the ticket it returns.
 
         With `hold` (room reserved in the held budget by the caller) an accepted payload belongs
@@ -164,13 +169,30 @@ class Admission:
         A push whose norm is above the bound of `self.bounds` is refused (PUSH_REFUSED_NORM),
         and its token weight is capped there, before anything enters the round.
         """
-        norm = self._norm(learner_id, payload) if self.bounds.judges_norms else 0.0
+        key = owner or learner_id  # whose history the bounds keep and judge against
+        norm = self._norm(key, payload) if self.bounds.judges_norms else 0.0
         spent: list[torch.Tensor] = []
         rnd: Round | None = None
         with self.lock:
             verdict, claimed, capped = self._judge(
-                learner_id, base_version, tokens, steps, current_version, norm
+                key, base_version, tokens, steps, current_version, norm
             )
+            if (
+                verdict.outcome == pb.PUSH_ACCEPTED
+                and owner
+                and self.round is not None
+                and owner in self.round.owners
+            ):
+                verdict = Verdict(
+                    pb.PUSH_DROPPED_STALE,
+                    verdict.round_version,
+                    current_version,
+                    verdict.staleness,
+                    0.0,
+                    f"credential {owner!r} already contributed to round {verdict.round_version} "
+                    f"of fragment {self.fid} (one contribution per credential per round): "
+                    f"re-pull fragment {self.fid} once that round is merged",
+                )
             if verdict.outcome != pb.PUSH_ACCEPTED:
                 self.goodput.discarded(learner_id, share)
             else:
@@ -184,9 +206,11 @@ class Admission:
                 rnd.contributions.append(
                     Contribution(learner_id, base_version, verdict.weight, share)
                 )
+                if owner:
+                    rnd.owners.add(owner)
                 if journal is not None:
                     verdict.ticket = journal(verdict)
-                self.bounds.accepted(learner_id, norm, capped)
+                self.bounds.accepted(key, norm, capped)
                 self.goodput.accepted(learner_id, share)
         for buf in spent:
             self.payloads.give(buf)

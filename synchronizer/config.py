@@ -14,6 +14,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protos.framing import CHUNK_BYTES
+from synchronizer.credentials import load_tokens
 from synchronizer.shards import resolve_index
 
 RESERVED_WORKERS = 8  # gRPC workers no stream may take: heartbeats, joins, health checks
@@ -248,10 +249,20 @@ class SynchronizerConfig(BaseModel):
         ge=1,
         description="Push and pull streams served at once (each holds a gRPC worker); more get RESOURCE_EXHAUSTED",
     )
+    max_unidentified_streams: int = Field(
+        32,
+        ge=1,
+        description="Calls (of any method) waiting for their first message at once, before any says whose it is; each holds a gRPC worker and nothing else, for at most 5 s. Past it a new call displaces the oldest of the connection holding the most, so clients that open calls and send nothing cannot keep out learners that send theirs",
+    )
+    max_unidentified_per_peer: int = Field(
+        16,
+        ge=1,
+        description="Of max_unidentified_streams, how many one client connection (gRPC peer) may hold; past it a new call on that connection displaces its own oldest",
+    )
     max_workers: int = Field(
         0,
         ge=0,
-        description=f"gRPC worker threads; at least max_concurrent_streams + max_waiting_pulls + {RESERVED_WORKERS}, so heartbeats, joins and health checks always find one; 0 = exactly that",
+        description=f"gRPC worker threads; at least max_concurrent_streams + max_waiting_pulls + max_unidentified_streams + {RESERVED_WORKERS}, so heartbeats, joins and health checks always find one; 0 = exactly that",
     )
     apply_threads: int = Field(
         1,
@@ -300,6 +311,19 @@ class SynchronizerConfig(BaseModel):
         description="Bearer token for the admin Status RPC; learners' token gets PERMISSION_DENIED there",
         json_schema_extra={"secret": True},
     )
+    learner_tokens_file: Path | None = Field(
+        None,
+        description="Per-learner credentials: a file of 'NAME TOKEN' lines the operator manages, one token per credential name; each learner sends its own token, its learner id is bound at Join to that credential, and limits are counted per credential. Instead of auth_token",
+    )
+    client_cert_credentials: bool = Field(
+        False,
+        description="Per-learner credentials under mTLS (tls_client_ca): a learner's credential is the identity its client certificate names; ids bound at Join, limits counted per credential",
+    )
+    max_learners_per_credential: int = Field(
+        1,
+        ge=1,
+        description="With per-learner credentials: live learners one credential may have joined at once (each with its own streams and share of a round)",
+    )
     tls_cert: Path | None = Field(None, description="PEM server certificate: serve TLS")
     tls_key: Path | None = Field(None, description="PEM private key for tls_cert")
     tls_client_ca: Path | None = Field(
@@ -325,13 +349,18 @@ class SynchronizerConfig(BaseModel):
                 raise ValueError(
                     f"{name} must be 0 (off) or at least 1, got {ratio}: below 1 it would refuse or cap honest learners' typical pushes"
                 )
-        needed = self.max_concurrent_streams + self.max_waiting_pulls + RESERVED_WORKERS
+        needed = (
+            self.max_concurrent_streams
+            + self.max_waiting_pulls
+            + self.max_unidentified_streams
+            + RESERVED_WORKERS
+        )
         if self.max_workers == 0:
             self.max_workers = needed
         elif self.max_workers < needed:
             raise ValueError(
-                f"max_workers ({self.max_workers}) must be at least max_concurrent_streams ({self.max_concurrent_streams}) + max_waiting_pulls ({self.max_waiting_pulls}) + {RESERVED_WORKERS}: "
-                "every push, pull or waiting pull holds a gRPC worker, and heartbeats, joins and health checks need workers of their own"
+                f"max_workers ({self.max_workers}) must be at least max_concurrent_streams ({self.max_concurrent_streams}) + max_waiting_pulls ({self.max_waiting_pulls}) + max_unidentified_streams ({self.max_unidentified_streams}) + {RESERVED_WORKERS}: "
+                "every push, pull, waiting pull or call not yet identified holds a gRPC worker, and heartbeats, joins and health checks need workers of their own"
             )
         if self.anchor == "current" and self.update_history < self.max_staleness:
             raise ValueError(
@@ -345,6 +374,14 @@ class SynchronizerConfig(BaseModel):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        if self.client_cert_credentials and self.tls_client_ca is None:
+            raise ValueError("client_cert_credentials needs mTLS: tls_client_ca, tls_cert, tls_key")
+        if self.learner_tokens_file is not None:
+            if self.auth_token or self.client_cert_credentials:
+                raise ValueError(
+                    "learner_tokens_file gives each learner its own token: use it instead of auth_token and client_cert_credentials, not with them"
+                )
+            load_tokens(self.learner_tokens_file)  # a bad file is a configuration error
         return self
 
     @property

@@ -29,6 +29,7 @@ from protos.spec import ModelSpec
 from synchronizer import checkpoint, memory, shards, state
 from synchronizer.clock import Clock, SystemClock
 from synchronizer.config import SynchronizerConfig
+from synchronizer.credentials import Credentials, load_tokens
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.goodput import Goodput
 from synchronizer.grace import GraceWindow
@@ -72,6 +73,10 @@ class Synchronizer:
         self.goodput = Goodput(self.metrics, cfg.goodput_window_s, self.clock)
         self.grace = GraceWindow(cfg)
         self.streams = Streams(cfg, self.metrics, self.clock)
+        self.credentials = Credentials(
+            load_tokens(cfg.learner_tokens_file) if cfg.learner_tokens_file else None,
+            cfg.client_cert_credentials,
+        )
         self.model = ServedModel(
             cfg,
             self.metrics,
@@ -126,7 +131,7 @@ class Synchronizer:
 
     # Learners --------------------------------------------------------------------------------
 
-    def join(self, request: pb.JoinRequest) -> pb.JoinReply:
+    def join(self, request: pb.JoinRequest, call: Call | None = None) -> pb.JoinReply:
         """Admits a learner. Before the model is initialised any well-formed spec within the
         size limits is accepted and kept as that learner's proposal: the served spec is set
         only by a successful initialisation (InitModel or `init`), so a bogus Join decides
@@ -161,15 +166,24 @@ class Synchronizer:
                     f"model spec does not match the served model: {served.describe_difference(spec)}",
                 )
             needs_init = not self.model.initialized
+        credential = (call or Call()).credential
         rec, session, revived = self.registry.join(
-            request.learner_name, request.learner_id, request.session
+            request.learner_name,
+            request.learner_id,
+            request.session,
+            credential,
+            self.cfg.max_learners_per_credential if self.credentials.per_learner else 0,
         )
         rec.spec_hash = spec.spec_hash
         self.journal.joined(self.registry, rec)
         if needs_init:
             self.model.propose(spec)
         logger.info(
-            "learner %s (%s) %s", rec.learner_id, rec.name, "re-joined" if revived else "joined"
+            "learner %s (%s) %s%s",
+            rec.learner_id,
+            rec.name,
+            "re-joined" if revived else "joined",
+            f" under credential {credential}" if self.credentials.per_learner else "",
         )
         return pb.JoinReply(
             learner_id=rec.learner_id,
@@ -241,6 +255,7 @@ class Synchronizer:
                     state=r.state,
                     counters=r.counters(),
                     inner_steps=0,
+                    credential=r.credential,
                 )
                 for r in self.registry.learners.values()
             ]
@@ -283,6 +298,10 @@ class Synchronizer:
         self.goodput.tick(self.registry.capacity_slots())
         for learner_state, n in self.registry.counts().items():
             self.metrics.learners.labels(learner_state).set(n)
+        if self.credentials.per_learner:
+            live = self.registry.live_by_credential()
+            for name in set(self.credentials.tokens.values()) | set(live):
+                self.metrics.credential_learners.labels(name).set(live.get(name, 0))
         interval = self.cfg.checkpoint_interval_s
         now = self.clock.monotonic()
         if interval > 0 and now - self.last_checkpoint >= interval:

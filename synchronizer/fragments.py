@@ -112,6 +112,7 @@ class Fragment:
         hold: bool = False,
         journal: Callable[[Verdict], int] | None = None,
         order: tuple[str, str, int] = ("", "", 0),
+        owner: str = "",
     ) -> tuple[Verdict, Round | None]:
         """Judges one push into the open round (see `Admission.submit`)."""
         return self.admission.submit(
@@ -125,6 +126,7 @@ class Fragment:
             hold,
             journal,
             order,
+            owner,
         )
 
     def reserve_hold(self, nbytes: int, live: Callable[[], set[str]], wait_s: float) -> bool:

@@ -6,7 +6,9 @@ bytes flow); a lease that lapses makes it dead: it no longer counts toward "ever
 never holds a round. A dead learner may come back by joining again under its id. Join hands each new
 learner a random session secret; every later call under that id (and a re-join under it) must carry
 it, so one learner cannot act as another (PERMISSION_DENIED): only its SHA-256 is kept, and
-checkpointed, so learners keep their sessions across a restart. The registry also keeps each
+checkpointed, so learners keep their sessions across a restart. With per-learner credentials
+(`synchronizer.credentials`) an id is bound at Join to its credential too, and a credential has at
+most `max_learners_per_credential` live learners. The registry also keeps each
 learner's push replies by sequence number, so a retried push is answered, not applied twice, and
 computes the Dynamic Local Updates directive from measured step times.
 """
@@ -60,6 +62,7 @@ class LearnerRecord:
     max_seq: int = 0
     session_hash: str = ""  # SHA-256 of the session secret Join gave; "" = unbound (old checkpoint)
     spec_hash: str = ""  # of the model spec it joined with
+    credential: str = ""  # the credential it joined under ("" in shared mode)
     first_joined: float = 0.0  # wall clock, kept across restarts
     forgotten_up_to: int = 0  # replies up to this seq are no longer remembered
     replies: dict[int, pb.PushReply] = field(default_factory=dict)
@@ -102,6 +105,16 @@ def check_session(rec: LearnerRecord, session: str) -> None:
         )
 
 
+def check_credential(rec: LearnerRecord, credential: str) -> None:
+    """Refuses a call under another credential than the one this learner id joined under."""
+    if not hmac.compare_digest(rec.credential.encode(), credential.encode()):
+        raise Rejected(
+            Code.PERMISSION_DENIED,
+            "wrong_credential",
+            f"learner {rec.learner_id!r} joined under another credential; each credential acts only as its own learners (join without learner_id to get an id of your own)",
+        )
+
+
 def check_id(learner_id: str) -> None:
     """Refuses an id longer than any the Synchronizer hands out (it is logged and stored)."""
     if len(learner_id) > MAX_ID_CHARS:
@@ -129,11 +142,17 @@ class Registry:
         self.renew_every_s = min(RENEW_EVERY_S, lease_s / 4)
 
     def join(
-        self, name: str, learner_id: str = "", session: str = ""
+        self,
+        name: str,
+        learner_id: str = "",
+        session: str = "",
+        credential: str = "",
+        per_credential: int = 0,
     ) -> tuple[LearnerRecord, str, bool]:
-        """Registers (or revives) a learner; returns it, its session secret and whether it came
-        back from the dead. Re-joining under an id takes that id's session (PERMISSION_DENIED
-        otherwise) and keeps it.
+        """Registers (or revives) a learner under `credential`; returns it, its session secret
+        and whether it came back from the dead. Re-joining under an id takes that id's session
+        and credential (PERMISSION_DENIED otherwise) and keeps them. With `per_credential`, a
+        credential may have at most that many live learners (RESOURCE_EXHAUSTED past it).
 
         At most `max_learners` are alive at once: dead and left learners hold no slot. Records of
         dead and left learners are kept (for re-joins, duplicate pushes and goodput) up to
@@ -150,14 +169,18 @@ class Registry:
             rec = self.learners.get(learner_id) if learner_id else None
             if rec is not None:
                 check_session(rec, session)
+                check_credential(rec, credential)
                 if not rec.session_hash:  # restored from a checkpoint that kept no sessions
                     session = session or secrets.token_hex(16)
                     rec.session_hash = session_hash(session)
                 revived = rec.state != "alive"
+                if revived:
+                    self._check_credential_room(credential, per_credential, now)
                 rec.state, rec.died_at = "alive", None
                 rec.lease_deadline = now + self.lease_s
                 rec.name = name or rec.name
                 return rec, session, revived
+            self._check_credential_room(credential, per_credential, now)
             alive = sum(
                 1 for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline
             )
@@ -172,9 +195,27 @@ class Registry:
             rec = LearnerRecord(lid, name or lid, "alive", now + self.lease_s, now)
             rec.first_joined = self.clock.wall()
             rec.session_hash = session_hash(session)
+            rec.credential = credential
             self.learners[lid] = rec
             self._trim()
             return rec, session, False
+
+    def _check_credential_room(self, credential: str, per_credential: int, now: float) -> None:
+        """Refuses a learner beyond `per_credential` live ones of one credential (0: no limit).
+        Caller holds the lock."""
+        if not per_credential:
+            return
+        held = sum(
+            1
+            for r in self.learners.values()
+            if r.credential == credential and r.state == "alive" and now <= r.lease_deadline
+        )
+        if held >= per_credential:
+            raise Rejected(
+                Code.RESOURCE_EXHAUSTED,
+                "too_many_credential_learners",
+                f"credential {credential!r} has {held} live learners already (max_learners_per_credential={per_credential}); leave, or let one's lease lapse, before another joins",
+            )
 
     def _trim(self) -> None:
         """Forgets the longest-gone records beyond RECORDS_PER_SLOT * max_learners. Caller holds
@@ -315,6 +356,16 @@ class Registry:
                 r for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline
             ]
 
+    def live_by_credential(self) -> dict[str, int]:
+        """Live learners per credential of every learner known (0 where none is live)."""
+        now = self.clock.monotonic()
+        counts: dict[str, int] = {}
+        with self.lock:
+            for r in self.learners.values():
+                live = r.state == "alive" and now <= r.lease_deadline
+                counts[r.credential] = counts.get(r.credential, 0) + live
+        return counts
+
     def live_ids(self) -> set[str]:
         return {r.learner_id for r in self._live()}
 
@@ -388,6 +439,7 @@ class Registry:
             rec.session_hash = rec.session_hash or str(d.get("session_hash", ""))
             rec.first_joined = min(rec.first_joined, float(d.get("first_joined", rec.first_joined)))
             rec.spec_hash = str(d.get("spec_hash", rec.spec_hash))
+            rec.credential = str(d.get("credential", rec.credential))
             return rec
 
     def journal_of(self, rec: LearnerRecord) -> dict[str, Any]:
@@ -399,6 +451,7 @@ class Registry:
                 "session_hash": rec.session_hash,
                 "first_joined": rec.first_joined,
                 "spec_hash": rec.spec_hash,
+                "credential": rec.credential,
             }
 
     # Dynamic Local Updates -------------------------------------------------------------------
@@ -432,6 +485,7 @@ class Registry:
                     "max_seq": r.max_seq,
                     "session_hash": r.session_hash,
                     "spec_hash": r.spec_hash,
+                    "credential": r.credential,
                     "first_joined": r.first_joined,
                     "steps": r.steps,
                     "tokens": r.tokens,
@@ -460,6 +514,7 @@ class Registry:
                 rec.max_seq = rec.forgotten_up_to = int(d["max_seq"])
                 rec.session_hash = str(d.get("session_hash", ""))
                 rec.spec_hash = str(d.get("spec_hash", ""))
+                rec.credential = str(d.get("credential", ""))
                 rec.first_joined = float(d.get("first_joined", self.clock.wall()))
                 rec.steps, rec.tokens = int(d["steps"]), int(d["tokens"])
                 rec.compute_s, rec.blocked_s = float(d["compute_s"]), float(d["blocked_s"])

@@ -85,6 +85,12 @@ class Metrics:
         )
         self.build_info.labels(version()).set(1)
         self.learners = Gauge("diloco_learners", "Learners by lease state.", ["state"], registry=r)
+        self.credential_learners = Gauge(
+            "diloco_credential_learners",
+            "Live learners by the credential they joined under (per-learner credentials only).",
+            ["credential"],
+            registry=r,
+        )
         self.pushes = Counter(
             "diloco_pushes_total", "Fragment pushes by outcome.", ["outcome"], registry=r
         )

@@ -22,7 +22,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Link
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
-from synchronizer.leases import Registry
+from synchronizer.leases import Registry, check_credential
 from synchronizer.metrics import Metrics
 from synchronizer.model import FragmentFailed
 from synchronizer.served import ServedModel
@@ -55,6 +55,7 @@ class PullPath:
         version, after waiting (bounded, in a waiting slot) for `min_version`."""
         call = call or Call()
         rec = self.registry.alive(request.learner_id, request.session)
+        check_credential(rec, call.credential)
         codec_id = request.codec or pb.CODEC_FP32
         if codec_id not in PULL_CODECS:
             raise invalid("bad_codec", "pulls are served as CODEC_FP32 or CODEC_BF16")
@@ -63,14 +64,21 @@ class PullPath:
         if self.model.initialized:
             self.model.fragment(request.fragment_id)
         with contextlib.ExitStack() as held:
-            held.enter_context(self.streams.claimed(rec.learner_id))
+            held.enter_context(
+                self.streams.claimed(rec.learner_id, self.streams.counted(rec.credential))
+            )
             with self.streams.waiting() as free:
                 if free:
                     self._wait_for(request, call)
                 stream = held.enter_context(
-                    self.streams.transfer("pull", call, SLOT_PATIENCE_S if free else 0.0)
+                    self.streams.transfer(
+                        "pull",
+                        rec.learner_id,
+                        call,
+                        lambda: self.registry.renew(rec),
+                        SLOT_PATIENCE_S if free else 0.0,
+                    )
                 )
-            stream.owned_by(rec.learner_id, lambda: self.registry.renew(rec))
             self.model.require_initialized()
             frag = self.model.fragment(request.fragment_id)
             self.model.check_spec_hash(rec.spec_hash)  # the spec this learner joined with

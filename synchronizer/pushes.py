@@ -1,14 +1,15 @@
 """The push path: from a PushFragment stream to an acknowledged contribution.
 
-In the order a push meets them: a transfer slot (`synchronizer.streams`), the learner's lease
-and session (`synchronizer.leases`), the log's health (`synchronizer.journal`), the served
-model and fragment (`synchronizer.served`), the header and payload checks
-(`synchronizer.receive`), the duplicate table (a repeated seq is answered, never applied
-twice), room in the payload budget (`Fragment.reserve_hold`), the payload received into a
-pooled buffer, the fragment's verdict into its open round (`synchronizer.admission`) with its
+In the order a push meets them: its header (the server holds the call without a slot until it
+arrives), the learner's lease and session (`synchronizer.leases`), the log's health
+(`synchronizer.journal`), the learner's stream count and a transfer slot
+(`synchronizer.streams`), the served model and fragment (`synchronizer.served`), the header and
+payload checks (`synchronizer.receive`), the duplicate table (a repeated seq is answered, never
+applied twice), room in the payload budget (`Fragment.reserve_hold`), the payload received into
+a pooled buffer, the fragment's verdict into its open round (`synchronizer.admission`) with its
 write-ahead log record, and the reply once that record is durable. Then `Rounds` looks at the
-round (`synchronizer.rounds`). A push is acknowledged once its bytes are received, validated
-and logged; the outer step decodes it, so learners never wait for a decode.
+round (`synchronizer.rounds`). A push is acknowledged once its bytes are received, validated and
+logged; the outer step decodes it, so learners never wait for a decode.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Rejected, invalid
 from synchronizer.fragments import Fragment
 from synchronizer.journal import Journal
-from synchronizer.leases import LearnerRecord, Registry
+from synchronizer.leases import LearnerRecord, Registry, check_credential
 from synchronizer.metrics import Metrics
 from synchronizer.served import ServedModel
-from synchronizer.streams import Call, Stream, Streams
+from synchronizer.streams import Call, Streams
 
 PUSH_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_FP4_E3M0)
 # A push past the payload budget, to a round that has its quorum, waits this long for outer
@@ -64,8 +65,7 @@ class PushPath:
     def push(self, messages: PushMessages, call: Call | None = None) -> pb.PushReply:
         """Receives, validates and judges one push; the reply says what became of it."""
         with contextlib.ExitStack() as held:
-            stream = held.enter_context(self.streams.transfer("push", call or Call()))
-            reply, frag = self._push(stream, held, stream.moving(messages))
+            reply, frag = self._push(iter(messages), call or Call(), held)
         self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
         if frag is not None and self.model.rounds is not None:
             self.model.rounds.check(frag)
@@ -73,18 +73,26 @@ class PushPath:
 
     def _push(
         self,
-        stream: Stream,
+        stream_messages: Iterator[pb.PushRequest | wire.RawChunk],
+        call: Call,
         held: contextlib.ExitStack,
-        messages: Iterator[pb.PushRequest | wire.RawChunk],
     ) -> tuple[pb.PushReply, Fragment | None]:
-        first = next(messages, None)
+        # The server holds a call in `Streams.first_messages` until its header is here: the
+        # stream takes a slot only once the header names a learner whose session is valid.
+        first = next(stream_messages, None)
         if not isinstance(first, pb.PushRequest) or first.WhichOneof("kind") != "header":
             raise invalid("bad_stream", "PushFragment must start with a PushHeader")
         h = first.header
         rec = self.registry.alive(h.learner_id, h.session)
+        check_credential(rec, call.credential)
         self.journal.refuse_if_failing()
-        held.enter_context(self.streams.claimed(rec.learner_id))
-        stream.owned_by(rec.learner_id, lambda: self.registry.renew(rec))
+        held.enter_context(
+            self.streams.claimed(rec.learner_id, self.streams.counted(rec.credential))
+        )
+        stream = held.enter_context(
+            self.streams.transfer("push", rec.learner_id, call, lambda: self.registry.renew(rec))
+        )
+        messages = stream.moving(stream_messages)
         self.model.require_initialized()
         self.model.check_spec_hash(h.spec_hash)
         frag = self.model.fragment(h.fragment_id)
@@ -124,6 +132,7 @@ class PushPath:
                     hold=reserved,
                     journal=self.journal.push_journal(frag, h, received, rec.name, reserved),
                     order=(rec.name, rec.learner_id, h.seq),
+                    owner=self.streams.counted(rec.credential) or "",
                 )
                 kept = reserved and verdict.outcome == pb.PUSH_ACCEPTED  # the round owns it now
                 reply = pb.PushReply(

@@ -1,4 +1,5 @@
-"""Running the Synchronizer: the gRPC server with health, reflection, auth and limits.
+"""Running the Synchronizer: the gRPC server with health, reflection, auth and limits (every
+call waits for its first message in a bounded place, `FirstMessageInterceptor`).
 
 `serving(config)` is a context manager that starts everything (port 0 picks a free port) and
 yields a `RunningServer` with the bound addresses; leaving it shuts down in the documented order:
@@ -9,10 +10,11 @@ acknowledged contribution, final checkpoint. `serve(config)` runs until SIGTERM/
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +31,14 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.metrics import Metrics
 from synchronizer.service import SynchronizerService
+from synchronizer.streams import FirstMessages
 from synchronizer.wal import Disk
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Synchronizer"].full_name
-OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes carry no token
+REFLECTION = "/grpc.reflection."
+OPEN_METHODS = ("/grpc.health.v1.Health/", REFLECTION)  # probes carry no token
 
 
 ADMIN_METHODS = (f"/{SERVICE_NAME}/Status",)
@@ -60,13 +64,13 @@ def _abort_handler(
 class BearerTokenInterceptor(grpc.ServerInterceptor):
     """Checks `authorization: Bearer T` on every RPC but health and reflection.
 
-    Learner RPCs accept the learner token (or the admin token); admin RPCs need the admin token
-    when one is configured: a valid learner token there gets PERMISSION_DENIED, no or a wrong
-    token UNAUTHENTICATED.
+    Learner RPCs accept a learner token (the shared one, or any of the per-learner tokens) or
+    the admin token; admin RPCs need the admin token when one is configured: a valid learner
+    token there gets PERMISSION_DENIED, no or a wrong token UNAUTHENTICATED.
     """
 
-    def __init__(self, token: str | None, admin_token: str | None) -> None:
-        self.learner = f"Bearer {token}" if token else None
+    def __init__(self, tokens: Iterable[str], admin_token: str | None) -> None:
+        self.learners = {f"Bearer {t}" for t in tokens}
         self.admin = f"Bearer {admin_token}" if admin_token else None
 
     def intercept_service(
@@ -78,7 +82,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         if method.startswith(OPEN_METHODS):
             return continuation(details)
         presented = dict(details.invocation_metadata or ()).get("authorization")  # type: ignore[attr-defined]
-        known = {t for t in (self.learner, self.admin) if t}
+        known = self.learners | ({self.admin} if self.admin else set())
         if method in ADMIN_METHODS and self.admin:
             if presented == self.admin:
                 return continuation(details)
@@ -94,13 +98,108 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')",
             )
-        if self.learner is None or presented in known:
+        if not self.learners or presented in known:
             return continuation(details)
         return _abort_handler(
             continuation(details),
             grpc.StatusCode.UNAUTHENTICATED,
             "missing or wrong bearer token (metadata 'authorization: Bearer TOKEN')",
         )
+
+
+_NOTHING = object()  # a request stream that ended before its first message
+
+
+def _first_message_first(
+    handler: grpc.RpcMethodHandler, method: str, gate: FirstMessages
+) -> grpc.RpcMethodHandler:
+    """`handler` as a request-streaming handler (the same on the wire) that waits for the
+    call's first message in `gate`, then hands it to the real behaviour."""
+
+    def first(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        with gate.waiting(context.peer(), method, context.cancel):
+            head = next(requests, _NOTHING)
+        if head is _NOTHING and not context.is_active():
+            # Cut, or gone: the stream can end before the call reads as cancelled. The call is
+            # over, so this answers nobody; it ends the handler without an error logged.
+            context.abort(grpc.StatusCode.CANCELLED, "the call ended before its first message")
+        return head
+
+    behavior: Callable[..., Any]
+    wrapped: Callable[..., Any]
+    if handler.request_streaming:
+        behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
+
+        def wrapped(requests: Iterator[Any], context: grpc.ServicerContext, *more: Any) -> Any:
+            head = first(requests, context)
+            rest = requests if head is _NOTHING else itertools.chain((head,), requests)
+            return behavior(rest, context, *more)
+
+    else:
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+        def wrapped(requests: Iterator[Any], context: grpc.ServicerContext, *more: Any) -> Any:
+            head = first(requests, context)
+            if head is _NOTHING:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method} takes exactly one request message; the call ended without one",
+                )
+            return behavior(head, context, *more)
+
+    # A non-blocking behaviour (health's Watch) stays non-blocking: it answers through the
+    # callback gRPC passes (`more`), and holds no worker while it waits for changes.
+    for attr in ("experimental_non_blocking", "experimental_thread_pool"):
+        if hasattr(behavior, attr):
+            setattr(wrapped, attr, getattr(behavior, attr))
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
+    return make(wrapped, handler.request_deserializer, handler.response_serializer)
+
+
+def _held_for_the_whole_call(
+    handler: grpc.RpcMethodHandler, method: str, gate: FirstMessages
+) -> grpc.RpcMethodHandler:
+    """A stream-stream `handler` whose call keeps its place in `gate` until it ends: reflection
+    answers for as long as its stream stays open, holding a worker and naming no one, so an open
+    one is bounded, displaced and cut like a call that has sent nothing."""
+    behavior = handler.stream_stream
+
+    def wrapped(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        with gate.waiting(context.peer(), method, context.cancel):
+            yield from behavior(requests, context)
+
+    return grpc.stream_stream_rpc_method_handler(
+        wrapped, handler.request_deserializer, handler.response_serializer
+    )
+
+
+class FirstMessageInterceptor(grpc.ServerInterceptor):
+    """Holds every call, of every service, in `FirstMessages` until its first request message
+    arrives, so a call that sends nothing holds one bounded, displaceable place there and
+    nothing else: no transfer slot, no learner's count, no worker beyond that place. gRPC would
+    otherwise read a unary request on a worker before any handler runs, with no deadline but
+    the client's; here the handler reads it, and the real handler gets it. Reflection streams,
+    which never name a learner, keep their place until they end."""
+
+    def __init__(self, gate: FirstMessages) -> None:
+        self.gate = gate
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method: str = details.method  # type: ignore[attr-defined]
+        if method.startswith(REFLECTION) and handler.stream_stream is not None:
+            return _held_for_the_whole_call(handler, method, self.gate)
+        return _first_message_first(handler, method, self.gate)
 
 
 @dataclass
@@ -144,11 +243,14 @@ def start(
     log's file operations (tests inject faults there)."""
     metrics = metrics or Metrics()
     core = Synchronizer(cfg, metrics, disk).start()
-    interceptors = (
-        [BearerTokenInterceptor(cfg.auth_token, cfg.admin_token)]
-        if cfg.auth_token or cfg.admin_token
-        else []
-    )
+    # The first-message gate is outermost: a call refused for its token still waits for its
+    # first message (gRPC reads a unary request before any handler) in a bounded place.
+    interceptors: list[grpc.ServerInterceptor] = [
+        FirstMessageInterceptor(core.streams.first_messages)
+    ]
+    learner_tokens = list(core.credentials.tokens) or ([cfg.auth_token] if cfg.auth_token else [])
+    if learner_tokens or cfg.admin_token:
+        interceptors.append(BearerTokenInterceptor(learner_tokens, cfg.admin_token))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
@@ -191,6 +293,13 @@ def start(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     core.model.health_listeners.append(lambda reason: _not_serving(health_servicer, reason))
+    (logger.info if core.credentials.per_learner else logger.warning)(
+        "learner credentials: %s%s",
+        core.credentials.describe(),
+        f"; at most {cfg.max_learners_per_credential} live learners and their streams per credential"
+        if core.credentials.per_learner
+        else "; use learner_tokens_file or client_cert_credentials where learners are not trusted",
+    )
     logger.info(
         "Synchronizer serving gRPC on %s:%d, metrics on %s (epoch %s)",
         cfg.host,

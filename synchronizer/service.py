@@ -20,6 +20,7 @@ import grpc
 from protos import diloco_pb2 as pb
 from synchronizer import wire
 from synchronizer.core import Synchronizer
+from synchronizer.credentials import SHARED, Credentials
 from synchronizer.errors import Rejected
 from synchronizer.streams import Call
 
@@ -38,8 +39,18 @@ def _went_away(context: grpc.ServicerContext) -> bool:
     return not context.is_active()
 
 
-def _call(context: grpc.ServicerContext) -> Call:
-    return Call(cancel=context.cancel, on_end=context.add_callback)
+def _call(context: grpc.ServicerContext, credentials: Credentials) -> Call:
+    """The call as the core sees it; Rejected (UNAUTHENTICATED) without a credential where each
+    learner needs its own."""
+    credential = SHARED
+    if credentials.per_learner:
+        presented = dict(context.invocation_metadata() or ()).get("authorization", "")
+        token = presented[len("Bearer ") :] if presented.startswith("Bearer ") else None
+        auth = context.auth_context()
+        named = [*auth.get("x509_common_name", ()), *(context.peer_identities() or ())]
+        identities = [i.decode(errors="replace") for i in named]
+        credential = credentials.of_call(token, identities)
+    return Call(cancel=context.cancel, on_end=context.add_callback, credential=credential)
 
 
 class SynchronizerService:
@@ -90,7 +101,11 @@ class SynchronizerService:
 
         def handler(request: Any, context: grpc.ServicerContext) -> Any:
             try:
-                reply = call(request, _call(context)) if with_call else call(request)
+                reply = (
+                    call(request, _call(context, self.core.credentials))
+                    if with_call
+                    else call(request)
+                )
             except BaseException as e:  # noqa: BLE001 - re-raised or aborted by _finish
                 self._finish(method, context, e)
             self._finish(method, context, None)
@@ -103,7 +118,7 @@ class SynchronizerService:
     ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
         def handler(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
-                yield from call(request, _call(context))
+                yield from call(request, _call(context, self.core.credentials))
             except BaseException as e:  # noqa: BLE001 - re-raised or aborted by _finish
                 self._finish(method, context, e)
             self._finish(method, context, None)
@@ -115,7 +130,7 @@ class SynchronizerService:
         core = self.core
         return {
             "Join": grpc.unary_unary_rpc_method_handler(
-                self.unary("Join", core.join),
+                self.unary("Join", core.join, with_call=True),
                 pb.JoinRequest.FromString,
                 pb.JoinReply.SerializeToString,
             ),

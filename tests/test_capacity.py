@@ -18,7 +18,12 @@ SPEC = small_spec(fragments=1)
 
 def test_default_capacity_settings_keep_workers_for_unary_rpcs():
     cfg = SynchronizerConfig()
-    assert cfg.max_workers == cfg.max_concurrent_streams + cfg.max_waiting_pulls + RESERVED_WORKERS
+    assert cfg.max_workers == (
+        cfg.max_concurrent_streams
+        + cfg.max_waiting_pulls
+        + cfg.max_unidentified_streams
+        + RESERVED_WORKERS
+    )
 
 
 @pytest.mark.parametrize(
@@ -30,7 +35,7 @@ def test_default_capacity_settings_keep_workers_for_unary_rpcs():
         ),
         (
             {"max_workers": "20", "max_concurrent_streams": "4", "max_waiting_pulls": "10"},
-            ["max_workers (20)", "max_waiting_pulls (10)"],
+            ["max_workers (20)", "max_waiting_pulls (10)", "max_unidentified_streams (32)"],
         ),
         ({"max_message_bytes": str(MIN_MESSAGE_BYTES - 1)}, ["max_message_bytes"]),
     ],
@@ -47,7 +52,8 @@ def test_waiting_pulls_at_their_limit_leave_heartbeats_and_health_answering(make
     srv = make_server(
         max_concurrent_streams=2,
         max_waiting_pulls=waiting,
-        max_workers=2 + waiting + RESERVED_WORKERS,
+        max_unidentified_streams=4,
+        max_workers=2 + waiting + 4 + RESERVED_WORKERS,
         quorum=1,
         grace="none",
         max_pull_wait_s=60,

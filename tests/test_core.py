@@ -6,6 +6,7 @@ TLS, processes) is tested elsewhere against one on port 0.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -292,34 +293,70 @@ def test_stalled_init_upload_loses_its_claim_after_init_stall_s_on_the_clock(tmp
 
 
 def test_idle_streams_are_cut_at_their_deadline_on_the_clock(tmp_path, clock):
-    # A stream must say whose it is within IDENTIFY_S and then move every stream_idle_s; the
-    # housekeeping tick cancels it through its call otherwise (tested here on the clock; the
-    # gRPC side of a cancel in tests/test_leases_transfer.py).
+    # A transfer must move every stream_idle_s; the housekeeping tick cancels it through its
+    # call otherwise (tested here on the clock; the gRPC side of a cancel in
+    # tests/test_leases_transfer.py).
     core, spec = make(tmp_path, clock, stream_idle_s=30.0)
     try:
         (a,) = initialised(core, spec, ["a"])
         cancelled: list[str] = []
         with (
-            core.streams.transfer("push", Call(cancel=lambda: cancelled.append("anon"))),
-            core.streams.transfer("pull", Call(cancel=lambda: cancelled.append("owned"))) as owned,
+            core.streams.transfer(
+                "push", a.learner_id, Call(cancel=lambda: cancelled.append("push"))
+            ),
+            core.streams.transfer(
+                "pull", a.learner_id, Call(cancel=lambda: cancelled.append("pull"))
+            ) as pull,
         ):
-            owned.owned_by(a.learner_id, lambda: None)
-            clock.advance(IDENTIFY_S - 0.1)
+            clock.advance(20.0)
+            pull.touch()  # progress moves its deadline
+            clock.advance(10.1)
             core.tick()
-            assert cancelled == []
-            clock.advance(0.2)
-            core.tick()  # the anonymous stream said nothing within IDENTIFY_S
-            assert cancelled == ["anon"]
-            owned.touch()  # progress moves its deadline
-            clock.advance(29.9)
+            assert cancelled == ["push"]
+            clock.advance(19.8)
             core.tick()
-            assert cancelled == ["anon"]
+            assert cancelled == ["push"]
             clock.advance(0.2)
             core.tick()
-            assert cancelled == ["anon", "owned"]
+            assert cancelled == ["push", "pull"]
             cut = core.metrics.registry.get_sample_value
             assert cut("diloco_streams_cut_total", {"kind": "push"}) == 1
             assert cut("diloco_streams_cut_total", {"kind": "pull"}) == 1
+    finally:
+        core.close()
+
+
+def test_calls_without_a_first_message_are_cut_at_the_deadline_or_by_newer_ones(tmp_path, clock):
+    # Before its first message a call holds one place (per peer and in all) and nothing else;
+    # it is cut after IDENTIFY_S, or sooner by a newer call: its own peer's oldest at the
+    # peer's limit, else the oldest of the peer holding the most.
+    core, _ = make(tmp_path, clock, max_unidentified_per_peer=2, max_unidentified_streams=3)
+    gate = core.streams.first_messages
+    cancelled: list[str] = []
+    try:
+        with contextlib.ExitStack() as held:
+
+            def call(peer: str, name: str) -> None:
+                held.enter_context(gate.waiting(peer, "m", lambda: cancelled.append(name)))
+                clock.advance(0.1)
+
+            call("A", "a1")
+            call("A", "a2")
+            call("A", "a3")  # A at its limit of 2: its own oldest goes
+            assert cancelled == ["a1"] and gate.held("A") == 2
+            call("B", "b1")  # 3 in all, the limit
+            call("C", "c1")  # all full: the oldest of the fullest peer (A) goes, not B's
+            assert cancelled == ["a1", "a2"]
+            assert (gate.held("A"), gate.held("B"), gate.held("C"), gate.held()) == (1, 1, 1, 3)
+            assert core.streams.transfers == 0  # none of them holds a transfer slot
+            clock.advance(IDENTIFY_S - 0.25)  # a3 has waited IDENTIFY_S + 0.05, b1 and c1 less
+            core.tick()
+            assert cancelled == ["a1", "a2", "a3"]
+            clock.advance(0.2)
+            core.tick()
+            assert sorted(cancelled[3:]) == ["b1", "c1"] and gate.held() == 0
+        cut = core.metrics.registry.get_sample_value
+        assert cut("diloco_streams_cut_total", {"kind": "unidentified"}) == 5
     finally:
         core.close()
 

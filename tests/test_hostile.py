@@ -94,8 +94,8 @@ def _sample(srv, name: str, **labels: str) -> float:  # type: ignore[no-untyped-
     return srv.synchronizer.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def test_idle_push_streams_are_cut_and_free_their_slots(make_server):
-    srv = make_server(quorum=1, grace="none", max_concurrent_streams=4, stream_idle_s=1.0)
+def test_push_streams_without_a_header_hold_no_slot_and_are_cut(make_server):
+    srv = make_server(quorum=1, grace="none", max_concurrent_streams=4)
     c = Client(srv.address, SPEC, "honest")
     c.join()
     c.init([torch.zeros(N)])
@@ -107,13 +107,15 @@ def test_idle_push_streams_are_cut_and_free_their_slots(make_server):
 
     try:
         idle = [c.stub.PushFragment.future(silent(), timeout=TIMEOUT) for _ in range(4)]
-        assert wait_until(lambda: _sample(srv, "diloco_streams_open") == 4)
-        assert _code(lambda: c.push(0, torch.ones(N))) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert _health_answers(srv.address)  # the reserved workers answer meanwhile
-        for f in idle:  # never identified: cut after min(stream_idle_s, IDENTIFY_S)
-            assert _code(f.result) == grpc.StatusCode.CANCELLED
-        assert _sample(srv, "diloco_streams_cut_total", kind="push") == 4
+        gate = srv.synchronizer.streams.first_messages
+        assert wait_until(lambda: gate.held() == 4)
+        assert _sample(srv, "diloco_streams_open") == 0  # no transfer slot before a header
         assert c.push(0, torch.ones(N)).outcome == pb.PUSH_ACCEPTED
+        assert _health_answers(srv.address)
+        for f in idle:  # never identified: cut after IDENTIFY_S
+            assert _code(f.result) == grpc.StatusCode.CANCELLED
+        assert _sample(srv, "diloco_streams_cut_total", kind="unidentified") == 4
+        assert gate.held() == 0
     finally:
         hold.set()
 
