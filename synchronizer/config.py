@@ -35,10 +35,12 @@ class SynchronizerConfig(BaseModel):
         "limits": "init_stall_s max_pull_wait_s max_waiting_pulls stream_idle_s "
         "max_streams_per_learner max_model_params memory_limit_bytes payload_budget_bytes "
         "snapshot_budget_bytes max_spec_bytes max_message_bytes max_concurrent_streams "
-        "max_workers apply_threads compute_threads",
+        "max_unidentified_streams max_unidentified_per_peer max_workers apply_threads "
+        "compute_threads",
         "durability": "state_dir checkpoint_interval_s keep_checkpoints wal wal_wait_s "
         "wal_segment_bytes shutdown_grace_s",
-        "security": "auth_token admin_token tls_cert tls_key tls_client_ca",
+        "security": "auth_token admin_token tls_cert tls_key tls_client_ca learner_tokens_file "
+        "client_cert_credentials max_learners_per_credential",
         "observability": "goodput_window_s log_level log_format",
     }
 

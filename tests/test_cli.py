@@ -748,6 +748,7 @@ def test_status_exits_3_when_no_shard_answers_and_4_when_one_refuses(make_server
 
     open_ = make_server(state_dir=tmp_path / "open")
     locked = make_server(state_dir=tmp_path / "locked", admin_token=ADMIN_TOKEN)
+    capsys.readouterr()  # the servers' own start-up lines, logged here in-process
     addresses = f"{open_.address},{locked.address}"
     rc, out, err = _run(capsys, "status", "--synchronizer", addresses, "--admin-token", "wrong")
     assert rc == 4 and not out
