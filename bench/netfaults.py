@@ -13,7 +13,8 @@ records what each fault did:
   each a `Fault` with the bytes the transfer had moved when it was cut and what moved while the
   link was down (nothing, or the cut did not hold).
 - `FaultJob`: a `bench.jobs.DilocoJob` that keeps the Synchronizer's last metrics in its summary
-  and watches, while it runs, which learners the Synchronizer lists and in which state.
+  and watches, while it runs, which learners the Synchronizer lists, in which state, and how
+  many its metrics count dead.
 """
 
 from __future__ import annotations
@@ -145,17 +146,16 @@ class Sighting:
 
 @dataclass
 class Reading:
-    """The Synchronizer's goodput counters at one moment (its Prometheus samples)."""
+    """The Synchronizer's count of dead learners at one moment (its Prometheus samples)."""
 
     t: float  # wall clock
-    lost_compute_s: float  # diloco_compute_seconds_total{bucket="lost"}
     dead: float  # diloco_learners{state="dead"}
 
 
 @dataclass
 class Watch:
-    """Every learner the Synchronizer listed while a job ran, and its goodput counters, polled
-    from this process."""
+    """Every learner the Synchronizer listed while a job ran, and how many it counted dead,
+    polled from this process."""
 
     sightings: list[Sighting] = field(default_factory=list)
     readings: list[Reading] = field(default_factory=list)
@@ -174,14 +174,8 @@ class Watch:
         seen = [s.state for s in self.sightings if s.learner_id == learner_id]
         return seen[-1] if seen else ""
 
-    def lost_between(self, since: float, until: float) -> float:
-        """Compute seconds the Synchronizer counted lost between two wall-clock times (the
-        readings nearest inside them)."""
-        inside = [r.lost_compute_s for r in self.readings if since <= r.t <= until]
-        return inside[-1] - inside[0] if inside else 0.0
-
     def wait_for(self, learner_id: str, state: str, timeout_s: float) -> float:
-        """Until the Synchronizer lists the learner in `state`; the wall time it first did.
+        """Until the Synchronizer lists the learner in `state`; the wall time it was seen so.
         TimeoutError naming the state it was in otherwise."""
         deadline = time.monotonic() + timeout_s
         since = time.time()
@@ -233,11 +227,7 @@ class FaultJob(DilocoJob):
                 self.watch.errors += 1
                 continue
             self.watch.readings.append(
-                Reading(
-                    time.time(),
-                    metric(samples, "diloco_compute_seconds_total", bucket="lost"),
-                    metric(samples, "diloco_learners", state="dead"),
-                )
+                Reading(time.time(), metric(samples, "diloco_learners", state="dead"))
             )
 
     def start(self) -> None:

@@ -230,6 +230,7 @@ def check_accounts(summary, job, out):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_a_learner_whose_link_partitions_stalls_and_resets_rejoins_as_itself_and_nothing_merges_twice(
     tmp_path,
 ):
@@ -259,15 +260,17 @@ def test_a_learner_whose_link_partitions_stalls_and_resets_rejoins_as_itself_and
     assert len(job.watch.ids(name_prefix="l")) == 2
     assert me["errors"] > 0  # the faults reached it
 
-    # The accounting says what happened: the learner dead for the partition (and forgotten,
-    # past forget_after_s), its unpushed work counted lost then, and alive again after it.
+    # The accounting says what happened: the learner dead for the partition (then forgotten,
+    # past forget_after_s: no longer capacity) and counted so (diloco_learners), alive again
+    # after it; what it had not pushed when its lease lapsed is lost, and not counted again
+    # when it pushed it after all (check_accounts: every token in one bucket).
     cut = faults[0]
     during = job.watch.states(done["id"], cut.started, cut.ended)
-    assert "dead" in during and "alive" not in job.watch.states(
-        done["id"], cut.started + LEASE_S + 0.5, cut.ended
-    ), during
-    assert job.watch.lost_between(cut.started, cut.ended + 1) > 0
-    assert job.watch.state_of(done["id"]) in ("alive", "left")
+    # reaped within a housekeeping period (0.5 s) of its lease's end, seen within a poll
+    settled = cut.started + LEASE_S + 1.0
+    assert "dead" in during and "alive" not in job.watch.states(done["id"], settled, cut.ended)
+    assert max(r.dead for r in job.watch.readings if cut.started <= r.t <= cut.ended) >= 1
+    assert "alive" in job.watch.states(done["id"], cut.ended)
 
     # The run still trains as well: the global model's loss within the spread of runs without
     # faults.
