@@ -12,6 +12,8 @@ records what each fault did:
   (every connection of the slot aborted, its peers sent a RST) and a partition for a given time;
   each a `Fault` with the bytes the transfer had moved when it was cut and what moved while the
   link was down (nothing, or the cut did not hold).
+- `slow_factor`: how much slower learners must run (`--slow`) for a run to last as long on any
+  machine, idle or loaded, from one inner step timed here.
 - `FaultJob`: a `bench.jobs.DilocoJob` that keeps the Synchronizer's last metrics in its summary
   and watches, while it runs, which learners the Synchronizer lists, in which state, and how
   many its metrics count dead.
@@ -19,6 +21,7 @@ records what each fault did:
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -26,10 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.jobs import Decoupled, DilocoJob, Workload
 from bench.net import Namespaces
 from demo.procs import metric, scrape
 from demo.tiny import status
+from demo.train import build, make_optimizer
 
 SENT, RECEIVED = 0, 1  # directions, as in `Links.counters`: the learner's sent, its received
 DIRECTION = {SENT: "push", RECEIVED: "pull"}
@@ -62,6 +68,29 @@ def await_transfer(
                 f"no {DIRECTION[direction]} flowed across slot {slot}'s link within {timeout_s} s"
             )
         time.sleep(poll_s)  # polling the kernel's counters: there is no event to wait on
+
+
+def slow_factor(workload: Workload, step_s: float, steps: int = 15) -> float:
+    """The `--slow` factor that makes an inner step of the workload's model take about
+    `step_s` of wall time here, now: the median of `steps` steps timed in this process on one
+    thread, as a learner runs them (at least 1.5, at most 20)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, batch_fn, _ = build(workload.options(), torch.device("cpu"))
+        optimizer = make_optimizer(model, workload.options())
+        times = []
+        for _ in range(steps + 3):  # the first few warm up
+            t = time.perf_counter()
+            x, y = batch_fn()
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return min(20.0, max(1.5, step_s / statistics.median(times[3:])))
 
 
 @dataclass

@@ -6,9 +6,10 @@ count each step once). A judged push moves its share into `discarded` (dropped o
 into pending; a closed round moves its contributions' pending shares into `merged`. When a lease
 lapses, what the learner reported processing but never pushed becomes `lost`. A learner that was
 only cut off (a partition, not a crash) comes back as itself and pushes that work after all:
-what it wrote off is then not counted again (it stays lost, the rest of the push counts), until
-the learner leaves. Everything else is in flight. Capacity is wall-clock seconds of every joined learner, alive or dead (until it leaves
-or is forgotten); goodput = merged compute / capacity over a sliding window.
+what was written off is not counted again (it stays lost, the rest of the push counts) until the
+learner leaves. Everything else is in flight. Capacity is wall-clock seconds of every joined
+learner, alive or dead (until it leaves or is forgotten); goodput = merged compute / capacity
+over a sliding window.
 
 A shard of a sharded Synchronizer serves `fraction` of the model: what learners report and their
 capacity count that fraction, as its pushes do, so every shard's goodput is its own and the

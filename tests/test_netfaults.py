@@ -121,20 +121,21 @@ def test_a_paced_transfer_is_caught_while_it_flows(links):
 # A real run ------------------------------------------------------------------------------------
 
 LEASE_S = 2.0  # short, so the partition outlasts the lease within a few seconds
-FORGET_S = 3.0  # and the Synchronizer's forgetting of the dead learner (dead, then left)
 PARTITION_S = 3 * LEASE_S
 STALL_S = 1.6  # longer than stream_idle_s: the Synchronizer cuts the stalled push stream
 RATE_BPS = 512_000  # paces the links: a push or a pull of a fragment takes 0.1-0.7 s
 STEPS = 500
+STEP_S = 0.07  # wall time of an inner step (with the sleep): 35 s of training, faults take ~20
 FAULTED = 1  # the slot whose link fails; slot 0 trains undisturbed
-# Final eval loss of the global model, faulted run against the same run without faults. Both
-# runs are asynchronous (K = 1) on a loaded machine, so they differ even without faults: three
-# runs without faults here ended within LOSS_SPREAD of each other, and the faulted learner's lost
-# time (about a third of its run) costs the run some of its data.
+# Final eval loss of the global model (from 5.3 at the start), faulted run against the same run
+# without faults. Both are asynchronous (K = 1) on a loaded machine, so they differ even without
+# faults. Measured here (two pairs of this test's runs, three with 600 steps): runs without
+# faults within 0.01 of each other, faulted runs within 0.05 of their pair's run without (the
+# faulted learner misses about a third of its run's syncs); the tolerance is twice that.
 LOSS_TOLERANCE = 0.1
 
 
-def job_config():
+def job_config(slow):
     from bench.jobs import SMOKE, Decoupled
 
     workload = dataclasses.replace(SMOKE, steps=STEPS, log_every=10)
@@ -145,21 +146,24 @@ def job_config():
         fragments=2,
         codec="int8",
         lease_s=LEASE_S,
-        synchronizer_args=["--stream-idle-s", "1", "--forget-after-s", str(FORGET_S)],
-        # each learner sleeps twice its step time after each step: a run long enough for the
-        # faults, at a third of a core per learner
-        train_args=["--slow", "3", "--rpc-timeout-s", "5"],
+        # forget_after_s stays 10 s (bench.jobs): the learner is dead, not forgotten, when it
+        # comes back (a record forgotten for good comes back with a new session)
+        synchronizer_args=["--stream-idle-s", "1"],
+        # learners sleep after each step, so that the run lasts long enough for the faults on
+        # an idle machine as on a loaded one, at a fraction of a core each
+        train_args=["--slow", f"{slow:.2f}", "--rpc-timeout-s", "5"],
     )
     return cfg, workload
 
 
-def run_job(out, faults):
-    """One run with or without faults on slot FAULTED: (summary, job, faults done, error)."""
+def run_job(out, faults, slow):
+    """One run with or without faults on slot FAULTED: (summary, job, faults done, what the
+    scenario saw)."""
     from bench.net import Namespaces
     from bench.netfaults import RECEIVED, SENT, FaultJob, LinkFaults
     from demo.procs import read_json
 
-    cfg, workload = job_config()
+    cfg, workload = job_config(slow)
     done: dict[str, Any] = {"thread": None, "error": None, "id": "", "session": ""}
     links = Namespaces(workload.learners)
     with links:
@@ -235,12 +239,14 @@ def test_a_learner_whose_link_partitions_stalls_and_resets_rejoins_as_itself_and
     tmp_path,
 ):
     need_namespaces()
+    from bench.netfaults import slow_factor
     from demo.procs import metric
 
-    base, base_job, _, _ = run_job(tmp_path / "baseline", faults=False)
+    slow = slow_factor(job_config(1.0)[1], STEP_S)
+    base, base_job, _, _ = run_job(tmp_path / "baseline", faults=False, slow=slow)
     check_accounts(base, base_job, tmp_path / "baseline")
 
-    faulted, job, faults, done = run_job(tmp_path / "faulted", faults=True)
+    faulted, job, faults, done = run_job(tmp_path / "faulted", faults=True, slow=slow)
     assert done["error"] is None, f"{done['error']!r}\n{job.children.tails()}"
     assert [f.kind for f in faults] == ["partition", "stall_push", "stall_pull", "reset_push"]
     results = check_accounts(faulted, job, tmp_path / "faulted")
@@ -260,10 +266,10 @@ def test_a_learner_whose_link_partitions_stalls_and_resets_rejoins_as_itself_and
     assert len(job.watch.ids(name_prefix="l")) == 2
     assert me["errors"] > 0  # the faults reached it
 
-    # The accounting says what happened: the learner dead for the partition (then forgotten,
-    # past forget_after_s: no longer capacity) and counted so (diloco_learners), alive again
-    # after it; what it had not pushed when its lease lapsed is lost, and not counted again
-    # when it pushed it after all (check_accounts: every token in one bucket).
+    # The accounting says what happened: the learner dead for the partition and counted so
+    # (diloco_learners), alive again after it; what it had not pushed when its lease lapsed is
+    # lost, and not counted again when it pushed it after all (check_accounts: every token in
+    # one bucket).
     cut = faults[0]
     during = job.watch.states(done["id"], cut.started, cut.ended)
     # reaped within a housekeeping period (0.5 s) of its lease's end, seen within a poll
