@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from demo.tiny import status
 from learner import Learner
 from learner.client import SyncClient
 from learner.fragments import FragmentPlan
@@ -371,10 +372,9 @@ def test_a_learner_the_synchronizer_forgot_comes_back_under_its_id_and_session(t
         try:
             assert learner.client is not None
             me = (learner.learner_id, learner.client.session)
-            client = learner.client
 
             def listed() -> dict[str, str]:
-                return {r.learner_id: r.state for r in client.status().learners}
+                return {r.learner_id: r.state for r in status(srv.address).learners}
 
             assert wait_until(lambda: listed().get(me[0]) == "left", 10)
             assert wait_until(lambda: listed().get(me[0]) == "alive", 10)
