@@ -369,6 +369,48 @@ class Namespaces(Links):
             )  # a veth goes with its namespace: errors are fine
         self.created = []
 
+    # Faults on one slot's link (bench/netfaults.py times them; tests/test_netfaults.py) ----------
+
+    def partition(self, slot: int) -> None:
+        """Cuts slot i off until `heal`: the bridge's end of its veth goes down, so nothing
+        crosses the link either way (frames queued in its shaping are dropped too, and the
+        veth's counters stop). Connections stay open and their TCP retransmits, as across a
+        real partition: neither end is told."""
+        _run("ip", "link", "set", self._veth(slot), "down")
+
+    def heal(self, slot: int) -> None:
+        """Ends slot i's partition (a no-op if it has none)."""
+        _run("ip", "link", "set", self._veth(slot), "up")
+
+    def partitioned(self, slot: int) -> bool:
+        """Whether slot i is cut off."""
+        with open(f"/sys/class/net/{self._veth(slot)}/flags") as f:
+            return not int(f.read(), 16) & 1  # IFF_UP
+
+    def reset(self, slot: int) -> int:
+        """Resets every TCP connection slot i has open across its link: `ss -K` aborts them in
+        its namespace (the processes there see ECONNABORTED) and the kernel sends each peer a
+        RST (ECONNRESET there). Returns how many were reset."""
+        ns = self._ns(slot)
+        r = subprocess.run(
+            ["ip", "netns", "exec", ns, "ss", "-K", "-t", "-n", "-H", "dst", f"{self.net}.0/24"],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise LinkError(f"ss -K in {ns}: {r.stderr.strip() or r.stdout.strip()}")
+        return len(r.stdout.splitlines())
+
+    def shape(self, slot: int, rate_bps: float, burst_bytes: int = 3000) -> None:
+        """Limits slot i's link to `rate_bps` each way with a bucket of `burst_bytes` (more
+        than one frame): unlike the construction's 10 ms bucket, small transfers are paced too,
+        so a push or a pull of a few KiB lasts long enough to be caught while it flows."""
+        ns, veth = self._ns(slot), self._veth(slot)
+        shape = ["root", "tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst_bytes)]
+        shape += ["latency", "50ms"]
+        _run("tc", "qdisc", "replace", "dev", veth, *shape)  # toward the learner
+        _run("tc", "-n", ns, "qdisc", "replace", "dev", "eth0", *shape)  # from the learner
+
 
 def _no_ipv6(ifname: str) -> None:
     """No router solicitations or neighbour discovery chatter in the counts."""

@@ -275,16 +275,20 @@ class Session:
                     )
                 time.sleep(wait)
 
-    def recover(self, seen_generation: int, fresh: bool = False) -> None:
-        """Re-joins (under the same id unless `fresh`); a no-op if someone re-joined since
-        `seen_generation`. On a new server epoch the engine re-pulls every fragment and drops
-        unanswered pushes (their progress stays in the local parameters). Never raises."""
+    def recover(self, seen_generation: int) -> None:
+        """Re-joins under this learner's id and session; a no-op if someone re-joined since
+        `seen_generation`. Always as itself, even when the Synchronizer no longer lists it
+        (NOT_FOUND: dead past its forget_after_s), which takes it back while it keeps the
+        record: its push replies stay its own, so a push retried after a lost reply is answered
+        as a duplicate, never applied again under a new id. On a new server epoch the engine
+        re-pulls every fragment and drops unanswered pushes (their progress stays in the local
+        parameters). Never raises."""
         with self.join_lock:
             if self.generation != seen_generation or self.stopping.is_set():
                 return
             old_epoch, old_id = self.epoch, self.client.learner_id
             try:
-                reply = self._join("" if fresh else old_id)
+                reply = self._join(old_id)
                 if reply.needs_init:
                     try:
                         self.client.init_model(self.global_params())
@@ -389,7 +393,7 @@ class Session:
                 code = e.code()
                 self.failed(f"heartbeat failed: {code.name} {e.details()}")
                 if code in REJOIN_CODES:
-                    self.recover(generation, fresh=code == grpc.StatusCode.NOT_FOUND)
+                    self.recover(generation)
                 continue
             self.succeeded()
             self.inner_steps, self.inner_steps_scale = reply.inner_steps, reply.inner_steps_scale

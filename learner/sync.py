@@ -356,7 +356,7 @@ class SyncEngine:
                         self._drop(job, "rejected", resync=True)
                     else:
                         refused = job.seq
-                        self.session.recover(generation, fresh=code == grpc.StatusCode.NOT_FOUND)
+                        self.session.recover(generation)
                 if self._backoff(failures):
                     return
                 failures += 1
@@ -428,7 +428,7 @@ class SyncEngine:
                     code, detail = None, str(e)
                 self.session.failed(f"pull min_version={min_version} failed: {detail}", p)
                 if code in REJOIN_CODES:
-                    self.session.recover(generation, fresh=code == grpc.StatusCode.NOT_FOUND)
+                    self.session.recover(generation)
                 if self._backoff(failures):
                     return
                 failures += 1

@@ -203,15 +203,15 @@ class Admission:
                     rnd.held.append(Held(payload[0], payload[1], verdict.weight, order))
                 else:
                     spent = self._add_now(rnd, payload, verdict.weight)
+                counted = self.goodput.accepted(learner_id, share)
                 rnd.contributions.append(
-                    Contribution(learner_id, base_version, verdict.weight, share)
+                    Contribution(learner_id, base_version, verdict.weight, counted)
                 )
                 if owner:
                     rnd.owners.add(owner)
                 if journal is not None:
                     verdict.ticket = journal(verdict)
                 self.bounds.accepted(key, norm, capped)
-                self.goodput.accepted(learner_id, share)
         for buf in spent:
             self.payloads.give(buf)
         if verdict.outcome == pb.PUSH_REFUSED_NORM:

@@ -240,7 +240,7 @@ class Synchronizer:
         rec = self.registry.member(request.learner_id, request.session)
         self._report(rec, request.counters, 0.0)
         self.registry.leave(request.learner_id)
-        self.goodput.died(request.learner_id)
+        self.goodput.died(request.learner_id, left=True)
         logger.info("learner %s (%s) left", rec.learner_id, rec.name)
         if self.model.rounds is not None:
             self.model.rounds.check_all()

@@ -390,6 +390,42 @@ def test_every_reported_token_ends_in_one_bucket_merged_discarded_or_lost(tmp_pa
         core.close()
 
 
+def test_work_counted_lost_when_a_lease_lapsed_is_not_counted_again_once_the_learner_pushes_it(
+    tmp_path, clock
+):
+    """A learner cut off by a partition (not crashed) comes back as itself and pushes the work
+    its lapsed lease had written off: that part stays lost, so no token is in two buckets."""
+    core, _ = make(tmp_path, clock, quorum=1, grace="none", lease_s=2.0)
+    spec = small_spec(sizes=(300, 100), fragments=2)
+    try:
+        a = CoreClient(core, spec, "a")
+        a.join()
+        a.init([torch.zeros(f.numel) for f in spec.fragments])
+        a.heartbeat(steps=20, tokens=2000, compute_s=4.0)
+        clock.advance(2.1)  # cut off: its lease lapses, the 2000 tokens it never pushed are lost
+        core.tick()
+        assert buckets(core)["lost"] == pytest.approx(2000)
+        a.join(again=True)  # back, as itself
+        a.heartbeat(steps=30, tokens=3000, compute_s=6.0)
+        for p, f in enumerate(spec.fragments):  # what it trained before and after the partition
+            pushed = a.push(p, torch.ones(f.numel), tokens=3000, steps=30, compute_s=6.0)
+            assert pushed.outcome == pb.PUSH_ACCEPTED
+        got = buckets(core)
+        assert got["lost"] == pytest.approx(2000)
+        assert got["merged"] == pytest.approx(1000)
+        assert sum(got.values()) == pytest.approx(3000)
+        reg = core.metrics.registry
+        compute = {
+            b: reg.get_sample_value("diloco_compute_seconds_total", {"bucket": b})
+            for b in ("merged", "lost")
+        }
+        assert compute == {"merged": pytest.approx(2.0), "lost": pytest.approx(4.0)}
+        a.leave()  # gone for good: nothing of it is written off any more
+        assert core.goodput.written_off == {}
+    finally:
+        core.close()
+
+
 def buckets(core: Synchronizer) -> dict[str, float]:
     reg = core.metrics.registry
     out = {

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from demo.tiny import status
 from learner import Learner
 from learner.client import SyncClient
 from learner.fragments import FragmentPlan
@@ -350,6 +351,37 @@ def test_restarted_learner_comes_back_under_its_id_and_serves_metrics(tmp_path):
             assert "diloco_learner_steps_total 4.0" in text
         finally:
             again.close()
+
+
+def test_a_learner_the_synchronizer_forgot_comes_back_under_its_id_and_session(tmp_path):
+    """Silent past its lease and then forget_after_s (a partition), a learner is no longer
+    listed (NOT_FOUND) but its record is kept: it re-joins as itself, its push replies with it,
+    not as a new learner."""
+    # Dead 0.5 s after its last call, listed "left" 2 s later and dropped 2 s after that; its
+    # heartbeat comes 3.5 s apart, in between.
+    with running(server_config(tmp_path, lease_s=0.5, forget_after_s=2.0)) as srv:
+        model = mlp(0)
+        learner = Learner(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            synchronizer=srv.address,
+            sync_every=1000,
+            fragments=1,
+            heartbeat_interval_s=3.5,
+        )
+        try:
+            assert learner.client is not None
+            me = (learner.learner_id, learner.client.session)
+
+            def listed() -> dict[str, str]:
+                return {r.learner_id: r.state for r in status(srv.address).learners}
+
+            assert wait_until(lambda: listed().get(me[0]) == "left", 10)
+            assert wait_until(lambda: listed().get(me[0]) == "alive", 10)
+            assert (learner.learner_id, learner.client.session) == me
+            assert list(listed()) == [me[0]]
+        finally:
+            learner.close()
 
 
 def test_constructor_raises_clearly_on_a_different_model_bad_token_or_no_server(tmp_path):

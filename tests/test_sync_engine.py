@@ -250,14 +250,18 @@ def test_a_push_refused_again_after_a_rejoin_is_dropped_and_its_fragment_repulle
     assert fake.applied == []
 
 
-def test_an_unknown_learner_id_rejoins_as_a_new_learner(fake, started):
+def test_a_forgotten_learner_rejoins_under_its_own_id(fake, started):
+    """NOT_FOUND (dead past the Synchronizer's forget_after_s): it joins again as itself, so
+    its push replies stay its own; under a new id a push retried after a lost reply would be
+    accepted a second time."""
     engine = started(fake)
     fake.fail_next("push", grpc.StatusCode.NOT_FOUND)
     j = job(0)
     assert engine.submit(j)
     assert arrival(engine).job is j
-    assert fake.calls_of("join") == [("",), ("",)]
-    assert engine.client.learner_id == "learner-2"
+    assert fake.calls_of("join") == [("",), ("learner-1",)]
+    assert engine.client.learner_id == "learner-1"
+    assert [c[1] for c in fake.calls_of("push")] == [j.seq, j.seq]
 
 
 def test_a_failed_rejoin_is_recorded_and_retried_not_raised(fake, started):
