@@ -155,7 +155,9 @@ class State:
             # No copies: one fragment at a time is frozen at its version (its outer steps wait;
             # pushes and pulls go on) while its live tensors are written.
             room = checkpoint.HEADER_ROOM + len(spec_text) + 512 * self.cfg.max_learners
-            with checkpoint.Writer(self.cfg.state_dir, self.cfg.keep_checkpoints, room) as writer:
+            with checkpoint.Writer(
+                self.cfg.state_dir, self.cfg.keep_checkpoints, room, self.journal.disk
+            ) as writer:
                 for frag in fragments:
                     with frag.model.frozen_state() as (tensors, m):
                         writer.add(tensors)
@@ -167,6 +169,11 @@ class State:
                     "learners": self.registry.snapshot(),
                     **self.model.layout_of(spec).meta(),
                 }
+                # The learners' records say which push seqs were judged (a retry of one is a
+                # duplicate); a push judged after the seal is in the log, but until its record
+                # is durable a power cut could take it while this checkpoint still says it
+                # was judged: the checkpoint waits for the log before it becomes durable.
+                self.journal.sync()
                 path = writer.finish(meta)
             versions = {f.fid: int(m["version"]) for f, m in zip(fragments, frag_meta, strict=True)}
             self.journal.release(sealed, versions)
