@@ -95,7 +95,9 @@ class Synchronizer:
         self.pulls = PullPath(
             cfg, self.metrics, self.model, self.registry, self.streams, self.epoch, self.stopping
         )
-        self.initializer = Initializer(cfg, self.clock, self.model, self.registry, self.state.save)
+        self.initializer = Initializer(
+            cfg, self.clock, self.model, self.registry, lambda: self.state.save(first=True)
+        )
         self.housekeeper: threading.Thread | None = None
         self.last_checkpoint = self.clock.monotonic()
         self.state.restore()

@@ -106,14 +106,15 @@ class State:
         self.failure: str | None = None  # why the last checkpoint could not be written
         self.checkpointed: dict[int, int] = {}  # fragment id -> its version in the newest one
 
-    def save(self) -> bool:
+    def save(self, first: bool = False) -> bool:
         """Writes the state atomically; False if it could not (nothing to save before the model
-        is initialised counts as saved). While a fragment is failed nothing is written: the
+        is initialised counts as saved; `first`: the model's first checkpoint, written before it
+        is served). While a fragment is failed nothing is written: the
         newest checkpoint stays the last healthy state. A write that fails (a full disk, a
         read-only volume) is an ERROR record, `diloco_checkpoint_failures_total` and part of
         the Synchronizer's health until a later one succeeds; the service keeps serving."""
         model = self.model
-        if not model.initialized or model.spec is None:
+        if not (model.initialized or first) or model.spec is None:
             return True
         if model.failures:
             logger.error(
