@@ -160,6 +160,7 @@ class Wal:
         self.disk_full = False
         self.closing = False
         self.segments: list[_Segment] = []
+        self.last_number = 0  # the highest segment number replayed or opened
         self.fd: int | None = None
         self.size = 0
         self.seal_wanted = False
@@ -172,6 +173,7 @@ class Wal:
         """Every intact record on disk, oldest first. A damaged record ends its segment (the
         rest of that segment is cut off); call before `start`."""
         for number, path in list_segments(self.directory):
+            self.last_number = max(self.last_number, number)
             seg = _Segment(number, path, sealed=True)
             count = 0
             for record in read_segment(path):
@@ -191,7 +193,8 @@ class Wal:
     def _open_segment(self) -> None:
         """The next segment, its name durable before any record is written to it (a record
         fsynced into a file whose name a power cut takes is lost with it)."""
-        number = self.segments[-1].number + 1 if self.segments else 1
+        # Numbers only grow, even once every segment is released: replay goes in their order.
+        number = self.last_number + 1
         path = self.directory / f"wal-{number:010d}.log"
         fd = self.disk.open(path)
         try:
@@ -199,7 +202,7 @@ class Wal:
         except OSError:
             self._close_quietly(fd)
             raise
-        self.fd, self.size = fd, 0
+        self.fd, self.size, self.last_number = fd, 0, number
         with self.lock:
             self.segments.append(_Segment(number, path))
 
