@@ -514,6 +514,7 @@ class PowerCuts:
         self.earlier: dict[tuple[str, int], int] = {}  # acknowledged and checked after a cut
         self.contents: dict[tuple[int, int], int] = {}  # (fragment, version) -> crc32 served
         self.highest: dict[int, int] = {}  # fragment -> highest version served
+        self.floor: dict[int, int] = {}  # fragment -> highest version served before the last cut
         self.epoch = ""  # once the model was initialised
         self.initialized = False  # InitModel answered
         self.logged: set[tuple[str, int]] = set()
@@ -528,9 +529,12 @@ class PowerCuts:
         crc = zlib.crc32(params.numpy().tobytes())
         with self.lock:
             self.report.served += 1
-            if version < self.highest.get(fid, 0):
+            # Pulls of one life run concurrently: one may serve a version while another is
+            # already served its successor. What the cut must never undo is a version served
+            # in an earlier life.
+            if version < self.floor.get(fid, 0):
                 self.report.violations.append(
-                    f"fragment {fid} served at version {version} after {self.highest[fid]} (after the cut at {self.last_cut})"
+                    f"fragment {fid} served at version {version} after {self.floor[fid]} (after the cut at {self.last_cut})"
                 )
             self.highest[fid] = max(self.highest.get(fid, 0), version)
             seen = self.contents.setdefault((fid, version), crc)
@@ -694,6 +698,7 @@ class PowerCuts:
             self.report.by_group[disk.cut_at.split(":")[0]] += 1
             self.report.by_mode[mode] += 1
             self.last_cut = f"{disk.cut_at}, {mode}"
+            self.floor = dict(self.highest)
             disk, logged = disk.cut(self.rng, mode)
             self.logged |= logged
             self.report.restarts += 1
