@@ -129,6 +129,18 @@ def test_a_segment_that_cannot_be_created_stops_neither_the_writer_nor_a_seal(tm
     assert [bytes(r.payload)[:1] for r in Wal(tmp_path / "wal", 1000).replay()] == [b"a", b"b"]
 
 
+def test_segment_numbers_keep_growing_after_every_segment_is_released(tmp_path):
+    wal = Wal(tmp_path / "wal", 1000)  # a rotation after every record of 1000 bytes
+    wal.start()
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 1}, b"a" * 1000)), TIMEOUT)
+    sealed = wal.seal(TIMEOUT)
+    assert wal.release(sealed, {0: 1}) >= 1 and not list_segments(tmp_path / "wal")
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 2}, b"b" * 10)), TIMEOUT)
+    wal.close()
+    numbers = [n for n, _ in list_segments(tmp_path / "wal")]
+    assert numbers and min(numbers) > sealed  # replay order is number order
+
+
 # The Synchronizer over the log -------------------------------------------------------------
 
 
