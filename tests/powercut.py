@@ -412,9 +412,17 @@ class Report:
     seconds: float = 0.0
 
     def add(self, other: Report) -> None:
-        for name in ("cuts", "restarts", "acked", "duplicates", "unanswered_held"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("unanswered_redone", "versions_checked", "served", "seconds"):
+        for name in (
+            "cuts",
+            "restarts",
+            "acked",
+            "duplicates",
+            "unanswered_held",
+            "unanswered_redone",
+            "versions_checked",
+            "served",
+            "seconds",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.by_group.update(other.by_group)
         self.by_mode.update(other.by_mode)

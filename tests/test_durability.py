@@ -16,6 +16,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from bench import durability as durability_bench
 from protos import diloco_pb2 as pb
 from protos import framing
 from protos.spec import TensorInfo, plan_fragments
@@ -270,3 +271,16 @@ def test_a_model_whose_first_checkpoint_fails_is_refused_and_not_served(tmp_path
     c.init([torch.zeros(SPEC.fragments[0].numel)])  # the retry, once the disk has room
     assert core.status().initialized and checkpoint.list_checkpoints(cfg.state_dir)
     core.close()
+
+
+def test_the_power_cut_benchmark_mode_reports_what_it_checked_and_refuses_nonsense(
+    tmp_path, capsys
+):
+    out = tmp_path / "cuts.json"
+    result = durability_bench.main(["--power-cuts", "2", "--seed", "3", "--json", str(out)])
+    assert result["power_cuts"] == 2 and result["violations"] == []
+    assert json.loads(out.read_text())["pushes_acknowledged"] == result["pushes_acknowledged"]
+    assert "power cuts: 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        durability_bench.main(["--power-cuts", "0"])
+    assert e.value.code == 2 and "--power-cuts must be at least 1" in capsys.readouterr().err
