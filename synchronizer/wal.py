@@ -340,9 +340,9 @@ class Wal:
     # Checkpoints ---------------------------------------------------------------------------
 
     def seal(self, timeout_s: float = 10.0) -> int:
-        """Once everything appended so far is written, starts a new segment (before a
-        checkpoint collects its state); returns the number of the last sealed segment, 0 when
-        that did not happen in time."""
+        """Once everything appended so far is written, seals the current segment (before a
+        checkpoint collects its state; the next record starts a new one); returns the number of
+        the last sealed segment, 0 when that did not happen in time."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
             target = self.appended
