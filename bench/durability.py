@@ -17,6 +17,14 @@ Three measurements, each against a baseline taken in the same run:
 
     python -m bench.durability [--quick | --smoke] [--json PATH]
 Full mode: 25M parameters, 8 s per throughput cell, a 1 GB log, 20 kills (several minutes here).
+
+Power cuts instead (`tests/powercut.py`): an in-process Synchronizer whose disk loses everything
+not fsynced (or keeps it torn) at N random moments, during group commits, checkpoints, log
+rotations and releases of old segments, restarted each time on what is left; every acknowledged
+push must still be held, no version served lower or with other contents. Exits 1 on any
+violation.
+
+    python -m bench.durability --power-cuts N [--seed S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
 from synchronizer.wal import PUSH, Record, Wal
+from tests import powercut
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -176,9 +185,45 @@ def restart_time(params: int, log_bytes: int) -> dict[str, Any]:
     }
 
 
+def power_cuts(cuts: int, seed: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(dir=REPO) as d:
+        report = powercut.run_cuts(Path(d), cuts, seed)
+    print(report.summary())
+    return {
+        "machine": machine(),
+        "power_cuts": report.cuts,
+        "seed": seed,
+        "seconds": report.seconds,
+        "violations": report.violations,
+        "cuts_by_moment": dict(report.by_group),
+        "cuts_by_mode": dict(report.by_mode),
+        "pushes_acknowledged": report.acked,
+        "retries_answered_duplicate": report.duplicates,
+        "unanswered_held": report.unanswered_held,
+        "unanswered_accepted_again": report.unanswered_redone,
+        "versions_served": report.served,
+        "versions_compared_after_restart": report.versions_checked,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--power-cuts",
+        type=int,
+        metavar="N",
+        help="run N power cuts at the Disk seam instead of the measurements above",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the power cuts' random seed")
     args = p.parse_args(argv)
+    if args.power_cuts is not None:
+        if args.power_cuts < 1:
+            p.error("--power-cuts must be at least 1")
+        result = power_cuts(args.power_cuts, args.seed)
+        write_json(args.json, result)
+        if result["violations"]:
+            raise SystemExit(1)
+        return result
     if args.smoke:
         params, clients, seconds, log_bytes, latency_s = 1_000_000, 1, 0.5, 2 << 20, 0.5
         kills, steps = 1, 120

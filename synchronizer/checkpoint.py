@@ -2,9 +2,11 @@
 
 A checkpoint is one safetensors file (tensors by name, plus a JSON document of everything else in
 its metadata; never pickle). It is written to a temporary name, fsynced, renamed into place and
-the directory fsynced, so a crash at any moment leaves either the previous set of checkpoints or
-the new one, never a torn file under a final name. The last `keep` are kept; on start the newest
-that loads cleanly wins, and a damaged one is skipped with a warning.
+the directory fsynced, so a crash at any moment, a power cut included, leaves either the previous
+set of checkpoints or the new one, never a torn file under a final name; only then may anything
+it replaces (older checkpoints, log segments) be deleted. The last `keep` are kept; on start the
+newest that loads cleanly wins, and a damaged one is skipped with a warning. Every file operation
+goes through a `synchronizer.disk.Disk`.
 
 Memory: a `Writer` streams tensors into the file as they are added (safetensors' own `save_file`
 needs every tensor at once), straight from their own memory, so the Synchronizer writes its live
@@ -20,15 +22,16 @@ import json
 import logging
 import os
 import re
-import shutil
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from synchronizer.disk import Disk
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +54,6 @@ _DTYPES = {
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
-def fsync_dir(path: Path) -> None:
-    """Makes a directory's entries (a rename, a new or deleted file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def list_checkpoints(state_dir: Path) -> list[tuple[int, Path]]:
     """(number, path) of every complete-named checkpoint, oldest first."""
     if not state_dir.is_dir():
@@ -77,8 +71,15 @@ class Writer:
     once (the caller may then drop or change them), `finish` writes the header and makes the
     file durable under its final name; leaving the `with` block unfinished removes it."""
 
-    def __init__(self, state_dir: Path, keep: int, header_room: int = HEADER_ROOM) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(
+        self,
+        state_dir: Path,
+        keep: int,
+        header_room: int = HEADER_ROOM,
+        disk: Disk | None = None,
+    ) -> None:
+        self.disk = disk or Disk()
+        self.disk.make_dirs(state_dir)
         existing = list_checkpoints(state_dir)
         number = existing[-1][0] + 1 if existing else 1
         self.state_dir, self.keep = state_dir, keep
@@ -87,8 +88,8 @@ class Writer:
         self.room = _round8(header_room)
         self.entries: dict[str, dict[str, Any]] = {}
         self.size = 0  # data bytes written
-        self.file: BinaryIO = open(self.tmp, "wb")  # noqa: SIM115 - closed by finish or __exit__
-        self.file.seek(8 + self.room)
+        self.fd: int | None = self.disk.create(self.tmp)  # closed by finish or __exit__
+        self.at = 8 + self.room  # where the next tensor's bytes go
 
     def __enter__(self) -> Writer:
         return self
@@ -99,9 +100,10 @@ class Writer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if not self.file.closed:  # not finished: a half-written file must not fill the disk
-            self.file.close()
-            self.tmp.unlink(missing_ok=True)
+        if self.fd is not None:  # not finished: a half-written file must not fill the disk
+            self.disk.close(self.fd)
+            self.fd = None
+            self.disk.unlink(self.tmp)
 
     def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Writes the bytes of `tensors` (CPU) now, in order, without copying them."""
@@ -112,8 +114,11 @@ class Writer:
                 raise TypeError(f"tensor {name!r} has dtype {t.dtype}, not storable here")
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
             data = raw.numpy().data
+            assert self.fd is not None, "add after finish"
             for start in range(0, len(data), _WRITE_BYTES):
-                self.file.write(data[start : start + _WRITE_BYTES])
+                part = data[start : start + _WRITE_BYTES]
+                self._pwrite_all(part, self.at)
+                self.at += len(part)
             self.entries[name] = {
                 "dtype": _DTYPES[t.dtype],
                 "shape": list(t.shape),
@@ -130,34 +135,44 @@ class Writer:
         ).encode()
         if len(header) > self.room:
             self._move_data(_round8(len(header)))
-        self.file.seek(0)
-        self.file.write(struct.pack("<Q", self.room) + header.ljust(self.room, b" "))
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.final)
-        fsync_dir(self.state_dir)
+        assert self.fd is not None, "finish twice"
+        self._pwrite_all(struct.pack("<Q", self.room) + header.ljust(self.room, b" "), 0)
+        self.disk.fsync(self.fd)
+        self.disk.close(self.fd)
+        self.fd = None
+        # The data is durable before its name is, and the name before anything it replaces goes.
+        self.disk.replace(self.tmp, self.final)
+        self.disk.fsync_dir(self.state_dir)
         for _, old in list_checkpoints(self.state_dir)[: -self.keep]:
-            old.unlink(missing_ok=True)
+            self.disk.unlink(old)
         for stray in self.state_dir.glob(".tmp-ckpt-*"):
             if stray != self.tmp:
-                stray.unlink(missing_ok=True)
+                self.disk.unlink(stray)
         return self.final
+
+    def _pwrite_all(self, data: bytes | memoryview, offset: int, fd: int | None = None) -> None:
+        fd = self.fd if fd is None else fd
+        assert fd is not None
+        view = memoryview(data).cast("B")
+        while view:
+            n = self.disk.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
 
     def _move_data(self, room: int) -> None:
         """The header outgrew its room: the data moves to a new file behind a larger one."""
+        assert self.fd is not None
         moved = self.tmp.with_name(self.tmp.name + "-grown")
-        with open(moved, "wb") as dst:
-            dst.seek(8 + room)
-            self.file.flush()
-            with open(self.tmp, "rb") as src:
-                src.seek(8 + self.room)
-                shutil.copyfileobj(src, dst, 1 << 20)
-        self.file.close()
-        self.tmp.unlink()
-        moved.rename(self.tmp)
-        self.file = open(self.tmp, "rb+")  # noqa: SIM115 - closed by finish or __exit__
-        self.room = room
+        fd = self.disk.create(moved)
+        with open(self.tmp, "rb") as src:
+            src.seek(8 + self.room)
+            at = 8 + room
+            while chunk := src.read(1 << 20):
+                self._pwrite_all(chunk, at, fd)
+                at += len(chunk)
+        self.disk.close(self.fd)
+        self.disk.replace(moved, self.tmp)  # the open descriptor follows the file
+        self.fd, self.room = fd, room
+        self.at = at
 
 
 def _round8(n: int) -> int:
@@ -165,10 +180,14 @@ def _round8(n: int) -> int:
 
 
 def save(
-    state_dir: Path, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any], keep: int
+    state_dir: Path,
+    tensors: Mapping[str, torch.Tensor],
+    meta: dict[str, Any],
+    keep: int,
+    disk: Disk | None = None,
 ) -> Path:
     """Writes the next numbered checkpoint atomically and prunes all but the newest `keep`."""
-    with Writer(state_dir, keep) as writer:
+    with Writer(state_dir, keep, disk=disk) as writer:
         writer.add(tensors)
         return writer.finish(meta)
 

@@ -30,6 +30,7 @@ from synchronizer import checkpoint, memory, shards, state
 from synchronizer.clock import Clock, SystemClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.credentials import Credentials, load_tokens
+from synchronizer.disk import Disk
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.goodput import Goodput
 from synchronizer.grace import GraceWindow
@@ -41,7 +42,6 @@ from synchronizer.pulls import PullPath
 from synchronizer.pushes import PushMessages, PushPath
 from synchronizer.served import ServedModel
 from synchronizer.streams import Call, Streams
-from synchronizer.wal import Disk
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ class Synchronizer:
         inline_outer_steps: bool = False,
     ) -> None:
         """Checks the state directory and restores the newest checkpoint; `start()` replays the
-        log and starts the background work. `disk`: the write-ahead log's file operations
-        (tests inject faults there); `clock`: the time policies read (tests: a `ManualClock`);
+        log and starts the background work. `disk`: the file operations of everything kept in
+        `state_dir` (tests inject faults there, and cut the power); `clock`: the time policies read (tests: a `ManualClock`);
         `inline_outer_steps`: an outer step runs on the thread that closes its round instead of
         a worker (tests: a round is applied when the call that closed it returns)."""
         self.cfg = cfg
@@ -68,7 +68,9 @@ class Synchronizer:
         logger.info("shard %d of %d", cfg.shard_index, cfg.shards)
         self.journal = Journal(cfg, self.metrics, disk)
         # A history of versions starts with the checkpoint an initialisation writes.
-        self.epoch = load_epoch(cfg, bool(checkpoint.list_checkpoints(cfg.state_dir)))
+        self.epoch = load_epoch(
+            cfg, bool(checkpoint.list_checkpoints(cfg.state_dir)), self.journal.disk
+        )
         self.registry = Registry(cfg.lease_s, cfg.max_learners, cfg.forget_after_s, self.clock)
         self.goodput = Goodput(self.metrics, cfg.goodput_window_s, self.clock)
         self.grace = GraceWindow(cfg)
@@ -98,7 +100,9 @@ class Synchronizer:
         self.pulls = PullPath(
             cfg, self.metrics, self.model, self.registry, self.streams, self.epoch, self.stopping
         )
-        self.initializer = Initializer(cfg, self.clock, self.model, self.registry, self.state.save)
+        self.initializer = Initializer(
+            cfg, self.clock, self.model, self.registry, lambda: self.state.save(first=True)
+        )
         self.housekeeper: threading.Thread | None = None
         self.last_checkpoint = self.clock.monotonic()
         self.state.restore()

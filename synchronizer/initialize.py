@@ -4,8 +4,10 @@ One upload at a time holds the claim (`InitClaim`); a second initialiser is answ
 ALREADY_EXISTS and pulls instead. An upload whose stream makes no progress for `init_stall_s`
 (on the core's clock) loses the claim to the next learner that tries, and is itself refused
 when it ends. A successful upload sets the served spec (`ServedModel.serve`), hands the received
-buffers to the fragments without copies, wakes the pulls waiting for the model, and writes the
-first checkpoint (under the uploader's held lease: the server's time, not the learner's).
+buffers to the fragments without copies, writes the first checkpoint (under the uploader's held
+lease: the server's time, not the learner's) and only then serves the model and wakes the pulls
+waiting for it; an upload whose checkpoint cannot be written is refused UNAVAILABLE and serves
+nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Initializer:
         clock: Clock,
         model: ServedModel,
         registry: Registry,
-        save_checkpoint: Callable[[], bool],
+        save_checkpoint: Callable[[], bool],  # the first checkpoint, before the model is served
     ) -> None:
         self.cfg = cfg
         self.clock = clock
@@ -94,6 +96,24 @@ class Initializer:
                 for frag, params in zip(model.fragments, received, strict=True):
                     frag.initialize(params, adopt=True)  # the upload's buffers, not copies
                 received.clear()  # the fragments hold the only references
+            # The first checkpoint is durable before anything is served: a model served, then
+            # lost to a crash, would come back uninitialised with its logged pushes skipped.
+            progress()
+            with self.registry.held(rec):  # the server's time, not the learner's
+                saved = self.save_checkpoint()
+            with model.lock:
+                if self.claim is not claim:
+                    raise Rejected(
+                        Code.ALREADY_EXISTS,
+                        "already_initialized",
+                        "another learner took over while the first checkpoint was written; pull its fragments instead",
+                    )
+                if not saved:
+                    raise Rejected(
+                        Code.UNAVAILABLE,
+                        "checkpoint_failed",
+                        f"the model could not be saved to {self.cfg.state_dir}, so it is not served; retry InitModel once the disk is writable",
+                    )
                 model.mark_initialized()
                 logger.info(
                     "serving a model of %d parameters in %d fragments (spec %s)%s",
@@ -107,10 +127,6 @@ class Initializer:
                 if self.claim is claim:
                     self.claim = None
         logger.info("model initialised by learner %s", first.start.learner_id)
-        with self.registry.held(
-            rec
-        ):  # the first checkpoint is the server's time, not the learner's
-            self.save_checkpoint()
         return pb.InitModelReply(versions=model.versions())
 
     def _take_claim(self, learner_id: str) -> InitClaim:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import uuid
 import zlib
 from collections.abc import Callable, Mapping
@@ -35,11 +34,12 @@ import torch
 from protos import diloco_pb2 as pb
 from synchronizer.admission import Verdict
 from synchronizer.config import SynchronizerConfig
+from synchronizer.disk import Disk
 from synchronizer.errors import Code, Rejected
 from synchronizer.leases import LearnerRecord, Registry
 from synchronizer.metrics import Metrics
 from synchronizer.outer import FUSED_SGD
-from synchronizer.wal import JOIN, PUSH, ROUND, Disk, Record, Wal, WalError
+from synchronizer.wal import JOIN, PUSH, ROUND, Record, Wal, WalError
 
 if TYPE_CHECKING:
     from synchronizer.fragments import Fragment
@@ -82,8 +82,9 @@ def replay_settings(cfg: SynchronizerConfig) -> dict[str, Any]:
     return settings
 
 
-def load_epoch(cfg: SynchronizerConfig, has_state: bool) -> str:
-    """The epoch to serve under: the stored one while the history it names is intact."""
+def load_epoch(cfg: SynchronizerConfig, has_state: bool, disk: Disk | None = None) -> str:
+    """The epoch to serve under: the stored one while the history it names is intact. A new
+    one is durable (file, then name) before it is served."""
     path = cfg.state_dir / EPOCH_FILE
     stored: dict[str, Any] = {}
     try:
@@ -101,12 +102,19 @@ def load_epoch(cfg: SynchronizerConfig, has_state: bool) -> str:
         )
     epoch = uuid.uuid4().hex[:16]
     if cfg.wal:
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        disk = disk or Disk()
+        disk.make_dirs(cfg.state_dir)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"epoch": epoch, "settings": replay_settings(cfg)}))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        fd = disk.create(tmp)
+        try:
+            disk.write_all(
+                fd, json.dumps({"epoch": epoch, "settings": replay_settings(cfg)}).encode()
+            )
+            disk.fsync(fd)
+        finally:
+            disk.close(fd)
+        disk.replace(tmp, path)
+        disk.fsync_dir(cfg.state_dir)
     return epoch
 
 
@@ -115,8 +123,9 @@ class Journal:
 
     def __init__(self, cfg: SynchronizerConfig, metrics: Metrics, disk: Disk | None = None) -> None:
         self.cfg = cfg
+        self.disk = disk or Disk()  # the state directory's file operations, checkpoints' too
         self.wal = (
-            Wal(cfg.state_dir / "wal", cfg.wal_segment_bytes, disk, metrics.wal_fsync.observe)
+            Wal(cfg.state_dir / "wal", cfg.wal_segment_bytes, self.disk, metrics.wal_fsync.observe)
             if cfg.wal
             else None
         )
@@ -276,6 +285,11 @@ class Journal:
     def start(self) -> None:
         if self.wal is not None:
             self.wal.start()
+
+    def sync(self) -> None:
+        """Until everything logged so far is durable; WalError if not within `wal_wait_s`."""
+        if self.wal is not None:
+            self.wal.sync(self.cfg.wal_wait_s)
 
     def seal(self) -> int:
         return self.wal.seal() if self.wal is not None else 0

@@ -106,14 +106,15 @@ class State:
         self.failure: str | None = None  # why the last checkpoint could not be written
         self.checkpointed: dict[int, int] = {}  # fragment id -> its version in the newest one
 
-    def save(self) -> bool:
+    def save(self, first: bool = False) -> bool:
         """Writes the state atomically; False if it could not (nothing to save before the model
-        is initialised counts as saved). While a fragment is failed nothing is written: the
+        is initialised counts as saved; `first`: the model's first checkpoint, written before it
+        is served). While a fragment is failed nothing is written: the
         newest checkpoint stays the last healthy state. A write that fails (a full disk, a
         read-only volume) is an ERROR record, `diloco_checkpoint_failures_total` and part of
         the Synchronizer's health until a later one succeeds; the service keeps serving."""
         model = self.model
-        if not model.initialized or model.spec is None:
+        if not (model.initialized or first) or model.spec is None:
             return True
         if model.failures:
             logger.error(
@@ -155,7 +156,9 @@ class State:
             # No copies: one fragment at a time is frozen at its version (its outer steps wait;
             # pushes and pulls go on) while its live tensors are written.
             room = checkpoint.HEADER_ROOM + len(spec_text) + 512 * self.cfg.max_learners
-            with checkpoint.Writer(self.cfg.state_dir, self.cfg.keep_checkpoints, room) as writer:
+            with checkpoint.Writer(
+                self.cfg.state_dir, self.cfg.keep_checkpoints, room, self.journal.disk
+            ) as writer:
                 for frag in fragments:
                     with frag.model.frozen_state() as (tensors, m):
                         writer.add(tensors)
@@ -167,6 +170,11 @@ class State:
                     "learners": self.registry.snapshot(),
                     **self.model.layout_of(spec).meta(),
                 }
+                # The learners' records say which push seqs were judged (a retry of one is a
+                # duplicate); a push judged after the seal is in the log, but until its record
+                # is durable a power cut could take it while this checkpoint still says it
+                # was judged: the checkpoint waits for the log before it becomes durable.
+                self.journal.sync()
                 path = writer.finish(meta)
             versions = {f.fid: int(m["version"]) for f, m in zip(fragments, frag_meta, strict=True)}
             self.journal.release(sealed, versions)

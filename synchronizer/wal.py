@@ -25,14 +25,18 @@ interval lets accumulate.
 
 A write or fsync that fails (a full disk, an I/O error) keeps the records in memory and retries
 every `RETRY_S`; meanwhile `failure` says why, new pushes are refused by the caller, and nothing
-acknowledged is lost. File operations go through `Disk`, so tests can inject faults.
+acknowledged is lost. File operations go through `synchronizer.disk.Disk`, so tests can inject
+faults and cut the power.
+
+A record is durable once its segment is fsynced and the segment's name is in the directory: a
+new segment's entry (and the log directory's own, the first time) is fsynced before anything is
+written to it; a released segment is unlinked only once the checkpoint that covers it is durable.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import struct
 import threading
@@ -43,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from synchronizer.checkpoint import fsync_dir
+from synchronizer.disk import Disk
 
 logger = logging.getLogger(__name__)
 
@@ -61,25 +65,6 @@ class WalError(Exception):
     def __init__(self, message: str, disk_full: bool) -> None:
         super().__init__(message)
         self.disk_full = disk_full
-
-
-class Disk:
-    """The file operations the log uses; a test replaces it to inject faults."""
-
-    def open(self, path: Path) -> int:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-
-    def write(self, fd: int, data: bytes | memoryview) -> int:
-        return os.write(fd, data)
-
-    def fsync(self, fd: int) -> None:
-        os.fdatasync(fd)
-
-    def truncate(self, fd: int, size: int) -> None:
-        os.ftruncate(fd, size)
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
 
 
 @dataclass
@@ -127,7 +112,11 @@ def list_segments(directory: Path) -> list[tuple[int, Path]]:
 
 def read_segment(path: Path) -> Iterator[Record]:
     """The records of one segment up to its first torn or damaged one."""
-    data = path.read_bytes()
+    return records_of(path.read_bytes())
+
+
+def records_of(data: bytes) -> Iterator[Record]:
+    """The records of a segment's bytes up to the first torn or damaged one."""
     view = memoryview(data)
     at = 0
     while at + _HEAD.size <= len(data):
@@ -171,6 +160,7 @@ class Wal:
         self.disk_full = False
         self.closing = False
         self.segments: list[_Segment] = []
+        self.last_number = 0  # the highest segment number replayed or opened
         self.fd: int | None = None
         self.size = 0
         self.seal_wanted = False
@@ -183,6 +173,7 @@ class Wal:
         """Every intact record on disk, oldest first. A damaged record ends its segment (the
         rest of that segment is cut off); call before `start`."""
         for number, path in list_segments(self.directory):
+            self.last_number = max(self.last_number, number)
             seg = _Segment(number, path, sealed=True)
             count = 0
             for record in read_segment(path):
@@ -194,19 +185,26 @@ class Wal:
 
     def start(self) -> None:
         """Opens a fresh segment after the replayed ones and starts the writer."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.disk.make_dirs(self.directory)
         self._open_segment()
         self.writer = threading.Thread(target=self._write_loop, name="wal-writer", daemon=True)
         self.writer.start()
 
     def _open_segment(self) -> None:
-        number = self.segments[-1].number + 1 if self.segments else 1
+        """The next segment, its name durable before any record is written to it (a record
+        fsynced into a file whose name a power cut takes is lost with it)."""
+        # Numbers only grow, even once every segment is released: replay goes in their order.
+        number = self.last_number + 1
         path = self.directory / f"wal-{number:010d}.log"
-        self.fd = self.disk.open(path)
-        self.size = 0
+        fd = self.disk.open(path)
+        try:
+            self.disk.fsync_dir(self.directory)
+        except OSError:
+            self._close_quietly(fd)
+            raise
+        self.fd, self.size, self.last_number = fd, 0, number
         with self.lock:
             self.segments.append(_Segment(number, path))
-        fsync_dir(self.directory)
 
     # Appending -----------------------------------------------------------------------------
 
@@ -233,6 +231,13 @@ class Wal:
                         self.disk_full,
                     )
                 self.cv.wait(left)
+
+    def sync(self, timeout_s: float) -> None:
+        """Returns once everything appended so far is durable; WalError if it is not within
+        `timeout_s`."""
+        with self.cv:
+            target = self.appended
+        self.wait(target, timeout_s)
 
     def is_durable(self, ticket: int) -> bool:
         with self.lock:
@@ -280,6 +285,8 @@ class Wal:
                 self._rotate()
 
     def _write(self, batch: list[tuple[int, Record]]) -> None:
+        if self.fd is None:  # rotated: the next segment is opened by the write that needs it
+            self._open_segment()
         assert self.fd is not None
         start = self.size
         try:
@@ -305,14 +312,21 @@ class Wal:
                 self.segments[-1].note(record)
 
     def _rotate(self) -> None:
-        assert self.fd is not None
-        try:
-            self.disk.close(self.fd)
-        except OSError:
-            pass
+        """Seals the current segment. The next is opened by the next write, which handles a
+        failure to create it as any failed write (retried, `failure` says why); a rotation that
+        raised here would end the writer and, with it, every later acknowledgement."""
+        if self.fd is None:
+            return
+        self._close_quietly(self.fd)
+        self.fd, self.size = None, 0
         with self.lock:
             self.segments[-1].sealed = True
-        self._open_segment()
+
+    def _close_quietly(self, fd: int) -> None:
+        try:
+            self.disk.close(fd)
+        except OSError:
+            pass
 
     def _seal_now(self) -> None:
         if self.size > 0:
@@ -326,9 +340,9 @@ class Wal:
     # Checkpoints ---------------------------------------------------------------------------
 
     def seal(self, timeout_s: float = 10.0) -> int:
-        """Once everything appended so far is written, starts a new segment (before a
-        checkpoint collects its state); returns the number of the last sealed segment, 0 when
-        that did not happen in time."""
+        """Once everything appended so far is written, seals the current segment (before a
+        checkpoint collects its state; the next record starts a new one); returns the number of
+        the last sealed segment, 0 when that did not happen in time."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
             target = self.appended
@@ -361,9 +375,9 @@ class Wal:
             for s in gone:
                 self.segments.remove(s)
         for s in gone:
-            s.path.unlink(missing_ok=True)
+            self.disk.unlink(s.path)
         if gone:
-            fsync_dir(self.directory)
+            self.disk.fsync_dir(self.directory)
         return len(gone)
 
     def close(self) -> None:

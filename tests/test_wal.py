@@ -16,10 +16,11 @@ import torch
 from protos import diloco_pb2 as pb
 from synchronizer import wal as wal_module
 from synchronizer.config import SynchronizerConfig
+from synchronizer.disk import Disk
 from synchronizer.leases import Registry
 from synchronizer.metrics import Metrics
 from synchronizer.server import start, stop
-from synchronizer.wal import JOIN, PUSH, ROUND, Disk, Record, Wal, WalError, list_segments
+from synchronizer.wal import JOIN, PUSH, ROUND, Record, Wal, WalError, list_segments
 from tests.helpers import TIMEOUT, Client, poll, serve_process, small_spec
 
 SPEC = small_spec(fragments=2)
@@ -96,6 +97,48 @@ def test_a_full_disk_keeps_records_queued_until_space_comes_back(tmp_path):
     assert wal.failure is None
     wal.close()
     assert [bytes(r.payload) for r in Wal(tmp_path / "wal", 1 << 20).replay()] == [b"x" * 1000]
+
+
+class NoNewFiles(Disk):
+    """Creating a file fails with ENOSPC while `full` is set; writing to open ones works."""
+
+    def __init__(self) -> None:
+        self.full = threading.Event()
+
+    def open(self, path: Path) -> int:
+        if self.full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().open(path)
+
+
+def test_a_segment_that_cannot_be_created_stops_neither_the_writer_nor_a_seal(tmp_path):
+    disk = NoNewFiles()
+    wal = Wal(tmp_path / "wal", 1000, disk)  # a rotation after every record of 1000 bytes
+    wal.start()
+    disk.full.set()  # the rotation after the next record cannot create the next segment
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 1}, b"a" * 1000)), TIMEOUT)
+    assert wal.seal(5.0) == 1  # sealing needs no new file
+    ticket = wal.append(Record(PUSH, {"fid": 0, "version": 1}, b"b" * 1000))
+    with pytest.raises(WalError) as e:
+        wal.wait(ticket, 0.5)
+    assert e.value.disk_full and "No space left" in (wal.failure or "")
+    disk.full.clear()  # the writer is still there: the retry writes it
+    wal.wait(ticket, TIMEOUT)
+    assert wal.failure is None
+    wal.close()
+    assert [bytes(r.payload)[:1] for r in Wal(tmp_path / "wal", 1000).replay()] == [b"a", b"b"]
+
+
+def test_segment_numbers_keep_growing_after_every_segment_is_released(tmp_path):
+    wal = Wal(tmp_path / "wal", 1000)  # a rotation after every record of 1000 bytes
+    wal.start()
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 1}, b"a" * 1000)), TIMEOUT)
+    sealed = wal.seal(TIMEOUT)
+    assert wal.release(sealed, {0: 1}) >= 1 and not list_segments(tmp_path / "wal")
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 2}, b"b" * 10)), TIMEOUT)
+    wal.close()
+    numbers = [n for n, _ in list_segments(tmp_path / "wal")]
+    assert numbers and min(numbers) > sealed  # replay order is number order
 
 
 # The Synchronizer over the log -------------------------------------------------------------

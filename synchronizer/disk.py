@@ -1,0 +1,86 @@
+"""The file operations behind everything the Synchronizer keeps on disk.
+
+The write-ahead log, checkpoints and the epoch file are written only through a `Disk`, so a test
+can put another in its place: one that fails writes (a full disk), or one that records what was
+written and what was made durable and then loses power (`tests/powercut.py`). Reading goes to the
+filesystem directly.
+
+What is durable, as POSIX promises it and no more: a file's bytes once the file is fsynced; a
+directory's entries (a created, renamed or deleted file, a new subdirectory) once the directory
+is fsynced. Every caller here fsyncs both, in that order, before it relies on either.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class Disk:
+    """The real filesystem."""
+
+    def open(self, path: Path) -> int:
+        """A file opened for appending (created if missing)."""
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def create(self, path: Path) -> int:
+        """A new, empty file opened for writing (an existing one of that name is emptied)."""
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        """Writes at the file's position (its end, for `open`); returns the bytes written."""
+        return os.write(fd, data)
+
+    def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
+        """Writes at `offset`, leaving the file's position where it was."""
+        return os.pwrite(fd, data, offset)
+
+    def fsync(self, fd: int) -> None:
+        os.fdatasync(fd)  # the data and the file's length
+
+    def truncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        """Renames `src` over `dst` (one directory): durable once the directory is fsynced."""
+        os.replace(src, dst)
+
+    def unlink(self, path: Path) -> None:
+        """Deletes a file if it is there: durable once its directory is fsynced."""
+        path.unlink(missing_ok=True)
+
+    def mkdir(self, path: Path) -> None:
+        """Creates a directory (and its missing parents) if it is not there; each new one is
+        durable once its parent is fsynced (`make_dirs` does both)."""
+        path.mkdir(parents=True, exist_ok=True)
+
+    def fsync_dir(self, path: Path) -> None:
+        """Makes a directory's entries (a rename, a new or deleted file) durable."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # Built from the operations above ---------------------------------------------------------
+
+    def write_all(self, fd: int, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[self.write(fd, view) :]
+
+    def make_dirs(self, path: Path) -> None:
+        """`path` and its missing parents created and their entries made durable."""
+        missing = []
+        at = path
+        while not at.exists():
+            missing.append(at)
+            at = at.parent
+        if not missing:
+            return
+        self.mkdir(path)
+        for new in reversed(missing):
+            self.fsync_dir(new.parent)
