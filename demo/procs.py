@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,11 @@ class Procs:
     def log(self, name: str) -> Path:
         return self.root / "logs" / f"{name}.log"
 
-    def start(self, name: str, cmd: Sequence[str]) -> subprocess.Popen:
-        """Starts `cmd` in a new session, stdout and stderr appended to `log(name)`."""
+    def start(
+        self, name: str, cmd: Sequence[str], env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen:
+        """Starts `cmd` in a new session, stdout and stderr appended to `log(name)`; `env` adds
+        to this process's environment (for secrets, which argv would show to every local user)."""
         with open(self.log(name), "ab") as f:
             p = subprocess.Popen(
                 list(cmd),
@@ -72,6 +75,7 @@ class Procs:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env={**os.environ, **env} if env else None,
             )
         self.procs.append(p)
         return p
