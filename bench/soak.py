@@ -29,11 +29,12 @@ is the run getting to its steady state), per series:
   outlives a restart (log segments, checkpoints, the state directory, the learner records the
   checkpoint keeps) is one line across the whole second half: a segment or a record that every
   restart leaves behind shows as growth.
-- Warm-up. Samples taken less than the warm-up (90 s; 20 s; 5 s) after their process started are
-  left out: imports, the first pulls, the log's replay and the first checkpoint releasing the
-  replayed segments are start-up, not the steady state. The warm-up is longer than the
-  checkpoint interval (the default 60 s; quick and smoke modes set 10 s and 2 s so that the
-  first checkpoint after a restart falls inside their warm-up).
+- Warm-up. Samples taken less than the warm-up (90 s; 30 s; 5 s) after their process began
+  (a Synchronizer: once it serves, by its ready file; a learner: once it trains, by its first
+  progress line) are left out: the learners re-joining a restarted Synchronizer (gRPC starting
+  a thread for each new concurrent call), the first pulls, and the first checkpoint releasing
+  the replayed log segments are start-up, not the steady state. The warm-up is longer than
+  the checkpoint interval (the default 60 s; quick and smoke modes set 10 s and 2 s).
 - Threshold. A series grows without bound when its slope is above `per_h` and the rise that
   slope gives over the time its fitted samples span is above `floor`, the series' noise (what
   the run cannot tell from churn). `per_h`, `floor`:
@@ -51,6 +52,9 @@ is the run getting to its steady state), per series:
   flags memory growing 30 MB an hour; quick mode fits about two minutes and flags only gross
   leaks (memory above about 100 MB an hour, a descriptor or thread more every minute or so).
   A series with fewer than MIN_SAMPLES fitted samples was not measured, which fails too.
+  Beside the slope, `late_slope_per_h` fits only the later half of each incarnation's samples:
+  memory filling caches or allocator arenas towards a level slows down (a late slope well under
+  the slope), a leak does not. It is shown, not judged.
 
 The run also fails when a process fails: a learner that exits by itself, a Synchronizer that
 exits unasked, does not exit within SIGTERM_WAIT_S of SIGTERM or exits non-zero, or a restarted
@@ -118,12 +122,12 @@ class Schedule:
     kill_every_s: float  # a learner's SIGKILL (each in turn)
     sample_every_s: float
     checkpoint_s: float  # the Synchronizer's checkpoint interval; 0: its default
-    warmup_s: float  # samples this soon after their process started are not fitted
+    warmup_s: float  # samples this soon after their process began serving or training: not fitted
 
 
 SCHEDULES = {
     "full": Schedule(60, 600, 180, 10, 0, 90),
-    "quick": Schedule(5, 100, 30, 2, 10, 20),
+    "quick": Schedule(5, 100, 30, 2, 10, 30),
     "smoke": Schedule(0.6, 16, 8, 0.5, 2, 5),
 }
 
@@ -156,9 +160,7 @@ LIMITS = {
 class Sample:
     t: float  # seconds since the run began
     value: float
-    incarnation: (
-        int  # of the process the series is about (for what outlives one: the Synchronizer's)
-    )
+    incarnation: int  # of its process (for what outlives a process: the Synchronizer's)
     age_s: float  # seconds since that incarnation started
 
 
@@ -170,9 +172,16 @@ class Fit:
     samples: int
 
 
-def fit(samples: Sequence[Sample], since_s: float, warmup_s: float, per_incarnation: bool) -> Fit:
+def fit(
+    samples: Sequence[Sample],
+    since_s: float,
+    warmup_s: float,
+    per_incarnation: bool,
+    late: bool = False,
+) -> Fit:
     """The least-squares slope of the samples taken from `since_s` on, each at least `warmup_s`
-    into its incarnation; per incarnation (a shared slope, an intercept each) or as one line."""
+    into its incarnation; per incarnation (a shared slope, an intercept each) or as one line.
+    `late`: only the later half (in time) of each incarnation's fitted samples."""
     groups: dict[int, list[Sample]] = {}
     for s in samples:
         if s.t >= since_s and s.age_s >= warmup_s:
@@ -180,6 +189,9 @@ def fit(samples: Sequence[Sample], since_s: float, warmup_s: float, per_incarnat
     sxy = sxx = span = 0.0
     n = 0
     for g in groups.values():
+        if late:
+            middle = (g[0].t + g[-1].t) / 2
+            g = [s for s in g if s.t >= middle]
         n += len(g)
         mt = sum(s.t for s in g) / len(g)
         my = sum(s.value for s in g) / len(g)
@@ -195,6 +207,7 @@ def judge(name: str, samples: Sequence[Sample], since_s: float, warmup_s: float)
     "grows" or "not measured")."""
     limit = LIMITS[name]
     f = fit(samples, since_s, warmup_s, limit.per_incarnation)
+    late = fit(samples, since_s, warmup_s, limit.per_incarnation, late=True)
     if f.samples < MIN_SAMPLES or f.span_s <= 0:
         verdict = "not measured"
     elif f.slope_per_h > limit.per_h and f.rise > limit.floor:
@@ -211,6 +224,8 @@ def judge(name: str, samples: Sequence[Sample], since_s: float, warmup_s: float)
         "last": values[-1] if values else None,
         "slope_per_h": f.slope_per_h,
         "rise": f.rise,
+        # growth that slows down to a level shows a late slope well under the slope; a leak not
+        "late_slope_per_h": late.slope_per_h,
         "limit_per_h": limit.per_h,
         "floor": limit.floor,
         "detectable_per_h": max(limit.per_h, limit.floor / f.span_s * 3600)
@@ -261,12 +276,15 @@ class SoakError(RuntimeError):
 @dataclass
 class Learner:
     slot: Slot
-    started: list[float] = field(default_factory=list)  # when each incarnation started (run s)
+    # when each incarnation began training (its first progress line), None before
+    training: list[float | None] = field(default_factory=list)
     kills: list[dict[str, Any]] = field(default_factory=list)
     restart_at: float | None = None  # killed: start again at this time
 
 
 class Soak:
+    """The running job: its processes, the fault schedule and the samples."""
+
     def __init__(self, root: Path, schedule: Schedule) -> None:
         self.root, self.schedule = root, schedule
         self.procs = Procs(root)
@@ -288,7 +306,7 @@ class Soak:
         self.t0 = time.monotonic()
         self.begin = 0.0  # when every learner was training (the soak's time 0)
         self.sync: subprocess.Popen | None = None
-        self.sync_started = 0.0
+        self.sync_ready = 0.0
         self.port = 0
         self.address = ""
         self.metrics_url = ""
@@ -301,11 +319,13 @@ class Soak:
         if self.schedule.checkpoint_s:
             flags += ["--checkpoint-interval-s", str(self.schedule.checkpoint_s)]
         name = f"synchronizer-{len(self.restarts)}"
-        t = self.now()
-        self.sync, info = start_synchronizer(
-            self.procs, flags, state_dir=self.state, port=self.port, name=name
-        )
-        self.sync_started = t
+        try:
+            self.sync, info = start_synchronizer(
+                self.procs, flags, state_dir=self.state, port=self.port, name=name
+            )
+        except RuntimeError as e:  # it exited, or was not ready in time: the log says why
+            raise SoakError(str(e)) from None
+        self.sync_ready = self.now()  # its warm-up runs from here
         self.port, self.address = info["port"], info["address"]
         self.metrics_url = f"http://127.0.0.1:{info['metrics_port']}/metrics"
 
@@ -337,7 +357,7 @@ class Soak:
         slot.runs.append(out)
         cmd = learner_cmd(self.options, self.address, slot, out, start_step)
         slot.proc = self.procs.start(f"learner-{slot.index}", cmd, env=env)
-        learner.started.append(self.now())
+        learner.training.append(None)
         learner.restart_at = None
 
     def kill(self, learner: Learner) -> bool:
@@ -381,7 +401,7 @@ class Soak:
     def sample(self) -> None:
         assert self.sync is not None
         now = self.now()
-        t, incarnation, age = now - self.begin, len(self.restarts), now - self.sync_started
+        t, incarnation, age = now - self.begin, len(self.restarts), now - self.sync_ready
         figures = process_figures(self.sync.pid)
         if figures is not None:
             for name, value in zip(("sync_rss", "sync_fds", "sync_threads"), figures, strict=True):
@@ -399,18 +419,27 @@ class Soak:
         for name, value in disk.items():
             self.series[name].append(Sample(t, value, incarnation, age))
         for learner in self.learners:
-            p = learner.slot.proc
-            if learner.restart_at is None and p is not None:
+            p, since = learner.slot.proc, learner.training[-1]
+            if learner.restart_at is None and p is not None and since is not None:
                 figures = process_figures(p.pid)
                 if figures is not None:
                     self.series[f"l{learner.slot.index}_rss"].append(
-                        Sample(t, figures[0], len(learner.started) - 1, now - learner.started[-1])
+                        Sample(t, figures[0], len(learner.training) - 1, now - since)
                     )
+
+    def note_training(self) -> bool:
+        """Notes when each learner's current incarnation began training (its result names its
+        id); True when every learner is training."""
+        for learner in self.learners:
+            if learner.restart_at is None and learner.training[-1] is None:
+                if identity(read_json(learner.slot.runs[-1]))[0]:
+                    learner.training[-1] = self.now()
+        return all(lr.restart_at is None and lr.training[-1] is not None for lr in self.learners)
 
     def wait_for_training(self) -> None:
         """Until every learner has reported its id, from its first progress line."""
         deadline = time.monotonic() + STARTUP_S
-        while not all(identity(read_json(lr.slot.runs[-1]))[0] for lr in self.learners):
+        while not self.note_training():
             self.check()
             if time.monotonic() > deadline:
                 raise SoakError(
@@ -433,6 +462,7 @@ class Soak:
         next_sample, next_restart, next_kill, victim = 0.0, s.restart_every_s, s.kill_every_s, 0
         while (t := self.now() - self.begin) < end:
             self.check()
+            self.note_training()
             if t >= next_restart and t < last_restart:
                 self.restart_synchronizer()
                 next_restart += s.restart_every_s
@@ -478,6 +508,7 @@ COLUMNS = [
     "first",
     "last",
     "slope_per_h",
+    "late_slope_per_h",
     "rise",
     "limit_per_h",
     "floor",

@@ -85,6 +85,18 @@ def test_a_late_blip_of_one_descriptor_is_churn_not_growth() -> None:
     assert judge("sync_fds", climbing, HOUR / 2, 90.0)["verdict"] == "grows"
 
 
+def test_the_late_slope_tells_a_fill_that_levels_off_from_a_leak() -> None:
+    leak = judge("sync_rss", series(RESTARTS, [250.0] * 6, per_h=60.0), HOUR / 2, 90.0)
+    assert leak["late_slope_per_h"] == pytest.approx(leak["slope_per_h"], rel=0.05)
+    # 20 MB filled towards a level within each incarnation, half of it in the first 2 minutes
+    filling = [
+        Sample(s.t, s.value + 20.0 * (1 - 0.5 ** (s.age_s / 120.0)), s.incarnation, s.age_s)
+        for s in series(RESTARTS, [250.0] * 6)
+    ]
+    fill = judge("sync_rss", filling, HOUR / 2, 90.0)
+    assert fill["late_slope_per_h"] < fill["slope_per_h"] / 2
+
+
 def test_a_series_with_too_few_samples_is_not_measured() -> None:
     few = series([], [250.0], end_s=(MIN_SAMPLES - 1) * 10.0)
     row = judge("l0_rss", few, 0.0, 0.0)
