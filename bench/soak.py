@@ -54,7 +54,10 @@ is the run getting to its steady state), per series:
   A series with fewer than MIN_SAMPLES fitted samples was not measured, which fails too.
   Beside the slope, `late_slope_per_h` fits only the later half of each incarnation's samples:
   memory filling caches or allocator arenas towards a level slows down (a late slope well under
-  the slope), a leak does not. It is shown, not judged.
+  the slope), a leak does not. It is shown, not judged. Most of what a Synchronizer's memory
+  gains in its first minutes is glibc's malloc arenas, one per thread that allocates (up to 8
+  per core; a grace timer is a thread of its own): `MALLOC_ARENA_MAX=2 python -m bench.soak`
+  (the children inherit the environment) shows how much.
 
 The run also fails when a process fails: a learner that exits by itself, a Synchronizer that
 exits unasked, does not exit within SIGTERM_WAIT_S of SIGTERM or exits non-zero, or a restarted
