@@ -128,9 +128,13 @@ def test_soak_smoke_restarts_the_synchronizer_and_learners_come_back_as_themselv
     assert result["mode"] == "smoke" and result["smoke_run"] and not result["judged"]
     assert result["run_failures"] == [] and result["passed"]
     assert len(result["restarts"]) >= 1 and all(r["stop_s"] < 30 for r in result["restarts"])
-    # every learner killed and started again was the learner it had been (id via the environment)
-    assert result["kills"] and result["rejoined_as_itself"] >= 1
+    # a learner killed and started again is the learner it had been (id and session through the
+    # environment): its next incarnation reports the same id (on a loaded machine it may not be
+    # training again before the end), and the Synchronizer never holds a fourth learner record,
+    # which a fresh join would add for as long as the killed learner's record is kept (20 s)
+    assert result["kills"]
     assert all(k["came_back_as"] in ("", k["learner_id"]) for k in result["kills"])
+    assert max(v for _, v, _ in result["samples"]["learner_records"]) == 3
     rows = {r["series"]: r for r in result["rows"]}
     assert set(rows) == set(LIMITS)
     for name in ("sync_rss", "sync_fds", "sync_threads", "wal_segments", "checkpoints"):
