@@ -6,6 +6,11 @@ what the overhead measurement compares against), train, evaluate at start and en
 result. The result file is rewritten at every progress line (with `"finished": false`), so the
 launcher can show live progress and a learner killed mid-run still leaves its loss curve behind.
 
+Under torchrun every rank runs this loop: the default process group is made (NCCL on GPUs, gloo
+on CPUs), each rank reads its own data shard, the replicas average their gradients (DDP), and
+rank 0 alone syncs with the Synchronizer, broadcasting what it merged (`learner.island`). Rank 0
+writes the result to `--out`, rank r to `OUT.rankR`.
+
 A user model plugs in through `model="pkg.module:factory"`: `factory(learner_index, learners)`
 returns `(model, batch_fn)` or `(model, batch_fn, eval_fn)`, where `batch_fn()` gives
 `(inputs, targets)`, `model(inputs, targets)` returns the loss (or a tuple `(logits, loss)`), the
@@ -173,17 +178,21 @@ def load_checkpoint(directory: str) -> dict[str, Any] | None:
 
 
 def save_checkpoint(
-    directory: str, step: int, model: nn.Module, optimizer: Any, learner: Any
+    directory: str, step: int, model: nn.Module, optimizer: Any, learner: Any, write: bool = True
 ) -> bool:
     """Writes the model, the inner optimizer and the learner's state (`Learner.state_dict`,
     which first waits for syncs in flight) to `directory`, atomically and durably (a temporary
     file, fsynced, renamed, the directory fsynced); False, with a warning, when the learner
-    has syncs it cannot finish now (the previous checkpoint stays)."""
+    has syncs it cannot finish now (the previous checkpoint stays). Every rank of an island
+    calls it (the learner's state is a collective); only the one with `write` writes (rank 0:
+    the replicas are identical, and it holds the sync state)."""
     try:
         state = learner.state_dict() if learner is not None else None
     except RuntimeError as e:
         logger.warning("checkpoint at step %d skipped: %s", step, e)
         return False
+    if not write:
+        return True
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CHECKPOINT)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -233,6 +242,34 @@ class Stopped(Exception):
     """Training stopped on SIGTERM after its checkpoint (`diloco-learner train` exits 143)."""
 
 
+def init_island() -> tuple[int, int, torch.device]:
+    """Under torchrun (WORLD_SIZE above 1): the default process group, NCCL on GPUs and gloo on
+    CPUs, unless the caller made one; (rank, world size, this rank's device). Alone: (0, 1, the
+    one device)."""
+    cuda = torch.cuda.is_available()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    import torch.distributed as dist
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device or torch.device("cpu")
+
+
+def any_rank(flag: bool, world: int) -> bool:
+    """Whether `flag` is set on any rank of the island (a collective; `flag` alone for one)."""
+    if world == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def wait_for_learners(learner: Any, n: int, timeout_s: float = 120.0) -> None:
     """Blocks until n learners have joined the Synchronizer, so a run starts together. Learners
     that already left count: a short run may finish between two polls of another."""
@@ -250,11 +287,19 @@ def train(o: TrainOptions) -> dict:
     """Runs the loop and returns (and writes) the result dict."""
     if o.threads:
         torch.set_num_threads(o.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = init_island()
+    out = o.out if rank == 0 or not o.out else f"{o.out}.rank{rank}"
     saved = load_checkpoint(o.resume) if o.resume else None
     if saved is not None:  # continue where the checkpoint left off, data order included
         o = o.model_copy(update={"start_step": saved["step"]})
-    model, batch_fn, eval_fn = build(o, device)
+    # Under torchrun every rank reads a data shard of its own: shard index * world + rank
+    shard = {"learner_index": o.learner_index * world + rank, "learners": o.learners * world}
+    model, batch_fn, eval_fn = build(o.model_copy(update=shard), device)
+    forward: Callable[..., Any] = model
+    if world > 1:  # the island's replicas average their gradients and stay identical
+        from torch.nn.parallel import DistributedDataParallel
+
+        forward = DistributedDataParallel(model)
     optimizer = make_optimizer(model, o)
     if saved is not None:
         model.load_state_dict(saved["model"])
@@ -272,10 +317,11 @@ def train(o: TrainOptions) -> dict:
             config=o.sync,
             state=saved["learner"] if saved is not None else None,
         )
-        if o.wait_for_learners > 1:
+        if o.wait_for_learners > 1 and learner.leader:
             wait_for_learners(learner, o.wait_for_learners)
+        any_rank(False, world)  # the island starts together
 
-    session_file = o.session_out or (f"{o.out}.session" if o.out else None)
+    session_file = o.session_out or (f"{o.out}.session" if o.out and rank == 0 else None)
     kept = keep_session(session_file, learner, "")
     eval_start = eval_fn(model)
     n_params = sum(p.numel() for p in model.parameters())
@@ -285,6 +331,8 @@ def train(o: TrainOptions) -> dict:
     result: dict[str, Any] = {
         "name": o.name,
         "learner_index": o.learner_index,
+        "rank": rank,  # in its torchrun island of `world` ranks (0 of 1 alone)
+        "world": world,
         "sync": learner is not None,
         "params": n_params,
         "steps_target": o.steps,
@@ -311,8 +359,8 @@ def train(o: TrainOptions) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, o, warm_from)
             x, y = batch_fn()
-            out = model(x, y)
-            loss = out[1] if isinstance(out, tuple) else out
+            output = forward(x, y)
+            loss = output[1] if isinstance(output, tuple) else output
             loss.backward()
             if o.clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip)
@@ -357,14 +405,15 @@ def train(o: TrainOptions) -> dict:
                     sync_state=sync_state,
                     learner=stats,
                 )
-                write_json(o.out, result)
-            if terminated.requested or (o.resume and (step + 1) % o.save_every == 0):
+                write_json(out, result)
+            stop = any_rank(terminated.requested, world)  # every rank stops at the same step
+            if stop or (o.resume and (step + 1) % o.save_every == 0):
                 saved_now = o.resume is not None and save_checkpoint(
-                    o.resume, step + 1, model, optimizer, learner
+                    o.resume, step + 1, model, optimizer, learner, write=rank == 0
                 )
-                if terminated.requested:
+                if stop:
                     result.update(step=step + 1, stopped=True, checkpointed=saved_now)
-                    write_json(o.out, result)
+                    write_json(out, result)
                     raise Stopped(
                         f"stopped by SIGTERM at step {step + 1}"
                         + (f"; checkpoint in {o.resume}" if saved_now else "; no checkpoint")
@@ -399,7 +448,7 @@ def train(o: TrainOptions) -> dict:
         param_hash=param_hash(model),
         learner=stats,
     )
-    write_json(o.out, result)
+    write_json(out, result)
     logger.info(
         "[%s] done: %d steps in %.1f s (%.2f steps/s), eval loss %.4f -> %.4f, sent %d B, received %d B",
         o.name,
