@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ from bench.peers import MISSING, final_replica, headline, merged_syncs, torchft_
 from bench.wan import parse_links, reach_time
 from synchronizer.outer import OUTER_KINDS
 from tests.helpers import REPO, run_smoke
+from tests.tools import DEBIAN, tool
 
 SMOKES = [
     ("ingest", [], ["ingest_ratio", "wal_disk_ratio", "apply_ratio", "apply_bw_ratio"]),
@@ -397,11 +397,10 @@ def test_wan_links_parse_from_links_or_rates_with_round_trips() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("iptables") is None or shutil.which("tc") is None,
-    reason="network namespaces, tc and iptables need root",
-)
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, tc and iptables need root")
 def test_namespace_links_delay_every_connection_once_learner_to_learner_included() -> None:
+    for name, package in (("ip", "iproute2"), ("tc", "iproute2"), ("iptables", "iptables")):
+        tool(name, DEBIAN.format(package))
     with Namespaces(2, rate_bps=50e6, rtt_s=0.04) as links:
         measured = links.verify()
     for m in measured:
