@@ -314,7 +314,22 @@ def test_peers_headline_is_theirs_over_ours_and_ours_minus_theirs() -> None:
     assert h["vs_torchft_loss"] == pytest.approx(1.80 - 1.867)
     assert h["sync_minus_torchft_loss"] == pytest.approx(0.001)
     assert (h["goodput_torchft"], h["goodput"]) == (0.7, 0.9)
+    assert h["missing"] == {}
     assert headline({"loopback": runs["loopback"]}, {})["vs_torchft_wall"] is None
+
+
+def test_peers_wall_ratio_is_missing_with_the_reason_where_torchft_ran_unshaped() -> None:
+    with Proxies(2, rate_bps=50e6, rtt_s=0.05) as links:
+        why = links.dp_unshaped()
+    runs: dict[str, dict[str, dict]] = {
+        "50mbit": {
+            "torchft": {"wall_s": 40.0, "unshaped_why": why},
+            "default": {"wall_s": 60.0, "unshaped_why": None},
+        }
+    }
+    h = headline(runs, {})
+    assert h["vs_torchft_wall"] is None
+    assert h["missing"]["vs_torchft_wall"].endswith(f"links: {why}")
 
 
 def test_reach_time_interpolates_the_crossing_and_says_never_when_it_is_not_reached() -> None:
