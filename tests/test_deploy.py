@@ -833,9 +833,14 @@ def test_dockerfile_is_multi_stage_non_root_with_cpu_torch_by_default() -> None:
         for c in commands
         if c.cmd == "ARG" and "=" in c.value[0]
     }
-    readme_torch = re.search(r"TORCH_SPEC:-([^}]+)\}", (REPO / "README.md").read_text())
+    readme = (REPO / "README.md").read_text()
+    readme_torch = re.search(r"TORCH_SPEC:-([^}]+)\}", readme)
     assert readme_torch and args["TORCH_SPEC"] == readme_torch.group(1), (
         "the image pins torch as the README does"
+    )
+    readme_index = re.search(r'TORCH_INDEX-"--index-url=([^"]+)"', readme)
+    assert readme_index and args["TORCH_INDEX_URL"] == readme_index.group(1), (
+        "the image takes torch from the README's index"
     )
     assert args["TORCH_INDEX_URL"].endswith("/cpu") and "PYTHON_IMAGE" in args
     assert [c for c in final if c.cmd == "ENTRYPOINT"][-1].value[0] == "tini"
