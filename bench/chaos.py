@@ -11,14 +11,15 @@ served versions never go back, no learner ever sees one version with two checksu
 acknowledged push is merged exactly once (the final checkpoint's merged count against the
 learners' acknowledged pushes).
 
-    python -m bench.chaos [--kills N] [--steps S] [--json PATH]
+    python -m bench.chaos [--quick | --smoke] [--kills N] [--steps S] [--json PATH]
+
+Modes: full 20 kills, --quick 3 (the test suite's run), --smoke 1 kill in 120 steps.
 
 `bench.durability` reports these figures; `tests/test_e2e.py` asserts them.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import signal
 import subprocess
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_json
+from bench.common import machine, parser, run_mode, say_mode, write_json
 from demo.procs import Procs, read_json, start_synchronizer
 from demo.tiny import NotInTime, final_pull, finish_ok, start_learner, versions, wait_until
 from synchronizer import checkpoint
@@ -167,18 +168,25 @@ def summary(c: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kills", type=int, default=20, help="SIGKILLs of the Synchronizer")
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--kills", type=int, default=None, help="SIGKILLs of the Synchronizer (default: by mode)"
+    )
     p.add_argument("--steps", type=int, default=0, help="inner steps per learner (0: by kills)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     p.add_argument("--root", type=Path, default=None, help="keep the runs' files here")
-    p.add_argument("--json", type=Path, default=None, help="write the result here")
     args = p.parse_args(argv)
+    mode = run_mode(args)
+    kills = args.kills if args.kills is not None else 1 if args.smoke else 3 if args.quick else 20
+    if kills < 0 or args.steps < 0:
+        p.error("--kills and --steps take a number >= 0")
+    steps = args.steps or (120 if args.smoke else steps_for(kills))
+    say_mode(mode)
     with tempfile.TemporaryDirectory() as d:
-        c = compare(
-            args.root or Path(d), args.kills, args.steps or steps_for(args.kills), args.seed
-        )
+        c = compare(args.root or Path(d), kills, steps, args.seed)
     print(summary(c))
+    say_mode(mode)
+    c |= mode | {"machine": machine()}
     write_json(args.json, c)
     return c
 

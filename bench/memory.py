@@ -12,13 +12,14 @@ bytes the checkpoint's copies hold at once: every tensor handed to the checkpoin
 not storage the fragment already holds, measured at each write (or, for a writer that takes
 them all at once, in total). Bytes per parameter = bytes / N.
 
-    python -m bench.memory [--params N] [--fragments 4] [--learners 4] [--json PATH]
+    python -m bench.memory [--quick | --smoke] [--params N] [--fragments 4] [--learners 4]
+        [--json PATH]
+
+Modes: full 4M parameters, --quick 1M, --smoke 100k (`--params` overrides any).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bench.common import parser, run_mode, write_json
 from protos import codec, layout
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
@@ -195,14 +197,16 @@ def measure(params: int, fragments: int, learners: int, **settings: Any) -> dict
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=int, default=4_000_000)
-    parser.add_argument("--fragments", type=int, default=4)
-    parser.add_argument("--learners", type=int, default=4)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    result = measure(args.params, args.fragments, args.learners)
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=int, default=None, help="model parameters (default: by mode)")
+    p.add_argument("--fragments", type=int, default=4)
+    p.add_argument("--learners", type=int, default=4)
+    args = p.parse_args(argv)
+    if (args.params is not None and args.params < 1) or args.fragments < 1 or args.learners < 1:
+        p.error("--params, --fragments and --learners take a number >= 1")
+    params = args.params or (100_000 if args.smoke else 1_000_000 if args.quick else 4_000_000)
+    result = measure(params, args.fragments, args.learners) | run_mode(args)
     for fid, parts in enumerate(result["by_fragment"]):
         print(f"fragment {fid}: " + ", ".join(f"{k} {v:,}" for k, v in parts.items()))
     print("shared: " + ", ".join(f"{k} {v:,}" for k, v in result["shared"].items()))
@@ -212,8 +216,8 @@ def main() -> None:
         f"{result['checkpoint_copies_bytes_per_param']} B/param; "
         f"peak {result['peak_bytes_per_param']} B/param"
     )
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
+    return result
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ Two implementations of one small interface (`Links`), chosen by `open_links`:
   a TCP proxy in this process that counts the bytes (TCP payload, so without the headers the
   namespace path sees), given `rate_bps` limits each direction with a token bucket and given
   `rtt_s` delays it like the namespaces' proxy. Data-parallel ranks cannot be proxied (see
-  above): they run on loopback, neither limited nor delayed, and count their own sockets' bytes
-  (`socket_bytes`, from the kernel's TCP_INFO).
+  above): they would run on loopback, neither limited nor delayed (`Links.dp_unshaped` says why,
+  and a figure measured against data parallel over limited or delayed links is then missing, not
+  a number), and count their own sockets' bytes (`socket_bytes`, from the kernel's TCP_INFO).
 
 `Links.verify` measures every link as a process on its slot sees it (round trip to the
 Synchronizer's address, and to slot 0 for data parallel's peers; bulk throughput each way) and
@@ -104,6 +105,11 @@ class Links:
     def client_socket(self, slot: int) -> socket.socket:
         """A TCP socket made where a process on slot i makes its sockets."""
         return socket.socket()
+
+    def dp_unshaped(self) -> str | None:
+        """Why data-parallel ranks' traffic would not get this link's rate and round trip, or
+        None where it would (or where the links are neither limited nor delayed)."""
+        return None
 
     # checking the links
     def measure(self, pings: int = 9) -> list[dict[str, Any]]:
@@ -735,8 +741,16 @@ class Proxies(Links):
 
     kind = "proxy"
 
-    def __init__(self, slots: int, rate_bps: float | None = None, rtt_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        slots: int,
+        rate_bps: float | None = None,
+        rtt_s: float = 0.0,
+        instead_of_netns: str = "",
+    ) -> None:
+        """`instead_of_netns`: why namespaces could not be made, where these stand in for them."""
         super().__init__(slots, rate_bps, rtt_s)
+        self.instead_of_netns = instead_of_netns
         self.bytes = [[0, 0] for _ in range(slots)]
         self.lock = threading.Lock()
         self.listeners: list[socket.socket] = []
@@ -759,6 +773,18 @@ class Proxies(Links):
     def counters(self) -> list[tuple[int, int]]:
         with self.lock:
             return [(s, r) for s, r in self.bytes]
+
+    def dp_unshaped(self) -> str | None:
+        if not (self.rate_bps or self.rtt_s):
+            return None
+        why = (
+            "data parallel's ranks (gloo) connect to each other directly, around the per-slot "
+            "proxies, so its traffic would be neither limited nor delayed; namespace links "
+            "(--net netns) need root, iproute2 and iptables (bash deploy/ci/install-tools.sh)"
+        )
+        if self.instead_of_netns:
+            why += f"; namespaces here: {self.instead_of_netns}"
+        return why
 
     def _count(self, slot: int, direction: int, n: int) -> None:
         """direction 0: learner -> Synchronizer (sent), 1: back (received)."""
@@ -821,10 +847,10 @@ def open_links(kind: str, slots: int, rate_bps: float | None = None, rtt_s: floa
         return Proxies(slots, rate_bps, rtt_s)
     try:
         return Namespaces(slots, rate_bps, rtt_s)
-    except LinkError:
+    except LinkError as e:
         if kind == "netns":
             raise
-        return Proxies(slots, rate_bps, rtt_s)
+        return Proxies(slots, rate_bps, rtt_s, instead_of_netns=str(e))
 
 
 # A process's own TCP sockets ---------------------------------------------------------------------

@@ -36,7 +36,9 @@ whose commit took its own work (the manager step went up by one). A sync that fa
 are discarded when it heals from a peer (it adopts the peer's model, inner optimizer and step).
 
 Headline: `vs_torchft_bytes` = torchft's bytes sent per learner over the defaults' (unshaped
-links); `vs_torchft_wall` = torchft's wall time over the defaults' on the 50 Mbit/s, 50 ms links;
+links); `vs_torchft_wall` = torchft's wall time over the defaults' on the 50 Mbit/s, 50 ms links
+(missing, with the reason, where those links are per-slot proxies: torchft's gloo all-reduce
+goes around them, unshaped);
 `vs_torchft_loss` = the defaults' eval loss minus torchft's (unshaped links); also
 `goodput_torchft`, `goodput` (the defaults') and `sync_minus_torchft_loss`.
 
@@ -239,6 +241,7 @@ class TorchftJob:
             **wire,
             "sent_per_learner": wire["sent_per_step"] * w.steps,
             "shaped": self.links.rate_bps is not None and self.links.kind == "netns",
+            "unshaped_why": self.links.dp_unshaped(),  # its all-reduce goes around proxies
             "t_start": t_start,
             "results": results,
         }
@@ -397,7 +400,8 @@ FULL_MODE = Mode(Workload(learners=2, steps=1000), 100, 1000, 3.0, 25.0)
 
 def headline(runs: dict[str, dict[str, dict]], goodput: dict[str, dict]) -> dict[str, Any]:
     """The top-level figures from runs[condition][arm] and goodput[arm]; None where an arm or
-    condition was not run."""
+    condition was not run, or (with the reason under `missing`) where torchft's traffic could not
+    be given the links its wall time is compared on."""
 
     def get(cond: str, arm: str, key: str) -> float | None:
         v = runs.get(cond, {}).get(arm, {}).get(key)
@@ -409,14 +413,18 @@ def headline(runs: dict[str, dict[str, dict]], goodput: dict[str, dict]) -> dict
     def diff(a: float | None, b: float | None) -> float | None:
         return a - b if a is not None and b is not None else None
 
+    unshaped = runs.get(WALL_ON, {}).get("torchft", {}).get("unshaped_why")
+    missing = {}
+    if unshaped:
+        missing["vs_torchft_wall"] = f"torchft ran unshaped on the {WALL_ON} links: {unshaped}"
     return {
         "vs_torchft_bytes": ratio(
             get(BYTES_ON, "torchft", "sent_per_learner"),
             get(BYTES_ON, "default", "sent_per_learner"),
         ),
-        "vs_torchft_wall": ratio(
-            get(WALL_ON, "torchft", "wall_s"), get(WALL_ON, "default", "wall_s")
-        ),
+        "vs_torchft_wall": None
+        if unshaped
+        else ratio(get(WALL_ON, "torchft", "wall_s"), get(WALL_ON, "default", "wall_s")),
         "vs_torchft_loss": diff(
             get(BYTES_ON, "default", "eval_loss"), get(BYTES_ON, "torchft", "eval_loss")
         ),
@@ -425,6 +433,7 @@ def headline(runs: dict[str, dict[str, dict]], goodput: dict[str, dict]) -> dict
         ),
         "goodput_torchft": goodput.get("torchft", {}).get("goodput"),
         "goodput": goodput.get("default", {}).get("goodput"),
+        "missing": missing,
     }
 
 
@@ -552,7 +561,9 @@ def main(argv: list[str] | None = None) -> dict:
         )
     head = headline(runs, goodput)
     print()
-    print("  ".join(f"{k} = {v:.4g}" for k, v in head.items() if v is not None))
+    print("  ".join(f"{k} = {v:.4g}" for k, v in head.items() if isinstance(v, float)))
+    for key, why in head["missing"].items():
+        print(f"{key} = missing: {why}")
     for cond in runs.values():
         for r in cond.values():
             r.pop("results", None)

@@ -11,10 +11,11 @@ adaptive grace, H = 100, P = 4, INT4 pushes, INT8 delta pulls) run over the same
 learner process in its own network namespace (root; see bench/net.py), whose veth is shaped by
 `tc tbf` in both directions and whose every outgoing TCP connection (to the Synchronizer, to
 the gloo master, to the other ranks) goes through a transparent proxy that delays each chunk
-by half the round trip each way, so any two endpoints are one RTT apart. Without root, behind a
-rate-limiting, delaying proxy; then only the Decoupled learners' links are limited and delayed
-(gloo cannot be proxied, so data parallel runs on loopback and the result says `"shaped":
-false`). Before the runs every link is measured from inside its slot (round trip to the
+by half the round trip each way, so any two endpoints are one RTT apart. Without root or
+iptables (`--net proxy`, or `auto` where namespaces cannot be made), each Decoupled learner sits
+behind a rate-limiting, delaying proxy, but gloo cannot be proxied: data parallel would run on
+loopback, unshaped, and that is no baseline, so it is not run and `wan_speedup` is missing (None
+in the JSON, the reason under `missing`), never a number. Before the runs every link is measured from inside its slot (round trip to the
 Synchronizer's address and, for data parallel's peers, to slot 0; throughput each way:
 `links_measured`), and a link whose round trip is far from the one asked for is refused.
 
@@ -53,6 +54,7 @@ from bench.common import machine, parser, run_mode, say_mode, table, write_json
 from bench.convergence import BEST, parse_set
 from bench.dp import DPJob
 from bench.jobs import SMOKE, Decoupled, DilocoJob, GlobalModel, Workload
+from bench.limits import shown
 from bench.net import describe_links, open_links
 from bench.plots import loss_curves, png_path
 
@@ -75,6 +77,9 @@ FULL_LINKS = [(50.0, 50.0), (1000.0, 10.0)]  # (Mbit/s, round trip ms); the firs
 def at_link(
     rate_mbit: float, rtt_ms: float, w: Workload, cfg: Decoupled, net: str, root: Path
 ) -> dict[str, Any]:
+    """Both arms over links of `rate_mbit` with `rtt_ms`: the cell's figures. Where data
+    parallel's traffic cannot be given those links (the per-slot proxies), it is not run and
+    `wan_speedup` is None with the reason under `missing`: unshaped, it is no baseline."""
     with open_links(net, w.learners, rate_mbit * 1e6, rtt_ms / 1e3) as links:
         measured = links.verify()
         print(f"  links ({links.kind}), measured from each slot:", flush=True)
@@ -83,24 +88,45 @@ def at_link(
         dec = DilocoJob(cfg, w, links, root / "decoupled").run(
             evaluator=GlobalModel(w, cfg.fragments), eval_every_s=max(1.0, expected_s / 8)
         )
-        # data parallel stops at its first eval at or below the Decoupled run's final loss
-        dp = DPJob(
-            w, links, root / "dp", eval_every=max(1, w.steps // 40), target_loss=dec["eval_loss"]
-        ).run()
-    t_dp = reach_time(dp["eval_series"], dec["eval_loss"])
+        unshaped = links.dp_unshaped()
+        dp = None
+        if unshaped is None:
+            # data parallel stops at its first eval at or below the Decoupled run's final loss
+            dp = DPJob(
+                w,
+                links,
+                root / "dp",
+                eval_every=max(1, w.steps // 40),
+                target_loss=dec["eval_loss"],
+            ).run()
     at = f"@{rate_mbit:g}Mbit/{rtt_ms:g}ms"
-    dp["name"], dec["name"] = f"dp {at}", f"decoupled {at}"
-    return {
+    dec["name"] = f"decoupled {at}"
+    cell: dict[str, Any] = {
         "rate_mbit": rate_mbit,
         "rtt_ms": rtt_ms,
         "links": links.kind,
         "links_measured": measured,
+        "decoupled": dec,
+    }
+    if dp is None:
+        why = f"data parallel not run over these links: {unshaped}"
+        return cell | {
+            "dp": None,
+            "dp_shaped": False,
+            "dp_reached": None,
+            "dp_time_to_decoupled_loss_s": None,
+            "wan_speedup": None,
+            "missing": {"wan_speedup": why},
+        }
+    t_dp = reach_time(dp["eval_series"], dec["eval_loss"])
+    dp["name"] = f"dp {at}"
+    return cell | {
         "dp_shaped": dp["shaped"],
         "dp_reached": t_dp is not None,
         "dp_time_to_decoupled_loss_s": t_dp if t_dp is not None else dp["wall_s"],
         "wan_speedup": (t_dp if t_dp is not None else dp["wall_s"]) / dec["wall_s"],
         "dp": dp,
-        "decoupled": dec,
+        "missing": {},
     }
 
 
@@ -191,14 +217,20 @@ def main(argv: list[str] | None = None) -> dict:
             c = cells[-1]
             c["label"] = label
             print(
-                f"  wan_speedup {c['wan_speedup']:.2f}"
-                + ("" if c["dp_reached"] else " (lower bound: data parallel never reached it)"),
+                f"  wan_speedup {shown(c, 'wan_speedup', '.2f')}"
+                + (
+                    " (lower bound: data parallel never reached it)"
+                    if c["dp_reached"] is False
+                    else ""
+                ),
                 flush=True,
             )
     rows = []
     for c in cells:
         for kind in ("dp", "decoupled"):
             r = c[kind]
+            if r is None:
+                continue
             rows.append(
                 {
                     "run": r["name"],
@@ -232,21 +264,26 @@ def main(argv: list[str] | None = None) -> dict:
             args.json.with_name(f"{args.json.stem}-{c['label']}.json") if args.json else None
         )
         loss_curves(
-            [c["dp"], c["decoupled"]],
+            [r for r in (c["dp"], c["decoupled"]) if r is not None],
             png_path(json_path, ""),
             f"{w.learners} learners over {c['rate_mbit']:g} Mbit/s, {c['rtt_ms']:g} ms links",
             w.batch_size * w.context,
         )
         for kind in ("dp", "decoupled"):
-            c[kind].pop("results", None)
+            if c[kind] is not None:
+                c[kind].pop("results", None)
     head = cells[0]
+    missing = head["missing"] | {
+        f"wan_speedup_{c['label']}": c["missing"]["wan_speedup"] for c in cells if c["missing"]
+    }
     result: dict[str, Any] = {
         "wan_speedup": head["wan_speedup"],
         "wan_rate_mbit": head["rate_mbit"],
         "wan_rtt_ms": head["rtt_ms"],
-        "wan_lower_bound": not head["dp_reached"],
+        "wan_lower_bound": None if head["dp_reached"] is None else not head["dp_reached"],
         "wan_dp_shaped": head["dp_shaped"],
         **{f"wan_speedup_{c['label']}": c["wan_speedup"] for c in cells},
+        "missing": missing,
         **mode,
         "links_measured": {c["label"]: c["links_measured"] for c in cells},
         "steps": w.steps,
@@ -258,8 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine(),
     }
     print(
-        f"\nwan_speedup = {result['wan_speedup']:.3f} at {head['rate_mbit']:g} Mbit/s,"
-        f" {head['rtt_ms']:g} ms round trip"
+        f"\nwan_speedup at {head['rate_mbit']:g} Mbit/s, {head['rtt_ms']:g} ms round trip"
+        f" = {shown(result, 'wan_speedup')}"
         + (" (lower bound)" if result["wan_lower_bound"] else "")
     )
     say_mode(mode)

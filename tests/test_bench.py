@@ -8,10 +8,10 @@ on loopback (the namespaces' transparent proxy only as root).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -38,6 +38,7 @@ from bench.peers import MISSING, final_replica, headline, merged_syncs, torchft_
 from bench.wan import parse_links, reach_time
 from synchronizer.outer import OUTER_KINDS
 from tests.helpers import REPO, run_smoke
+from tests.tools import DEBIAN, tool
 
 SMOKES = [
     ("ingest", [], ["ingest_ratio", "wal_disk_ratio", "apply_ratio", "apply_bw_ratio"]),
@@ -47,7 +48,6 @@ SMOKES = [
         [],
         ["bandwidth_ratio", "loss_gap", "m1_gain", "default_vs_sync", "default_vs_best"],
     ),
-    ("wan", ["--net", "proxy"], ["wan_speedup"]),
     ("goodput", [], ["goodput", "goodput_sync", "goodput_lockstep"]),
     ("overlap", [], ["overlap_ratio"]),
     ("durability", [], ["wal_ratio", "fsync_p50_ms", "restart_s", "chaos_loss_vs_no_kills"]),
@@ -92,6 +92,44 @@ def test_benchmark_smoke_mode_exits_0_and_writes_its_headline_figures(
         assert result["mode"] == "smoke" and result["smoke_run"] is True, result["mode"]
 
 
+NOT_BENCHMARKS = {"torchft_learner"}  # a learner process bench.peers starts, not run by hand
+
+
+def benchmarks() -> list[str]:
+    """Every module under bench/ that runs as `python -m bench.NAME`, but NOT_BENCHMARKS."""
+    return sorted(
+        p.stem
+        for p in (REPO / "bench").glob("*.py")
+        if 'if __name__ == "__main__":' in p.read_text() and p.stem not in NOT_BENCHMARKS
+    )
+
+
+def test_benchmarks_are_found_by_their_main_block() -> None:
+    assert {"chaos", "memory", "wan", "peers", "scale", "ingest"} <= set(benchmarks())
+
+
+@pytest.mark.parametrize("name", benchmarks())
+def test_every_benchmark_help_lists_quick(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    main = importlib.import_module(f"bench.{name}").main
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    assert "--quick" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("name", "argv"),
+    [("chaos", ["--kills", "-1"]), ("memory", ["--params", "0"]), ("memory", ["--learners", "0"])],
+)
+def test_a_benchmark_refuses_a_bad_size_in_one_line_before_running(
+    name: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(f"bench.{name}").main(argv)
+    assert done.value.code == 2
+    assert "take a number >= " in capsys.readouterr().err.splitlines()[-1]
+
+
 def test_a_quick_mode_too_short_for_its_figures_calls_itself_a_smoke_run() -> None:
     p = parser("test")
     quick, full = p.parse_args(["--quick"]), p.parse_args([])
@@ -100,6 +138,47 @@ def test_a_quick_mode_too_short_for_its_figures_calls_itself_a_smoke_run() -> No
     assert run_mode(quick) == {"mode": "quick", "smoke_run": False}
     assert run_mode(full, why) == {"mode": "full", "smoke_run": False}
     assert run_mode(p.parse_args(["--smoke"]), why)["smoke_run"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_wan_over_proxies_reports_its_speedup_missing_with_the_reason_never_a_number(
+    tmp_path: Path,
+) -> None:
+    """Data parallel's gloo traffic cannot go through the per-slot proxies: unshaped, it is no
+    baseline, so it is not run and the headline is missing, with why."""
+    result = run_smoke("wan", tmp_path / "wan.json", "--net", "proxy")
+    assert result["wan_speedup"] is None and result["wan_speedup_50mbit"] is None
+    assert "gloo" in result["missing"]["wan_speedup"], result["missing"]
+    assert "--net netns" in result["missing"]["wan_speedup"]
+    (cell,) = result["cells"]
+    assert cell["links"] == "proxy" and cell["dp"] is None and not cell["dp_shaped"]
+    assert math.isfinite(cell["decoupled"]["eval_loss"])  # the Decoupled arm still ran
+    assert result["wan_lower_bound"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, tc and iptables need root")
+def test_wan_over_namespaces_shapes_data_parallel_too_and_reports_its_speedup(
+    tmp_path: Path,
+) -> None:
+    for name, package in (("ip", "iproute2"), ("tc", "iproute2"), ("iptables", "iptables")):
+        tool(name, DEBIAN.format(package))
+    result = run_smoke("wan", tmp_path / "wan.json", "--net", "netns")
+    assert isinstance(result["wan_speedup"], float) and math.isfinite(result["wan_speedup"])
+    assert result["wan_dp_shaped"] is True and result["missing"] == {}
+    assert result["cells"][0]["links"] == "netns"
+
+
+def test_proxies_say_why_data_parallel_would_be_unshaped_only_when_the_links_shape() -> None:
+    with Proxies(2) as plain:  # neither limited nor delayed: loopback is as asked
+        assert plain.dp_unshaped() is None
+    with Proxies(2, rate_bps=50e6) as limited:
+        why = limited.dp_unshaped()
+        assert why is not None and "gloo" in why and "install-tools.sh" in why
+    with Proxies(2, rtt_s=0.05, instead_of_netns="no root") as delayed:
+        assert (delayed.dp_unshaped() or "").endswith("namespaces here: no root")
 
 
 @pytest.mark.slow
@@ -235,7 +314,22 @@ def test_peers_headline_is_theirs_over_ours_and_ours_minus_theirs() -> None:
     assert h["vs_torchft_loss"] == pytest.approx(1.80 - 1.867)
     assert h["sync_minus_torchft_loss"] == pytest.approx(0.001)
     assert (h["goodput_torchft"], h["goodput"]) == (0.7, 0.9)
+    assert h["missing"] == {}
     assert headline({"loopback": runs["loopback"]}, {})["vs_torchft_wall"] is None
+
+
+def test_peers_wall_ratio_is_missing_with_the_reason_where_torchft_ran_unshaped() -> None:
+    with Proxies(2, rate_bps=50e6, rtt_s=0.05) as links:
+        why = links.dp_unshaped()
+    runs: dict[str, dict[str, dict]] = {
+        "50mbit": {
+            "torchft": {"wall_s": 40.0, "unshaped_why": why},
+            "default": {"wall_s": 60.0, "unshaped_why": None},
+        }
+    }
+    h = headline(runs, {})
+    assert h["vs_torchft_wall"] is None
+    assert h["missing"]["vs_torchft_wall"].endswith(f"links: {why}")
 
 
 def test_reach_time_interpolates_the_crossing_and_says_never_when_it_is_not_reached() -> None:
@@ -397,11 +491,10 @@ def test_wan_links_parse_from_links_or_rates_with_round_trips() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("iptables") is None or shutil.which("tc") is None,
-    reason="network namespaces, tc and iptables need root",
-)
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, tc and iptables need root")
 def test_namespace_links_delay_every_connection_once_learner_to_learner_included() -> None:
+    for name, package in (("ip", "iproute2"), ("tc", "iproute2"), ("iptables", "iptables")):
+        tool(name, DEBIAN.format(package))
     with Namespaces(2, rate_bps=50e6, rtt_s=0.04) as links:
         measured = links.verify()
     for m in measured:

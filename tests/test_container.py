@@ -10,8 +10,9 @@ daemon already running or a dockerd of its own that leaves the host's firewall a
 - deploy/compose/compose.host.yaml brings up a Synchronizer, two learners and Prometheus, which
   records goodput; the stack goes down with its volumes.
 
-Skipped, with the reason, where docker, dockerd or debootstrap cannot run. The images are built
-once per run (a few minutes on two cores), hence the long timeout.
+Skipped, with the reason, where docker, dockerd or debootstrap cannot run (failed instead under
+DILOCO_REQUIRE_TOOLS=1: tests/tools.py). The images are built once per run (a few minutes on two
+cores), hence the long timeout.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from demo.procs import scrape
 from demo.tiny import TINY
 from tests.helpers import poll
 from tests.images import BUILD, IMAGE, PROMETHEUS_IMAGE, ImageBuild, host_network_state, local_image
+from tests.tools import unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -66,7 +68,7 @@ def docker(request: pytest.FixtureRequest) -> Iterator[Any]:
         try:
             daemon = build.wait()
         except local_image.Unavailable as e:
-            pytest.skip(f"containers cannot run here: {e}")
+            unavailable(f"containers cannot run here: {e}")
         print(f"base and images ready in {build.seconds:.0f} s")
         yield daemon
         after = host_network_state()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,15 +29,26 @@ REPO = Path(__file__).resolve().parent.parent
 def plain_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("plain") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    torch_spec = os.environ.get("TORCH_SPEC", "torch==2.13.0")
-    out = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", torch_spec, str(REPO)],
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert out.returncode == 0, f"pip install . failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    pip = [str(venv / "bin" / "pip"), "install", "-q"]
+    for step in (torch_install(), [str(REPO)]):
+        out = subprocess.run([*pip, *step], capture_output=True, text=True, timeout=800)
+        assert out.returncode == 0, (
+            f"pip install failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
     return venv
+
+
+def torch_install() -> list[str]:
+    """pip's arguments for torch as the README's Quick start gives them: TORCH_SPEC, from where
+    TORCH_INDEX says (the CPU index unless set; set but empty, pip's own configuration)."""
+    readme = (REPO / "README.md").read_text()
+    spec = re.search(r'"\$\{TORCH_SPEC:-([^}]+)\}"', readme)
+    index = re.search(r'\$\{TORCH_INDEX-"([^"]+)"\}', readme)
+    assert spec and index, "the README's Quick start installs torch from TORCH_SPEC and TORCH_INDEX"
+    return [
+        *shlex.split(os.environ.get("TORCH_INDEX", index.group(1))),
+        os.environ.get("TORCH_SPEC") or spec.group(1),
+    ]
 
 
 def _env() -> dict[str, str]:

