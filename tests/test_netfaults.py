@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import socket
 import threading
 import time
@@ -23,22 +22,15 @@ from typing import Any
 
 import pytest
 
-REQUIRE = "DILOCO_REQUIRE_TOOLS"
+from tests.tools import DEBIAN, tool, unavailable
 
 
 def need_namespaces() -> None:
     """Skips (or under DILOCO_REQUIRE_TOOLS=1 fails) where namespaces cannot be made."""
-    missing = [t for t in ("ip", "tc", "ss") if shutil.which(t) is None]
-    why = ""
     if os.geteuid() != 0:
-        why = "network namespaces need root"
-    elif missing:
-        why = f"network faults need {', '.join(missing)} (Debian's iproute2 package)"
-    if not why:
-        return
-    if os.environ.get(REQUIRE, "") == "1":
-        pytest.fail(f"{why} ({REQUIRE}=1 requires it)", pytrace=False)
-    pytest.skip(why)
+        unavailable("network namespaces need root")
+    for name in ("ip", "tc", "ss"):
+        tool(name, DEBIAN.format("iproute2"))
 
 
 @pytest.fixture
