@@ -50,8 +50,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.common import machine, parser, run_mode, say_mode, table, write_json
 from bench.ingest import GRPC_OPTIONS, init_synchronizer, model_spec
+from bench.scale_load import push_payloads
 from demo.procs import Procs, start_synchronizer
-from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 
@@ -283,12 +283,7 @@ def _client(address: str, learners: int, index: int, commands: Any, results: Any
     torch.set_num_threads(1)
     random.seed(index)
     spec = model_spec(PARAMS, FRAGMENTS)
-    g = torch.Generator().manual_seed(index)
-    payloads = []
-    for f in spec.fragments:
-        buf = codec.encode(torch.randn(f.numel, generator=g) * 1e-3, pb.CODEC_INT4)
-        wire = [pb.PushRequest(chunk=c).SerializeToString() for c in framing.iter_chunks(buf)]
-        payloads.append((layout.make_header(pb.CODEC_INT4, f.numel), wire))
+    payloads = push_payloads(spec, index)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -192,6 +192,18 @@ def join_and_pull(addresses: list[str], params: int) -> float:
     return seconds
 
 
+def push_payloads(spec: ModelSpec, seed: int) -> list[tuple[pb.PayloadHeader, list[bytes]]]:
+    """Per fragment, a push's payload header and its wire chunks (serialized PushRequests): a
+    small random outer gradient, INT4-encoded once, which a synthetic learner sends every time."""
+    g = torch.Generator().manual_seed(seed)
+    payloads = []
+    for f in spec.fragments:
+        buf = codec.encode(torch.randn(f.numel, generator=g) * 1e-3, pb.CODEC_INT4)
+        wire = [pb.PushRequest(chunk=c).SerializeToString() for c in framing.iter_chunks(buf)]
+        payloads.append((layout.make_header(pb.CODEC_INT4, f.numel), wire))
+    return payloads
+
+
 def client(addresses: list[str], params: int, index: int, commands: Any, results: Any) -> None:
     """One client process: one Synchronizer learner that acts for its share of the N simulated
     learners. Per window command (N, rate, t0, window): op g (at t0 + g / rate) is learner
@@ -200,12 +212,7 @@ def client(addresses: list[str], params: int, index: int, commands: Any, results
     order, never early."""
     torch.set_num_threads(1)
     spec = model_spec(params, FRAGMENTS)
-    g = torch.Generator().manual_seed(index)
-    payloads = []
-    for f in spec.fragments:
-        buf = codec.encode(torch.randn(f.numel, generator=g) * 1e-3, pb.CODEC_INT4)
-        wire = [pb.PushRequest(chunk=c).SerializeToString() for c in framing.iter_chunks(buf)]
-        payloads.append((layout.make_header(pb.CODEC_INT4, f.numel), wire))
+    payloads = push_payloads(spec, index)
     shards = Shards(addresses, spec, f"client{index}")
     pushes = [
         c.stream_unary(PUSH_METHOD, response_deserializer=pb.PushReply.FromString)
