@@ -310,12 +310,36 @@ def start(
     return RunningServer(server, core, health_servicer, port, metrics_port, cfg.host, httpd)
 
 
+WATCHERS_TOLD_S = 2.0  # longest the shutdown waits to tell health watchers NOT_SERVING
+
+
+def _not_serving_for_shutdown(servicer: health.HealthServicer) -> None:
+    """Health NOT_SERVING, sent to every open Watch stream, waiting at most WATCHERS_TOLD_S: a
+    watch whose client went away without its call having ended yet can block that send (or fail
+    it inside gRPC) until the server stops, which ends every call; the watchers then see the
+    server go away instead."""
+
+    def tell() -> None:
+        try:
+            servicer.enter_graceful_shutdown()
+        except RuntimeError as e:
+            logger.warning("health NOT_SERVING not sent to every watcher: %s", e)
+
+    told = threading.Thread(target=tell, name="health-shutdown", daemon=True)
+    told.start()
+    told.join(WATCHERS_TOLD_S)
+    if told.is_alive():
+        logger.warning(
+            "health watchers not told NOT_SERVING within %.0f s: stopping anyway", WATCHERS_TOLD_S
+        )
+
+
 def stop(running: RunningServer, grace_s: float) -> bool:
     """Health NOT_SERVING, stop RPCs within grace, merge acknowledged work, checkpoint. True if
     nothing acknowledged is lost: the final checkpoint was written, or it could not be and the
     write-ahead log holds what it would have saved (the next start replays it). Either way the log
     says what was not saved."""
-    running.health.enter_graceful_shutdown()
+    _not_serving_for_shutdown(running.health)
     running.server.stop(grace_s).wait()
     core = running.synchronizer
     saved = core.close()

@@ -626,6 +626,7 @@ def test_status_over_shards_shows_each_shard_and_one_that_does_not_answer_as_dow
         learners.append(learner)
     dead = f"127.0.0.1:{_free_port()}"
     addresses = [servers[0].address, dead, servers[1].address]
+    capsys.readouterr()  # the servers' own start-up lines, logged here in-process
     try:
         rc, out, err = _run(capsys, "status", "--synchronizer", ",".join(addresses), "--json")
         rc_table, table, err_table = _run(capsys, "status", "--synchronizer", ",".join(addresses))

@@ -60,7 +60,11 @@ def test_the_loops_own_optimizer_step_is_an_inner_step_pushing_as_learner_step_d
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         fake = fake_for(model)
-        with start(model, opt, fake, tokens=TOKENS) as learner:
+        # Strict overlap with tau 0: each push's result is merged before the step returns, so
+        # both runs push at the same steps whatever the background threads' timing
+        with start(
+            model, opt, fake, tokens=TOKENS, strict_overlap=True, overlap_steps=0
+        ) as learner:
             for x, y in data:
                 loss = loss_of(model, x, y)
                 loss.backward()

@@ -18,11 +18,18 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.tools import DEBIAN, tool, unavailable
+
+
+def identity(result: dict[str, Any]) -> tuple[str, str]:
+    """A learner's id (from its result) and session (from the 0600 file its result names; the
+    result never holds the secret itself)."""
+    return result["learner"]["learner_id"], Path(result["session_file"]).read_text().strip()
 
 
 def need_namespaces() -> None:
@@ -166,8 +173,7 @@ def run_job(out, faults, slow):
 
         def scenario():
             try:
-                me = read_json(job.slots[FAULTED].runs[0].out)["learner"]
-                done["id"], done["session"] = me["learner_id"], me["session"]
+                done["id"], done["session"] = identity(read_json(job.slots[FAULTED].runs[0].out))
                 lf.partition(PARTITION_S)
                 job.watch.wait_for(done["id"], "alive", 30)
                 lf.stall(SENT, STALL_S, timeout_s=30)
@@ -254,7 +260,7 @@ def test_a_learner_whose_link_partitions_stalls_and_resets_rejoins_as_itself_and
     # The learner came back as itself: one id and session from start to end, and the
     # Synchronizer never listed a third learner.
     me = results[FAULTED][0]["learner"]
-    assert (me["learner_id"], me["session"]) == (done["id"], done["session"])
+    assert identity(results[FAULTED][0]) == (done["id"], done["session"])
     assert len(job.watch.ids(name_prefix="l")) == 2
     assert me["errors"] > 0  # the faults reached it
 
