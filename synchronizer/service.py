@@ -62,7 +62,15 @@ class SynchronizerService:
         self, method: str, context: grpc.ServicerContext, exc: BaseException | None
     ) -> NoReturn | None:
         if isinstance(exc, Rejected) and exc.reason == "incomplete" and _went_away(context):
-            exc = grpc.RpcError()  # a cancelled upload ends its request stream as if short
+            # A cancelled upload (the client gone, or the stream cut for idling) ends its request
+            # stream as if short: end the call as cancelled. Aborting, not raising, because an
+            # exception gRPC did not raise itself is logged by gRPC with a traceback.
+            self.metrics.rpcs.labels(method, "CANCELLED").inc()
+            logger.warning(
+                "%s: the client went away before the call completed; nothing of it was applied",
+                method,
+            )
+            context.abort(grpc.StatusCode.CANCELLED, "the call ended before its payload did")
         if isinstance(exc, Rejected):
             self.metrics.rejections.labels(exc.code.name, exc.reason).inc()
             self.metrics.rpcs.labels(method, exc.code.name).inc()
