@@ -58,6 +58,14 @@ class SynchronizerService:
         self.core = core
         self.metrics = core.metrics
 
+    def _went_away(self, method: str) -> None:
+        """Counts and logs a call its client left (or that was cut) before it completed."""
+        self.metrics.rpcs.labels(method, "CANCELLED").inc()
+        logger.warning(
+            "%s: the client went away before the call completed; nothing of it was applied",
+            method,
+        )
+
     def _finish(
         self, method: str, context: grpc.ServicerContext, exc: BaseException | None
     ) -> NoReturn | None:
@@ -65,11 +73,7 @@ class SynchronizerService:
             # A cancelled upload (the client gone, or the stream cut for idling) ends its request
             # stream as if short: end the call as cancelled. Aborting, not raising, because an
             # exception gRPC did not raise itself is logged by gRPC with a traceback.
-            self.metrics.rpcs.labels(method, "CANCELLED").inc()
-            logger.warning(
-                "%s: the client went away before the call completed; nothing of it was applied",
-                method,
-            )
+            self._went_away(method)
             context.abort(grpc.StatusCode.CANCELLED, "the call ended before its payload did")
         if isinstance(exc, Rejected):
             self.metrics.rejections.labels(exc.code.name, exc.reason).inc()
@@ -82,11 +86,7 @@ class SynchronizerService:
             # Raised by a request stream whose client went away mid-call (killed, cancelled,
             # timed out; the service makes no calls of its own), or thrown into a reply stream
             # gRPC stopped reading: expected, and nothing of a half-received push was applied.
-            self.metrics.rpcs.labels(method, "CANCELLED").inc()
-            logger.warning(
-                "%s: the client went away before the call completed; nothing of it was applied",
-                method,
-            )
+            self._went_away(method)
             raise exc
         if exc is not None:
             code = (
