@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import diloco_pb2 as pb
@@ -29,6 +29,8 @@ from protos import exposition
 from synchronizer.cli_status import status_json
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
+from synchronizer.health import SERVICE_NAME as HEALTH_SERVICE
+from synchronizer.health import HealthServicer
 from synchronizer.metrics import Metrics
 from synchronizer.service import SynchronizerService
 from synchronizer.streams import FirstMessages
@@ -206,7 +208,7 @@ class FirstMessageInterceptor(grpc.ServerInterceptor):
 class RunningServer:
     server: grpc.Server
     synchronizer: Synchronizer
-    health: health.HealthServicer
+    health: HealthServicer
     port: int
     metrics_port: int | None
     host: str
@@ -230,7 +232,7 @@ def _credentials(cfg: SynchronizerConfig) -> grpc.ServerCredentials | None:
     )
 
 
-def _not_serving(servicer: health.HealthServicer, reason: str) -> None:
+def _not_serving(servicer: HealthServicer, reason: str) -> None:
     logger.error("health is NOT_SERVING: %s", reason)
     for name in ("", SERVICE_NAME):
         servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -264,10 +266,10 @@ def start(
     handlers = SynchronizerService(core).handlers()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), server
     )
     bind = f"{cfg.host}:{cfg.port}"
     creds = _credentials(cfg)
@@ -313,11 +315,10 @@ def start(
 WATCHERS_TOLD_S = 2.0  # longest the shutdown waits to tell health watchers NOT_SERVING
 
 
-def _not_serving_for_shutdown(servicer: health.HealthServicer) -> None:
+def _not_serving_for_shutdown(servicer: HealthServicer) -> None:
     """Health NOT_SERVING, sent to every open Watch stream, waiting at most WATCHERS_TOLD_S: a
-    watch whose client went away without its call having ended yet can block that send (or fail
-    it inside gRPC) until the server stops, which ends every call; the watchers then see the
-    server go away instead."""
+    watch whose client stopped reading can block that send (or fail it inside gRPC) until the
+    server stops, which ends every call; the watchers then see the server go away instead."""
 
     def tell() -> None:
         try:

@@ -203,6 +203,45 @@ def test_health_watches_pass_the_first_message_gate_and_hold_no_worker(make_serv
             ch.close()
 
 
+def test_a_status_set_while_watches_close_leaves_the_server_answering(make_server):
+    # gRPC runs a closing watch's callback on its one polling thread; a status sent to the
+    # watchers while that callback waited for the sender's lock stopped the server for good
+    # (grpcio-health-checking's servicer did this every time here): nothing answered, and
+    # shutdown never returned.
+    srv = make_server()
+    channel = grpc.insecure_channel(srv.address)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watches = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT) for _ in range(64)]
+        assert {next(w).status for w in watches} == {health_pb2.HealthCheckResponse.SERVING}
+        done = threading.Event()
+
+        def flip() -> None:
+            statuses = (
+                health_pb2.HealthCheckResponse.NOT_SERVING,
+                health_pb2.HealthCheckResponse.SERVING,
+            )
+            i = 0
+            while not done.is_set():
+                srv.health.set("", statuses[i % 2])
+                i += 1
+
+        flipper = threading.Thread(target=flip, daemon=True)
+        flipper.start()
+        for w in watches:
+            w.cancel()
+        assert wait_until(lambda: srv.health.watching("") == 0, TIMEOUT), "closed watches stay"
+        done.set()
+        flipper.join(ANSWER_S)
+        assert not flipper.is_alive(), "a status set never returned"
+        assert stub.Check(health_pb2.HealthCheckRequest(), timeout=ANSWER_S).status in (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+    finally:
+        channel.close()
+
+
 def test_open_reflection_streams_are_bounded_like_silent_calls(make_server):
     # Reflection needs no token and answers as long as its stream stays open: streams that ask
     # once and stay open hold their place for their whole life, so they are bounded and
