@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
+from learner import resume
 from learner.addresses import client_for
 from learner.config import LearnerConfig
 from learner.fragments import (
@@ -83,29 +84,6 @@ class LearnerStats:
     versions_checked: int = 0  # (epoch, fragment, version)s pulled, with their checksums
     version_conflicts: int = 0  # of those, served again with another checksum (a server bug)
     step_time_s: float | None = None  # moving average of an inner step's compute seconds
-
-
-STATE_FORMAT = 1  # of `Learner.state_dict()`
-
-
-def check_state(state: dict[str, Any], numels: list[int], leader: bool) -> None:
-    """ValueError naming what does not fit when `state` is not a learner state for this model's
-    fragments."""
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        raise ValueError(
-            f"not a learner state of format {STATE_FORMAT} (from Learner.state_dict()): "
-            f"format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}"
-        )
-    if state.get("numels") != numels:
-        raise ValueError(
-            f"the learner state is for fragments of {state.get('numels')} elements, this model "
-            f"has {numels}: same model, fragments and fragment_strategy needed to resume"
-        )
-    if leader and "learner_id" not in state:
-        raise ValueError(
-            "this learner state was saved by an island rank other than 0, which holds no sync "
-            "state: resume rank 0 from rank 0's state"
-        )
 
 
 class Learner:
@@ -178,8 +156,8 @@ class Learner:
         self._stop_metrics: Callable[[], None] | None = None
         if state is not None:
             numels = [self.plan.numel(p) for p in range(self.num_fragments)]
-            check_state(state, numels, self.leader)
-            self._restore_clock(state)
+            resume.check_state(state, numels, self.leader)
+            resume.restore_clock(self, state)
         if self.leader:
             self._connect(transport, state)
             if cfg.metrics_port >= 0 or metrics_registry is not None:
@@ -231,8 +209,8 @@ class Learner:
         except BaseException:
             self.client.close()
             raise
-        if state is not None and self._resumable(state, versions, fetched is None):
-            self._restore_sync(state)
+        if state is not None and resume.resumable(self, state, versions, fetched is None):
+            resume.restore_sync(self, state)
         else:
             self.versions = versions
             for p in range(self.num_fragments):
@@ -272,82 +250,7 @@ class Learner:
                 "syncs are still in flight (the Synchronizer is slow or unreachable): no "
                 "consistent state to save now; save again later"
             )
-        c = self.clock
-        state: dict[str, Any] = {
-            "format": STATE_FORMAT,
-            "numels": [self.plan.numel(p) for p in range(self.num_fragments)],
-            "step": c.step,
-            "tokens": c.tokens,
-            "compute_s": c.compute_s,
-            "sync_every": self.sync_every,
-            "since_push": [list(acc) for acc in self.since_push],
-            "deferred": sorted(self.deferred),
-        }
-        if self.leader and self.engine is not None and self.client is not None:
-            state |= {
-                "learner_id": self.client.learner_id,
-                "session": self.client.session,
-                "epoch": self.engine.session.epoch,
-                "next_seq": self.engine.session.next_seq,
-                "versions": list(self.versions),
-                "base": [b.detach().to("cpu", copy=True) for b in self.base],
-                "residuals": [
-                    None if r is None else r.detach().to("cpu", copy=True)
-                    for r in self.ef.residuals
-                ],
-            }
-        return state
-
-    def _restore_clock(self, state: dict[str, Any]) -> None:
-        c = self.clock
-        c.step, c.tokens, c.compute_s = state["step"], state["tokens"], state["compute_s"]
-        self.sync_every = state["sync_every"]
-        self.offsets = schedule_offsets(self.sync_every, self.num_fragments)
-        self.since_push = [list(acc) for acc in state["since_push"]]
-        self.deferred = set(state["deferred"])
-
-    def _resumable(self, state: dict[str, Any], versions: list[int], uploaded: bool) -> bool:
-        """Whether the Synchronizer still holds the run the state was saved in: the same epoch
-        (its write-ahead log keeps it across restarts), no fragment behind the saved version,
-        and the model not just uploaded by this learner (a Synchronizer that lost its state)."""
-        assert self.engine is not None
-        behind = [
-            p for p, (v, s) in enumerate(zip(versions, state["versions"], strict=True)) if v < s
-        ]
-        if not uploaded and state["epoch"] == self.engine.session.epoch and not behind:
-            return True
-        logger.warning(
-            "learner=%s resumed at step %d, but the Synchronizer no longer holds the run its "
-            "state was saved in (epoch %s, now %s; fragments behind the saved versions: %s): "
-            "starting from its global model",
-            self.learner_id,
-            self.clock.step,
-            state["epoch"],
-            self.engine.session.epoch,
-            behind,
-        )
-        self.since_push = [[0, 0, 0.0] for _ in range(self.num_fragments)]
-        self.deferred.clear()
-        return False
-
-    def _restore_sync(self, state: dict[str, Any]) -> None:
-        """Keeps the local parameters (the caller loaded them) and measures the next outer
-        gradients from the saved global parameters and versions."""
-        assert self.engine is not None
-        self.versions = list(state["versions"])
-        self.base = [b.to(self.device) for b in state["base"]]
-        if self.ef.enabled:
-            for p, r in enumerate(state["residuals"]):
-                if r is not None:
-                    self.ef.residuals[p] = r.to(self.device)
-        with self.engine.session.lock:
-            self.engine.session.next_seq = max(self.engine.session.next_seq, state["next_seq"])
-        logger.info(
-            "learner=%s resumed at step %d with versions %s",
-            self.learner_id,
-            self.clock.step,
-            self.versions,
-        )
+        return resume.snapshot(self)
 
     def _serve_metrics(self, registry: CollectorRegistry | None) -> None:
         """The learner's metrics on its own port (metrics_port >= 0), in `registry` when given
