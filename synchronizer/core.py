@@ -334,6 +334,7 @@ class Synchronizer:
             self.housekeeper.join(timeout=5)
         for frag in self.model.fragments:
             frag.model.stop_waiting()
+        self.pulls.close()
         if self.model.rounds is not None:
             self.model.rounds.flush()
             self.model.rounds.shutdown()

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from protos import diloco_pb2 as pb
 from protos import framing, layout
@@ -29,6 +30,37 @@ from synchronizer.served import ServedModel
 from synchronizer.streams import SLOT_PATIENCE_S, Call, Streams
 
 PULL_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)
+
+
+class Waker:
+    """Runs the wake-ups of pulls whose calls ended on a thread of its own. gRPC runs a call's
+    end callbacks on its one polling thread, and waking a waiting pull takes the fragment's lock,
+    which an outer step holds for its whole length (seconds at 1B parameters): taken there, it
+    would stop every call's traffic, health checks included, until the step ends."""
+
+    def __init__(self) -> None:
+        self._todo: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, wake: Callable[[], None]) -> None:
+        """Queues `wake` (never blocks)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pull-waker", daemon=True)
+                self._thread.start()
+        self._todo.put(wake)
+
+    def _run(self) -> None:
+        while (wake := self._todo.get()) is not None:
+            wake()
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._todo.put(None)
+            thread.join(timeout=5)
 
 
 class PullPath:
@@ -49,6 +81,10 @@ class PullPath:
         self.streams = streams
         self.epoch = epoch
         self.stopping = stopping
+        self.waker = Waker()
+
+    def close(self) -> None:
+        self.waker.close()
 
     def pull(self, request: pb.PullRequest, call: Call | None = None) -> Iterator[pb.PullReply]:
         """The fragment's parameters (or the updates since `have_version`), judged at one
@@ -132,13 +168,16 @@ class PullPath:
         ended = threading.Event()
 
         def wake() -> None:
-            ended.set()
             with model.initialized_cv:
                 model.initialized_cv.notify_all()
             for frag in list(model.fragments):
                 frag.model.wake()
 
-        call.on_end(wake)
+        def ended_now() -> None:  # on gRPC's polling thread: nothing here may block
+            ended.set()
+            self.waker(wake)
+
+        call.on_end(ended_now)
         with model.initialized_cv:
             while not model.initialized and not ended.is_set() and not self.stopping.is_set():
                 if not model.initialized_cv.wait(max(0.0, deadline - time.monotonic())):

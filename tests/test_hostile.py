@@ -195,6 +195,29 @@ def test_waiting_pulls_hold_no_transfer_slot_and_end_when_their_client_cancels(m
     assert ended == [grpc.StatusCode.CANCELLED] * 2
 
 
+def test_a_waiting_pull_that_ends_during_an_outer_step_stalls_no_other_call(make_server):
+    # gRPC runs a call's end callbacks on its one polling thread. Waking the pulls that wait
+    # there took the fragment's lock, which an outer step holds for its whole length (seconds
+    # at 1B parameters), so every call on the server stalled until the step ended.
+    srv = make_server(quorum=1, grace="none", max_pull_wait_s=60)
+    a = Client(srv.address, SPEC, "a")
+    a.join()
+    a.init([torch.zeros(N)])
+    request = pb.PullRequest(learner_id=a.learner_id, session=a.session, min_version=100, wait_s=60)
+    call = a.stub.PullFragment(request, timeout=TIMEOUT)
+    ended: list[grpc.StatusCode] = []
+    drain = threading.Thread(target=lambda: ended.append(_code(lambda: list(call))), daemon=True)
+    drain.start()
+    assert wait_until(lambda: _sample(srv, "diloco_pulls_waiting") == 1)
+    fragment = srv.synchronizer.model.fragments[0].model
+    with fragment.cv:  # as an outer step holds it
+        call.cancel()
+        drain.join(TIMEOUT)
+        assert ended == [grpc.StatusCode.CANCELLED]
+        assert _health_answers(srv.address)
+    assert wait_until(lambda: _sample(srv, "diloco_pulls_waiting") == 0, timeout_s=5.0)
+
+
 # Counters -----------------------------------------------------------------------------------
 
 
