@@ -56,7 +56,7 @@ TRAINING = "steps start_step lr warmup_steps min_lr_ratio weight_decay clip lear
 REPORTING = "log_every eval_windows threads out session_out resume save_every"
 MODEL_AND_DATA = "model data max_bytes n_layer d_model n_head block batch_size seed"
 # LocalOptions' flags before the hand-made ones (--train-args and the rest), then "live"
-LOCAL = "learners shards steps out slow_learner slow_factor kill_learner kill_at restart_after_s quorum grace lease_s sync_every fragments codec data seed"
+LOCAL = "learners island_size shards steps out slow_learner slow_factor kill_learner kill_at restart_after_s quorum grace lease_s sync_every fragments codec data seed"
 
 
 def check_address(addresses: str) -> str:

@@ -86,11 +86,33 @@ class Slot:
         return self.killed_at is not None and not self.restarted
 
 
+def island_launcher(ranks: int) -> list[str]:
+    """What starts `python -m demo ...` as an island of `ranks` processes: torchrun on a free
+    local rendezvous port, in the same process group, so a signal to the group reaches every
+    rank (an island is killed, and stops, as a whole)."""
+    if ranks == 1:
+        return [sys.executable]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+    ]
+
+
 def learner_cmd(
-    o: LocalOptions, address: str, slot: Slot, out: Path, start_step: int = 0, name: str = ""
+    o: LocalOptions,
+    address: str,
+    slot: Slot,
+    out: Path,
+    start_step: int = 0,
+    name: str = "",
+    ranks: int = 1,
 ) -> list[str]:
     cmd = [
-        sys.executable,
+        *island_launcher(ranks),
         "-m",
         "demo",
         "train",
@@ -139,7 +161,7 @@ def start_learner(
             else f"learner-{slot.index}.run{len(slot.runs)}.json"
         )
     )
-    cmd = learner_cmd(o, address, slot, slot.runs[-1], start_step)
+    cmd = learner_cmd(o, address, slot, slot.runs[-1], start_step, ranks=o.island_size)
     if start_step:
         cmd += rejoin_args(read_json(slot.runs[0]))  # come back as the same learner
     slot.proc = procs.start(f"learner-{slot.index}", cmd, program_env(LEARNER_ENV))
@@ -282,6 +304,7 @@ def run(o: LocalOptions) -> dict:
     (o.out / "logs").mkdir(parents=True, exist_ok=True)
     for old in [
         *o.out.glob("learner-*.json"),
+        *o.out.glob("learner-*.json.rank*"),  # an island's other ranks
         *o.out.glob("*.session"),  # the learners' session secrets (0600), for their restarts
         *(o.out / "logs").glob("*.log"),
         o.out / "final.json",
@@ -411,6 +434,15 @@ def summarize(
             "eval_loss_end": rs[-1].get("eval_loss_end"),
             "series": [r.get("series", []) for r in rs],  # one curve per process (run)
         }
+        if o.island_size > 1:  # the island's ranks, as its last run ended
+            last = s.runs[-1]
+            ranks = [rs[-1], *(read_json(Path(f"{last}.rank{r}")) for r in range(1, o.island_size))]
+            hashes = {r.get("param_hash") for r in ranks}
+            learners[s.name]["island"] = {
+                "ranks": len(ranks),
+                "finished": sum(bool(r.get("finished")) for r in ranks),
+                "identical": len(hashes) == 1 and None not in hashes,
+            }
     # data-parallel ring all-reduce sends 2 (N-1)/N of the FP32 gradients per step, per learner
     dp_per_step = 2 * (n - 1) / n * params * 4
     full_steps = max(s.steps for s in slots)
@@ -420,6 +452,7 @@ def summarize(
     mean_sent = sum(sent.values()) / max(1, len(sent))
     return {
         "learners": n,
+        "island_size": o.island_size,
         "shards": o.shards,
         "steps": o.steps,
         "params": params,
@@ -464,15 +497,24 @@ def print_summary(s: dict, out: Path) -> None:
     def mb(b: float) -> str:
         return f"{b / 1e6:.2f} MB"
 
+    islands = f" (islands of {s['island_size']} ranks)" if s.get("island_size", 1) > 1 else ""
     print(
-        f"\nDone in {s['wall_s']:.0f} s: {s['learners']} learners, {s['steps']} steps, {s['params']:,} parameters"
+        f"\nDone in {s['wall_s']:.0f} s: {s['learners']} learners{islands}, {s['steps']} steps, {s['params']:,} parameters"
     )
     print(f"  eval loss (global model): {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f}")
     print(
         f"  goodput: {s['goodput']:.1%}   outer steps: {s['outer_steps']:.0f}   pushes: {s['pushes']}"
     )
     for name, sent in s["bytes_sent_per_learner"].items():
-        print(f"  {name}: sent {mb(sent)}, received {mb(s['bytes_received_per_learner'][name])}")
+        island = s["per_learner"][name].get("island")
+        ranks = (
+            f" ({island['ranks']} ranks, {'identical' if island['identical'] else 'DIFFERENT'})"
+            if island
+            else ""
+        )
+        print(
+            f"  {name}: sent {mb(sent)}, received {mb(s['bytes_received_per_learner'][name])}{ranks}"
+        )
     ratio = f" ({s['dp_over_sent']:.0f}x more)" if s["dp_over_sent"] else ""
     print(
         f"  data-parallel ring all-reduce would have sent {mb(s['dp_bytes_per_learner'])} per learner{ratio}"

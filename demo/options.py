@@ -119,7 +119,12 @@ class LocalOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    learners: int = Field(4, ge=1, description="learner processes")
+    learners: int = Field(4, ge=1, description="learners (each one process, or one island)")
+    island_size: int = Field(
+        1,
+        ge=1,
+        description="ranks per learner: each learner is a torchrun island of this many processes (gloo on CPU, NCCL on GPUs; gradients averaged as in DDP, each rank reading its own data shard) whose rank 0 alone talks to the Synchronizer",
+    )
     shards: int = Field(
         1,
         ge=1,
