@@ -241,12 +241,14 @@ class FaultJob(DilocoJob):
         while not self._stop.wait(self.watch_s):
             if not self.address:
                 continue
+            # a sighting is stamped when its request left: the states the reply lists held then
+            # or later, never earlier (a reply slowed by a loaded machine is not news from later)
+            now = time.time()
             try:
                 reply = status(self.address)
             except Exception:  # the Synchronizer starting or stopping: counted, polled again
                 self.watch.errors += 1
                 continue
-            now = time.time()
             self.watch.sightings += [
                 Sighting(now, r.learner_id, r.name, r.state) for r in reply.learners
             ]

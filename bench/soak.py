@@ -5,14 +5,14 @@ grace, 3 s leases) and three learners of the bundled example (a tiny model, each
 `--slow` so the job takes well under a core; one three times slower than the others, as in the
 main job) train for `--minutes` (60; 5 in quick mode, under one in smoke mode) while:
 
-- one learner at a time, in turn, is SIGKILLed every few minutes (3; 30 s quick; 16 s smoke) and
+- one learner at a time, in turn, is SIGKILLed every few minutes (3; 30 s quick; 8 s smoke) and
   started again 5 s later (past its lease) as itself: the learner id and session secret its last
   result file names are passed through the environment (`DILOCO_LEARNER_ID`,
   `DILOCO_LEARNER_SESSION`), never on the command line, where every local user could read them;
-- the Synchronizer gets SIGTERM every 10 minutes (100 s; 30 s): it checkpoints and exits, and is
+- the Synchronizer gets SIGTERM every 10 minutes (100 s; 16 s): it checkpoints and exits, and is
   started again on the same port and state directory. Learners re-join by themselves.
 
-Every 10 s (2 s; 0.5 s) it samples: the Synchronizer's resident memory, open file descriptors
+Every 10 s (2 s; 0.25 s) it samples: the Synchronizer's resident memory, open file descriptors
 (`/proc/PID/fd`) and threads; the write-ahead log's segments on disk (`wal/wal-N.log`, see
 `synchronizer.wal`), the complete checkpoints and the state directory's bytes; the learner
 records the Synchronizer keeps (`diloco_learners`, alive, dead and left together); and each
@@ -62,7 +62,7 @@ is the run getting to its steady state), per series:
 The run also fails when a process fails: a learner that exits by itself, a Synchronizer that
 exits unasked, does not exit within SIGTERM_WAIT_S of SIGTERM or exits non-zero, or a restarted
 learner that comes back under another id. The run's time 0 is when every learner trains (the
-start-up before is not soaked). Smoke mode (45 s, one restart) has no steady state: it shows its
+start-up before is not soaked). Smoke mode (27 s, one restart) has no steady state: it shows its
 slopes without judging them and fails only on a process's failure.
 
     python -m bench.soak [--minutes M] [--quick | --smoke] [--json PATH] [--root DIR]
@@ -131,7 +131,9 @@ class Schedule:
 SCHEDULES = {
     "full": Schedule(60, 600, 180, 10, 0, 90),
     "quick": Schedule(5, 100, 30, 2, 10, 30),
-    "smoke": Schedule(0.75, 30, 16, 0.5, 2, 5),
+    # smoke: the smallest run with a restart past the middle (its first incarnation's samples
+    # after the middle fill the fit) and time left for the restarted one to be sampled
+    "smoke": Schedule(0.45, 16, 8, 0.25, 2, 5),
 }
 
 
@@ -571,7 +573,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--minutes",
         type=float,
         default=None,
-        help="how long the soak runs (default: 60; 5 with --quick, 0.75 with --smoke)",
+        help="how long the soak runs (default: 60; 5 with --quick, 0.45 with --smoke)",
     )
     p.add_argument(
         "--root", type=Path, default=None, help="keep the run's logs and state directory here"

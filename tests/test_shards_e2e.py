@@ -14,10 +14,12 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from bench import chaos
 from demo.cli import main as learner_main
@@ -52,6 +54,21 @@ def serve_shard(
         raise AssertionError(f"{e}\n{procs.tails()}") from None
 
 
+def final_pull(procs: Procs, address: str) -> dict:
+    """The result of a learner with zero steps (it joins, adopts the served model and leaves),
+    run in this process: `python -m demo train`'s own code without a process start."""
+    out = procs.root / "final-pull.json"
+    argv = ["train", "--synchronizer", address, "--name", "final-pull", "--learners", "1"]
+    threads = torch.get_num_threads()  # the learner sets its own; the suite's stays as it was
+    try:
+        rc = learner_main([*argv, "--steps", "0", "--out", str(out), *TINY, *FRAGMENTS])
+    finally:
+        torch.set_num_threads(threads)
+    served = read_json(out)
+    assert rc == 0 and served.get("finished"), f"final pull exited with {rc}\n{procs.tails()}"
+    return served
+
+
 def synchronous_run(
     root: Path, shards: int, steps: int, learners: int = 2
 ) -> tuple[str, list[int]]:
@@ -59,7 +76,10 @@ def synchronous_run(
     the hash of the parameters served at the end, and their versions."""
     procs = Procs(root)
     try:
-        started = [serve_shard(procs, i, shards, chaos.SYNCHRONIZER) for i in range(shards)]
+        with ThreadPoolExecutor(shards) as pool:  # the shards start side by side
+            started = list(
+                pool.map(lambda i: serve_shard(procs, i, shards, chaos.SYNCHRONIZER), range(shards))
+            )
         address = ",".join(info["address"] for _, info in started)
         lockstep = ("--wait-for-learners", str(learners), "--strict-overlap", *FRAGMENTS)
         runs = [
@@ -67,8 +87,7 @@ def synchronous_run(
         ]
         for p, out in runs:
             finish_ok(procs, p, out, timeout_s=120)
-        final = start_learner(procs, address, 0, 1, 0, "--name", "final-pull", *FRAGMENTS, run=99)
-        served = finish_ok(procs, *final, timeout_s=60)
+        served = final_pull(procs, address)
         return str(served["param_hash"]), list(served["learner"]["fragment_versions"])
     finally:
         procs.stop_all(grace_s=0)
