@@ -1,7 +1,7 @@
 """kill -9 chaos: the Synchronizer SIGKILLed at random moments while learners train, against the
 same run without kills.
 
-A Synchronizer and 3 learners of a tiny bundled example (`demo.tiny`) in synchronous mode (every
+A Synchronizer and 3 learners (2 in smoke mode) of a tiny bundled example (`demo.tiny`) in synchronous mode (every
 learner in every round, strict overlap, no Dynamic Local Updates): such a run is reproducible bit
 for bit, so the run with kills must end with exactly the parameters of the run without. The
 Synchronizer is killed after a random 1-4 more rounds and a random 0-0.5 s (pushes, round closes
@@ -13,7 +13,8 @@ learners' acknowledged pushes).
 
     python -m bench.chaos [--quick | --smoke] [--kills N] [--steps S] [--json PATH]
 
-Modes: full 20 kills, --quick 3 (the test suite's run), --smoke 1 kill in 120 steps.
+Modes: full 20 kills, --quick 3 (the test suite's run), --smoke 1 kill in 80 steps of 2 learners
+(`SMOKE`: the smallest run that still kills the Synchronizer while the learners train).
 
 `bench.durability` reports these figures; `tests/test_e2e.py` asserts them.
 """
@@ -34,6 +35,7 @@ from demo.tiny import NotInTime, final_pull, finish_ok, start_learner, versions,
 from synchronizer import checkpoint
 
 LEARNERS = 3
+SMOKE = {"kills": 1, "steps": 80, "learners": 2}  # bench.durability's smoke runs this too
 SYNCHRONIZER = (
     "--quorum",
     "0",
@@ -45,7 +47,6 @@ SYNCHRONIZER = (
     "--shutdown-grace-s",
     "1",
 )
-LEARNER = ("--wait-for-learners", str(LEARNERS), "--strict-overlap")
 
 
 def _serve(procs: Procs, port: int, name: str) -> tuple[subprocess.Popen, dict[str, Any]]:
@@ -55,8 +56,11 @@ def _serve(procs: Procs, port: int, name: str) -> tuple[subprocess.Popen, dict[s
         raise NotInTime(f"{e}\n{procs.tails()}") from None
 
 
-def run(root: Path, kills: int, steps: int, seed: int = 0) -> dict[str, Any]:
-    """One run under `root` with `kills` SIGKILLs of the Synchronizer; its figures. Raises
+def run(
+    root: Path, kills: int, steps: int, seed: int = 0, learners: int = LEARNERS
+) -> dict[str, Any]:
+    """One run of `learners` learners under `root` with `kills` SIGKILLs of the Synchronizer;
+    its figures. Raises
     NotInTime (with the logs' ends) when a process does not get where it should, and
     AssertionError when a served version went back or the epoch changed."""
     rng = random.Random(seed)
@@ -65,8 +69,9 @@ def run(root: Path, kills: int, steps: int, seed: int = 0) -> dict[str, Any]:
     try:
         proc, info = _serve(procs, 0, "synchronizer")
         address, port, epoch = info["address"], info["port"], info["epoch"]
+        together = ("--wait-for-learners", str(learners), "--strict-overlap")
         runs = [
-            start_learner(procs, address, i, LEARNERS, steps, *LEARNER) for i in range(LEARNERS)
+            start_learner(procs, address, i, learners, steps, *together) for i in range(learners)
         ]
         wait_until(
             lambda: all(read_json(out).get("step", 0) > 0 for _, out in runs),
@@ -138,13 +143,16 @@ def run(root: Path, kills: int, steps: int, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def compare(root: Path, kills: int, steps: int, seed: int = 0) -> dict[str, Any]:
+def compare(
+    root: Path, kills: int, steps: int, seed: int = 0, learners: int = LEARNERS
+) -> dict[str, Any]:
     """The run without kills, then the run with `kills`, under `root`; both runs' figures and
     how the second ended against the first."""
-    reference = run(root / "reference", 0, steps, seed)
-    chaos = run(root / "chaos", kills, steps, seed)
+    reference = run(root / "reference", 0, steps, seed, learners)
+    chaos = run(root / "chaos", kills, steps, seed, learners)
     return {
         **{k: chaos[k] for k in ("kills", "steps", "acknowledged", "merged", "lost")},
+        "learner_count": learners,
         "versions_checked": chaos["versions_checked_across_restarts"]
         + chaos["versions_pulled_with_checksums"],
         "version_conflicts": chaos["version_conflicts"],
@@ -159,7 +167,7 @@ def compare(root: Path, kills: int, steps: int, seed: int = 0) -> dict[str, Any]
 
 def summary(c: dict[str, Any]) -> str:
     return (
-        f"{c['kills']} kills, {c['steps']} steps: {c['versions_checked']} versions checked "
+        f"{c['kills']} kills, {c['learner_count']} learners x {c['steps']} steps: {c['versions_checked']} versions checked "
         f"({c['version_conflicts']} served with two contents); pushes acknowledged "
         f"{c['acknowledged']}, merged {c['merged']}, lost {c['lost']}; eval loss "
         f"{c['eval_loss']:.4f} against {c['eval_loss_without_kills']:.4f} without kills "
@@ -177,13 +185,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--root", type=Path, default=None, help="keep the runs' files here")
     args = p.parse_args(argv)
     mode = run_mode(args)
-    kills = args.kills if args.kills is not None else 1 if args.smoke else 3 if args.quick else 20
+    default = SMOKE["kills"] if args.smoke else 3 if args.quick else 20
+    kills = args.kills if args.kills is not None else default
     if kills < 0 or args.steps < 0:
         p.error("--kills and --steps take a number >= 0")
-    steps = args.steps or (120 if args.smoke else steps_for(kills))
+    steps = args.steps or (SMOKE["steps"] if args.smoke else steps_for(kills))
+    learners = SMOKE["learners"] if args.smoke else LEARNERS
     say_mode(mode)
     with tempfile.TemporaryDirectory() as d:
-        c = compare(args.root or Path(d), kills, steps, args.seed)
+        c = compare(args.root or Path(d), kills, steps, args.seed, learners)
     print(summary(c))
     say_mode(mode)
     c |= mode | {"machine": machine()}

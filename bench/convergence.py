@@ -35,7 +35,7 @@ the default arm's eval loss over (b)'s, `default_vs_best` = over the lowest of t
 
     python -m bench.convergence [--quick | --smoke] [--json PATH] [--steps S] [--sync-every H]
         [--only dp,streaming_int4,...] [--set field=value ...] [--net auto|netns|proxy]
-Modes: --smoke a tiny model, 2 learners, 100 steps, without (c); --quick 300 steps (under 4 minutes here); full
+Modes: --smoke a tiny model, 2 learners, 40 steps, without (c); --quick 300 steps (under 4 minutes here); full
 3000 steps (18 minutes in the recorded run; up to about 27 when the machine is busier).
 """
 
@@ -48,7 +48,7 @@ from typing import Any
 
 from bench.common import machine, parser, run_mode, say_mode, table, write_json
 from bench.dp import DPJob
-from bench.jobs import SMOKE, Decoupled, DilocoJob, Workload, alone
+from bench.jobs import SMOKE_SHORT, Decoupled, DilocoJob, Workload, alone
 from bench.net import open_links
 from bench.plots import loss_curves, png_path
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     mode = run_mode(args, QUICK_IS_SMOKE)
     say_mode(mode)
     if args.smoke:
-        w, base = dataclasses.replace(SMOKE), DECOUPLED.with_(sync_every=10)
+        w, base = dataclasses.replace(SMOKE_SHORT), DECOUPLED.with_(sync_every=10)
     else:
         w, base = Workload(steps=300 if args.quick else 3000), DECOUPLED
     if args.steps:

@@ -20,6 +20,7 @@ runs the baseline alone and prints its table; `python -m bench.dp rank SPEC.json
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import machine, parser, table, write_json
-from bench.jobs import SMOKE, JobError, Workload, python, wire_bytes
+from bench.jobs import SMOKE_SHORT, JobError, Workload, python, wire_bytes
 from bench.net import Links, open_links, socket_bytes
 from demo.procs import Procs, read_json
 from demo.train import build, lr_at, make_optimizer
@@ -355,7 +356,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rate-mbit", type=float, help="shape every link to this rate")
     p.add_argument("--steps", type=int, help="steps per rank")
     args = p.parse_args(argv)
-    w = SMOKE if args.smoke else Workload(steps=300 if args.quick else 1000)
+    w = (
+        dataclasses.replace(SMOKE_SHORT)
+        if args.smoke
+        else Workload(steps=300 if args.quick else 1000)
+    )
     if args.steps:
         w.steps = args.steps
     with (

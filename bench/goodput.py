@@ -44,7 +44,7 @@ would count against Decoupled (`--set fragments=4` measures it).
 Headline: `goodput` (Decoupled), `goodput_sync`, `goodput_lockstep`.
 
     python -m bench.goodput [--quick | --smoke] [--json PATH] [--seed N] [--steps S]
-Modes: --smoke a tiny model, 2 learners, 150 steps; --quick 400 steps (about 2 minutes here);
+Modes: --smoke a tiny model, 2 learners, 60 steps; --quick 400 steps (about 2 minutes here);
 full 2000 steps (about 8 minutes).
 """
 
@@ -63,7 +63,7 @@ from typing import Any
 from bench.common import machine, parser, run_mode, say_mode, table, write_json
 from bench.convergence import BEST, parse_set
 from bench.dp import DPJob
-from bench.jobs import SMOKE, Decoupled, DilocoJob, Slot, Workload
+from bench.jobs import SMOKE_SHORT, Decoupled, DilocoJob, Slot, Workload
 from bench.net import open_links
 from bench.plots import goodput_timelines, png_path
 from demo.procs import Procs, metric, rejoin_args, scrape
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
     lease_s = 3.0
     if args.smoke:
         w, cfg, lease_s = (
-            dataclasses.replace(SMOKE, steps=150),
+            dataclasses.replace(SMOKE_SHORT, steps=60),
             BEST.with_(sync_every=10, fragments=1),
             1.0,
         )

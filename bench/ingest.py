@@ -8,7 +8,7 @@ accumulates and applies outer steps, once with its write-ahead log off and once 
 against each of its limits separately, and the headlines are the worst cells:
 - `ingest_ratio`: intake with the log off over raw gRPC's bytes/s;
 - `wal_disk_ratio`: intake with the log on over the lower of the log-off intake and the state
-  disk's sequential write bandwidth with fdatasync (`disk_write_MBps`: 64 MiB in smoke mode,
+  disk's sequential write bandwidth with fdatasync (`disk_write_MBps`: 16 MiB in smoke mode,
   256 MiB otherwise, written in 4 MiB blocks then fdatasync'd, like `dd bs=4M conv=fdatasync`,
   in the directory the Synchronizers keep their state in, before the cells).
 Then, in this process, the outer-step apply: decode an INT8 push + weighted merge + Nesterov
@@ -264,17 +264,21 @@ def measure_ingest(
     seconds: float,
     quorum: int,
     state_root: Path | None = None,
+    raw: bool = True,
 ) -> dict[str, Any]:
-    """One cell: raw gRPC to the bare sink, then a Synchronizer with its log off, then one with
-    its log on, each streamed to for `seconds` by the same client processes' code and bytes."""
+    """One cell: raw gRPC to the bare sink (unless `raw` is False: `raw_MBps` None), then a
+    Synchronizer with its log off, then one with its log on, each streamed to for `seconds` by
+    the same client processes' code and bytes."""
     codec_id = layout.parse_codec(codec_name)
-    sink, sink_address = start_sink()
-    try:
-        raw = run_clients(sink_address, "raw", codec_id, params, fragments, clients, seconds)
-    finally:
-        sink.stop(0)
+    cell: dict[str, Any] = {"codec": codec_name, "clients": clients, "raw_MBps": None}
+    if raw:
+        sink, sink_address = start_sink()
+        try:
+            got = run_clients(sink_address, "raw", codec_id, params, fragments, clients, seconds)
+        finally:
+            sink.stop(0)
+        cell["raw_MBps"] = got / 1e6
     bytes_per_param = layout.encoded_nbytes(codec_id, params) / params
-    cell: dict[str, Any] = {"codec": codec_name, "clients": clients, "raw_MBps": raw / 1e6}
     for log, wal in (("log_off", False), ("log_on", True)):
         got, steps = sync_rate(
             params, fragments, clients, codec_id, seconds, quorum, wal, state_root
@@ -415,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     mode: dict[str, Any]
     if args.smoke:
-        mode = dict(params=1_000_000, clients=[1], codecs=["int8"], seconds=1.0, disk=64 << 20)
+        mode = dict(params=1_000_000, clients=[1], codecs=["int8"], seconds=0.5, disk=16 << 20)
     elif args.quick:
         mode = dict(
             params=25_000_000,

@@ -132,6 +132,10 @@ SMOKE = Workload(
     eval_windows=32,
     log_every=5,
 )
+# What the benchmarks' own `--smoke` runs train: they prove that a benchmark runs and writes its
+# figures, not what it measures, so a few syncs (H = 10) are enough; 40 steps still last several
+# of wait_for_learners' polls.
+SMOKE_SHORT = dataclasses.replace(SMOKE, steps=40)
 
 
 @dataclass

@@ -14,7 +14,7 @@ One learner, not four: with four on 2 cores the learners themselves would take t
 the background sync threads are meant to use, and the figure would measure CPU sharing.
 
     python -m bench.overlap [--quick | --smoke] [--json PATH] [--repeats N] [--steps S]
-Modes: --smoke a tiny model, 1 repetition of 100 steps; --quick 3 repetitions of 400 steps
+Modes: --smoke a tiny model, 1 repetition of 40 steps; --quick 3 repetitions of 400 steps
 (about 1.5 minutes here); full 4 repetitions of 800 steps, plus the H = 4 setting (about
 7 minutes).
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.common import machine, parser, table, write_json
 from bench.convergence import BEST, parse_set
-from bench.jobs import SMOKE, Decoupled, JobError, Workload, learner_cmd
+from bench.jobs import SMOKE_SHORT, Decoupled, JobError, Workload, learner_cmd
 from demo.procs import Procs, read_json, start_synchronizer
 
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = parse_set(args.set, BEST.with_(name="H=100"))
     if args.smoke:
         w, repeats, settings = (
-            dataclasses.replace(SMOKE, learners=1),
+            dataclasses.replace(SMOKE_SHORT, learners=1),
             1,
             [base.with_(sync_every=10, name="H=10")],
         )

@@ -37,7 +37,7 @@ bound). Each further link adds `wan_speedup_<rate>mbit`.
         [--rates-mbit 50,1000 [--rtt-ms 50,10]] [--net auto|netns|proxy]
 `--links RATE:RTT,...` gives each link's Mbit/s and round trip in ms; `--rates-mbit` with
 `--rtt-ms` (one value for all, or one per rate; 0 when left out) says the same.
-Modes: --smoke a tiny model, 2 learners, 100 steps, 50 Mbit/s and 50 ms (its figure means
+Modes: --smoke a tiny model, 2 learners, 40 steps, 50 Mbit/s and 50 ms (its figure means
 nothing: `"smoke_run": true`); --quick 2 x 400 steps at 50 Mbit/s and 50 ms; full 2 x 3000 steps
 (the convergence run's length) at 50 Mbit/s / 50 ms and 1 Gbit/s / 10 ms.
 """
@@ -53,7 +53,7 @@ from typing import Any
 from bench.common import machine, parser, run_mode, say_mode, table, write_json
 from bench.convergence import BEST, parse_set
 from bench.dp import DPJob
-from bench.jobs import SMOKE, Decoupled, DilocoJob, GlobalModel, Workload
+from bench.jobs import SMOKE_SHORT, Decoupled, DilocoJob, GlobalModel, Workload
 from bench.limits import shown
 from bench.net import describe_links, open_links
 from bench.plots import loss_curves, png_path
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     mode = run_mode(args)
     say_mode(mode)
     if args.smoke:
-        w, cfg, wan = dataclasses.replace(SMOKE), BEST.with_(sync_every=10), FULL_LINKS[:1]
+        w, cfg, wan = dataclasses.replace(SMOKE_SHORT), BEST.with_(sync_every=10), FULL_LINKS[:1]
     else:
         w, cfg, wan = (
             Workload(learners=2, steps=400 if args.quick else 3000),
