@@ -13,7 +13,7 @@ learners' acknowledged pushes).
 
     python -m bench.chaos [--quick | --smoke] [--kills N] [--steps S] [--json PATH]
 
-Modes: full 20 kills, --quick 3 (the test suite's run), --smoke 1 kill in 80 steps of 2 learners
+Modes: full 20 kills, --quick 3 (the test suite runs 3 kills in 200 steps), --smoke 1 kill in 80 steps of 2 learners
 (`SMOKE`: the smallest run that still kills the Synchronizer while the learners train).
 
 `bench.durability` reports these figures; `tests/test_e2e.py` asserts them.
