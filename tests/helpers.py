@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -284,15 +287,51 @@ def poll(fn: Callable[[], Any], deadline_s: float, what: str, every_s: float = 0
 REPO = Path(__file__).resolve().parents[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children first met first), read from /proc: the
+    Synchronizers and learners a benchmark starts each get a session of their own, out of reach
+    of a signal to its process group."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (found before any dies, so none is reparented
+    out of sight first)."""
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
 def run_smoke(name: str, out: Path, *extra: str, timeout_s: float = 230) -> dict[str, Any]:
     """Runs `python -m bench.NAME --smoke --json OUT` as a user would; asserts it exits 0 and
-    returns the JSON it wrote."""
-    proc = subprocess.run(
+    returns the JSON it wrote. Past `timeout_s` it fails, killing the benchmark and every process
+    it started, so none is left to load the rest of the suite."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", f"bench.{name}", "--smoke", "--json", str(out), *extra],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout_s,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"bench.{name} --smoke ran past {timeout_s:.0f} s\n{stdout[-3000:]}{stderr[-3000:]}"
+        )
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     return json.loads(out.read_text())

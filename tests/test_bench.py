@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -37,7 +38,7 @@ from bench.net import LinkError, Namespaces, Proxies, Relay, TokenBucket, socket
 from bench.peers import MISSING, final_replica, headline, merged_syncs, torchft_missing
 from bench.wan import parse_links, reach_time
 from synchronizer.outer import OUTER_KINDS
-from tests.helpers import REPO, run_smoke
+from tests.helpers import REPO, descendants, kill_tree, run_smoke
 from tests.tools import DEBIAN, tool
 
 SMOKES = [
@@ -90,6 +91,36 @@ def test_benchmark_smoke_mode_exits_0_and_writes_its_headline_figures(
     assert "machine" in result
     if "smoke_run" in result:  # a smoke run says so, whatever its benchmark's quick mode does
         assert result["mode"] == "smoke" and result["smoke_run"] is True, result["mode"]
+
+
+def test_kill_tree_reaches_a_child_in_a_session_of_its_own(tmp_path: Path) -> None:
+    # A smoke that ran past its time was killed alone, and the Synchronizer it had started (in a
+    # session of its own, as Procs starts them) went on loading the rest of the suite.
+    spawn = (
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " start_new_session=True)\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    assert descendants(parent.pid) == [child]
+    kill_tree(parent.pid)
+    assert parent.wait(timeout=10) == -signal.SIGKILL
+    gone = Path(f"/proc/{child}")
+    deadline = time.monotonic() + 10
+    while gone.exists() and "Z" not in _state(gone) and time.monotonic() < deadline:
+        time.sleep(0.05)  # reaped by init once it dies: no event to wait on from here
+    assert not gone.exists() or "Z" in _state(gone)
+
+
+def _state(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 NOT_BENCHMARKS = {"torchft_learner"}  # a learner process bench.peers starts, not run by hand
