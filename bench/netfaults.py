@@ -167,10 +167,11 @@ class LinkFaults:
 class Sighting:
     """A learner as the Synchronizer's Status listed it at one moment."""
 
-    t: float  # wall clock
+    t: float  # wall clock when the request left: the state held then or later
     learner_id: str
     name: str
     state: str
+    t_reply: float = float("inf")  # when the reply came: the state held then or earlier
 
 
 @dataclass
@@ -193,9 +194,22 @@ class Watch:
     def ids(self, name_prefix: str = "") -> set[str]:
         return {s.learner_id for s in self.sightings if s.name.startswith(name_prefix)}
 
-    def states(self, learner_id: str, since: float = 0.0, until: float = float("inf")) -> set[str]:
+    def states(
+        self,
+        learner_id: str,
+        since: float = 0.0,
+        until: float = float("inf"),
+        whole: bool = False,
+    ) -> set[str]:
+        """The states it was seen in by requests sent from `since` to `until`; `whole`: only
+        those whose reply also came by `until`, so the state certainly held inside the window
+        (a reply slowed by load may list a state from after it)."""
         return {
-            s.state for s in self.sightings if s.learner_id == learner_id and since <= s.t <= until
+            s.state
+            for s in self.sightings
+            if s.learner_id == learner_id
+            and since <= s.t <= until
+            and (not whole or s.t_reply <= until)
         }
 
     def state_of(self, learner_id: str) -> str:
@@ -249,8 +263,9 @@ class FaultJob(DilocoJob):
             except Exception:  # the Synchronizer starting or stopping: counted, polled again
                 self.watch.errors += 1
                 continue
+            answered = time.time()
             self.watch.sightings += [
-                Sighting(now, r.learner_id, r.name, r.state) for r in reply.learners
+                Sighting(now, r.learner_id, r.name, r.state, answered) for r in reply.learners
             ]
             try:
                 samples = scrape(self.metrics_url)
