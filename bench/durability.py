@@ -15,7 +15,7 @@ Three measurements, each against a baseline taken in the same run:
   the same run without kills: versions checked, pushes acknowledged / merged / lost, eval loss
   against the run without kills.
 
-    python -m bench.durability [--quick | --smoke] [--json PATH]
+    python -m bench.durability [--quick | --smoke] [--no-chaos] [--json PATH]
 Full mode: 25M parameters, 8 s per throughput cell, a 1 GB log, 20 kills (several minutes here).
 
 Power cuts instead (`tests/powercut.py`): an in-process Synchronizer whose disk loses everything
@@ -216,6 +216,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="run N power cuts at the Disk seam instead of the measurements above",
     )
     p.add_argument("--seed", type=int, default=0, help="the power cuts' random seed")
+    p.add_argument(
+        "--no-chaos",
+        action="store_true",
+        help="leave out the kill -9 comparison (python -m bench.chaos runs it alone)",
+    )
     args = p.parse_args(argv)
     if args.power_cuts is not None:
         if args.power_cuts < 1:
@@ -258,9 +263,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         table([restart], ["log_bytes", "pushes", "restart_s", "log_MBps_replayed", "versions_back"])
     )
-    with tempfile.TemporaryDirectory(dir=REPO) as d:
-        kill9 = chaos.compare(Path(d), kills, steps, learners=learners)
-    print(chaos.summary(kill9))
+    if args.no_chaos:
+        kill9 = {"kills": 0, "lost": None, "loss_vs_no_kills": None, "skipped": "--no-chaos"}
+    else:
+        with tempfile.TemporaryDirectory(dir=REPO) as d:
+            kill9 = chaos.compare(Path(d), kills, steps, learners=learners)
+        print(chaos.summary(kill9))
     result = {
         "machine": machine(),
         "mode": "smoke" if args.smoke else "quick" if args.quick else "full",

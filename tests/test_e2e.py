@@ -302,9 +302,11 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(240)
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to look for leftover processes")
-def test_local_main_job_writes_its_summary_and_leaves_no_process_behind(tmp_path: Path):
+def test_local_main_job_of_islands_writes_its_summary_and_leaves_no_process_behind(tmp_path: Path):
+    # The main job with each learner a torchrun island of 2 ranks (gloo): one slow island, one
+    # killed mid-run and restarted as a whole.
     out = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -312,21 +314,27 @@ def test_local_main_job_writes_its_summary_and_leaves_no_process_behind(tmp_path
         "demo",
         "local",
         "--learners",
-        "3",
+        "2",
+        "--island-size",
+        "2",
         "--steps",
-        "100",  # l2 killed at step 40, l1 (3x slow) trains 33
+        "100",  # l0 killed at step 40, l1 (3x slow) trains 33
+        "--slow-learner",
+        "1",
+        "--kill-learner",
+        "0",
         "--out",
         str(out),
         "--lease-s",
         "2",
         "--restart-after-s",
-        "3",
+        "2",
         "--sync-every",
         "10",
         "--fragments",
         "2",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     summary = json.loads((out / "summary.json").read_text())
@@ -340,11 +348,31 @@ def test_local_main_job_writes_its_summary_and_leaves_no_process_behind(tmp_path
         assert key in summary, key
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
     assert 0 < summary["goodput"] <= 1
-    assert set(summary["bytes_sent_per_learner"]) == {"l0", "l1", "l2"}
+    assert set(summary["bytes_sent_per_learner"]) == {"l0", "l1"}
     assert all(
         0 < b < summary["dp_bytes_per_learner"] for b in summary["bytes_sent_per_learner"].values()
     )
     assert summary["faults"]["killed"] and summary["faults"]["slow"]
+    # Every island ended with both ranks finished and holding one model, the killed one too.
+    assert summary["island_size"] == 2
+    islands = {name: learner["island"] for name, learner in summary["per_learner"].items()}
+    assert islands == {
+        name: {"ranks": 2, "finished": 2, "identical": True} for name in ("l0", "l1")
+    }, islands
+    assert len(summary["per_learner"]["l0"]["series"]) == 2  # its two incarnations
+    # Rank 0 alone talks to the Synchronizer; rank 1 reads its own data shard and syncs through
+    # rank 0. The restarted island came back as the same learner.
+    for last in (out / "learner-0.run1.json", out / "learner-1.json"):
+        rank0, rank1 = read_json(last), read_json(Path(f"{last}.rank1"))
+        assert (rank0["rank"], rank1["rank"], rank0["world"]) == (0, 1, 2)
+        assert rank0["learner"]["pushes"].get("accepted", 0) > 0
+        assert rank1["learner"]["sync_state"] == "island member"
+        assert rank1["learner"]["bytes_sent"] == 0
+    first = read_json(out / "learner-0.json")
+    assert (
+        read_json(out / "learner-0.run1.json")["learner"]["learner_id"]
+        == (first["learner"]["learner_id"])
+    )
     assert (out / "summary.png").stat().st_size > 10_000
     assert processes_mentioning(str(out)) == []
 
