@@ -166,8 +166,11 @@ def test_a_fragment_due_while_its_sync_is_in_flight_is_pushed_once_it_is_free_wi
     r = run(1)
     r.fake.close_rounds = False
     r.start(sync_every=2)
-    r.train(4)  # step 2 pushes; step 4 is due while that round is still open
-    r.fake.wait_for_call("push", 1)  # the sender thread's call, not the training loop's
+    r.train(2)  # step 2 pushes
+    # the sender thread's call, not the training loop's: until it is made, a push due later
+    # would supersede the queued one instead (one push with both steps' work)
+    r.fake.wait_for_call("push", 1)
+    r.train(2)  # step 4 is due while that round is still open
     assert r.fake.calls_of("push") == [(0, 1, 0, 32)]
     r.fake.close_round(0)
     r.arrived(0)
