@@ -223,7 +223,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, server_epoch: _Optional[str] = ..., lease_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., inner_steps_scale: _Optional[float] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "seq", "spec_hash", "fragment_id", "base_version", "tokens", "steps", "compute_s", "payload", "session")
+    __slots__ = ("learner_id", "seq", "spec_hash", "fragment_id", "base_version", "tokens", "steps", "compute_s", "payload", "session", "slice")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class PushHeader(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     seq: int
     spec_hash: str
@@ -244,7 +245,20 @@ class PushHeader(_message.Message):
     compute_s: float
     payload: PayloadHeader
     session: str
-    def __init__(self, learner_id: _Optional[str] = ..., seq: _Optional[int] = ..., spec_hash: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ..., session: _Optional[str] = ...) -> None: ...
+    slice: Slice
+    def __init__(self, learner_id: _Optional[str] = ..., seq: _Optional[int] = ..., spec_hash: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ..., session: _Optional[str] = ..., slice: _Optional[_Union[Slice, _Mapping]] = ...) -> None: ...
+
+class Slice(_message.Message):
+    __slots__ = ("rank", "ranks", "starts", "lengths")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    ranks: int
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., ranks: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -271,7 +285,7 @@ class PushReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., round_version: _Optional[int] = ..., current_version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fragment_id", "min_version", "wait_s", "codec", "delta_ok", "have_version", "session")
+    __slots__ = ("learner_id", "fragment_id", "min_version", "wait_s", "codec", "delta_ok", "have_version", "session", "slice")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +294,7 @@ class PullRequest(_message.Message):
     DELTA_OK_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment_id: int
     min_version: int
@@ -288,7 +303,8 @@ class PullRequest(_message.Message):
     delta_ok: bool
     have_version: int
     session: str
-    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., delta_ok: _Optional[bool] = ..., have_version: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    slice: Slice
+    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., delta_ok: _Optional[bool] = ..., have_version: _Optional[int] = ..., session: _Optional[str] = ..., slice: _Optional[_Union[Slice, _Mapping]] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("fragment_id", "version", "server_epoch", "payload", "delta_from", "links", "checksum")
