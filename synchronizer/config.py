@@ -32,7 +32,7 @@ class SynchronizerConfig(BaseModel):
         "update_history update_history_bytes update_codec update_residual_dtype merge",
         "outer optimizer": "outer outer_lr outer_momentum outer_delay",
         "learners": "lease_s forget_after_s max_learners dynamic_local_updates inner_steps",
-        "limits": "init_stall_s max_pull_wait_s max_waiting_pulls stream_idle_s "
+        "limits": "init_stall_s max_pull_wait_s max_waiting_pulls stream_idle_s slice_wait_s "
         "max_streams_per_learner max_model_params memory_limit_bytes payload_budget_bytes "
         "snapshot_budget_bytes max_spec_bytes max_message_bytes max_concurrent_streams "
         "max_unidentified_streams max_unidentified_per_peer max_workers apply_threads "
@@ -210,6 +210,11 @@ class SynchronizerConfig(BaseModel):
         30.0,
         gt=0,
         description="A push or pull stream that moves no message for this long is cancelled (an idle or stalled client frees its slot)",
+    )
+    slice_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest a sharded island's slice push waits for the island's other ranks' slices of the same contribution; past it, or when one of their calls ends, every waiting slice is answered ABORTED and nothing of that contribution is applied (the island re-pulls and pushes again)",
     )
     max_streams_per_learner: int = Field(
         0,

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 GOODPUT_BUCKETS = ("merged", "discarded", "lost")
 PUSH_OUTCOMES = ("accepted", "dropped_stale", "duplicate", "refused_norm", "rejected")
 LEARNER_STATES = ("alive", "dead")
+ISLAND_OUTCOMES = ("assembled", "refused", "aborted", "invalid")
 
 # Seconds. A 1B model's outer step (4.5-5.5 s per 250M-element fragment) sits mid-range, with
 # room for larger fragments and slower hosts; a 1B checkpoint (about a minute) likewise.
@@ -93,6 +94,12 @@ class Metrics:
         )
         self.pushes = Counter(
             "diloco_pushes_total", "Fragment pushes by outcome.", ["outcome"], registry=r
+        )
+        self.island_contributions = Counter(
+            "diloco_island_contributions_total",
+            "Contributions of sharded islands (one slice per rank) by how their assembly ended: assembled (submitted as one push; its outcome is in diloco_pushes_total), refused (that submission was, e.g. the log failing), aborted (a rank's slice missing within slice_wait_s, or a waiting call ended) or invalid (slices that disagree, overlap or leave gaps). Nothing of an aborted or invalid one is applied.",
+            ["outcome"],
+            registry=r,
         )
         self.rejections = Counter(
             "diloco_rejected_requests_total",
@@ -297,6 +304,8 @@ class Metrics:
             self.learners.labels(state).set(0)
         for outcome in PUSH_OUTCOMES:
             self.pushes.labels(outcome)
+        for outcome in ISLAND_OUTCOMES:
+            self.island_contributions.labels(outcome)
         for bucket in GOODPUT_BUCKETS:
             self.tokens.labels(bucket)
             self.compute.labels(bucket)

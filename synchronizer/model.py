@@ -30,6 +30,7 @@ import torch
 
 from protos import codec
 from protos import diloco_pb2 as pb
+from synchronizer import slices
 from synchronizer.buffers import Snapshots
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink, Link, kept_links
@@ -225,6 +226,14 @@ class FragmentModel:
                 else self.downlink.snapshot(self.params, self.version, codec_id, budget)
             )
             return snap, links, self.version, self.downlink.checksum(self.params, self.version)
+
+    def gathered(self, runs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int]:
+        """A copy of the parameters' elements in `runs` ((start, length), concatenated), and
+        the version they hold: what a rank of a sharded island pulls."""
+        with self.cv:
+            self._check_healthy()
+            assert self.params is not None
+            return slices.gather(self.params, runs), self.version
 
     # Durability ------------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ model to be initialised and the fragment to reach `min_version`, a transfer slot
 fragment judged at one version (`FragmentModel.served`: the update chain since the version the
 learner holds, or a full snapshot within the snapshot budget), then the header and chunks.
 Everything runs on the first `next()`: a refusal is raised there, before anything is sent.
+A rank of a sharded island pulls only its slice (`PullRequest.slice`): those runs of the
+fragment, concatenated, always full, with their own checksum (`synchronizer.slices`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import torch
+
+from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
-from protos import framing, layout
+from synchronizer import slices
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Link
 from synchronizer.errors import Code, Rejected, invalid
@@ -97,11 +102,17 @@ class PullPath:
             raise invalid("bad_codec", "pulls are served as CODEC_FP32 or CODEC_BF16")
         if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
             raise invalid("bad_wait", "wait_s must be finite and non-negative")
+        sliced = request.HasField("slice")
         if self.model.initialized:
-            self.model.fragment(request.fragment_id)
+            frag = self.model.fragment(request.fragment_id)
+            if sliced:
+                slices.runs(request.slice, frag.numel, ranked=False)
         with contextlib.ExitStack() as held:
             held.enter_context(
-                self.streams.claimed(rec.learner_id, self.streams.counted(rec.credential))
+                self.streams.claimed(
+                    slices.stream_key(rec.learner_id, request.slice if sliced else None),
+                    self.streams.counted(rec.credential),
+                )
             )
             with self.streams.waiting() as free:
                 if free:
@@ -118,6 +129,12 @@ class PullPath:
             self.model.require_initialized()
             frag = self.model.fragment(request.fragment_id)
             self.model.check_spec_hash(rec.spec_hash)  # the spec this learner joined with
+            if sliced:
+                part, version, checksum = self._slice(frag, codec_id, request.slice)
+                yield from stream.moving(
+                    self._stream(frag.fid, request.have_version, part, None, version, checksum)
+                )
+                return
             have = request.have_version if request.delta_ok else None
             snap, links, version, checksum = self._served(frag, codec_id, have, call)
             yield from stream.moving(
@@ -151,6 +168,22 @@ class PullPath:
                     f"full pulls in flight hold the whole snapshot_budget_bytes ({snapshots.budget_bytes}); retry with backoff",
                 )
             snapshots.wait(min(1.0, deadline - time.monotonic()))
+
+    def _slice(self, frag: Fragment, codec_id: pb.Codec, s: pb.Slice) -> tuple[Link, int, int]:
+        """A rank's slice of the fragment, judged at one version: always full (never a delta),
+        its runs concatenated in `codec_id`, with the crc32 of their FP32 values."""
+        try:
+            values, version = frag.model.gathered(slices.runs(s, frag.numel, ranked=False))
+        except FragmentFailed:
+            raise self.model.unavailable(frag) from None
+        header = layout.make_header(codec_id, values.numel())
+        # FP32: the gathered copy's own bytes
+        encoded = (
+            values.view(torch.uint8)
+            if codec_id == pb.CODEC_FP32
+            else codec.encode(values, codec_id)
+        )
+        return (version, header, encoded), version, framing.checksum(values)
 
     def _wait_for(self, request: pb.PullRequest, call: Call) -> None:
         """Waits (up to the bounded wait) until the model is initialised and the fragment at

@@ -10,18 +10,24 @@ a pooled buffer, the fragment's verdict into its open round (`synchronizer.admis
 write-ahead log record, and the reply once that record is durable. Then `Rounds` looks at the
 round (`synchronizer.rounds`). A push is acknowledged once its bytes are received, validated and
 logged; the outer step decodes it, so learners never wait for a decode.
+
+A slice of a sharded island's contribution (`PushHeader.slice`) passes the same checks up to
+the duplicate table, then is received, decoded and scattered into its contribution's assembly
+(`synchronizer.slices`), and waits for the island's other ranks; the slice that completes it
+submits the whole contribution as one FP32 push of the learner, judged and logged as any push,
+and every slice gets that push's reply.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from protos import codec, layout
 from protos import diloco_pb2 as pb
-from protos import layout
-from synchronizer import receive, wire
+from synchronizer import receive, slices, wire
 from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Rejected, invalid
 from synchronizer.fragments import Fragment
@@ -61,12 +67,14 @@ class PushPath:
         self.registry = registry
         self.streams = streams
         self.journal = journal
+        self.assemblies = slices.Assemblies()
 
     def push(self, messages: PushMessages, call: Call | None = None) -> pb.PushReply:
         """Receives, validates and judges one push; the reply says what became of it."""
         with contextlib.ExitStack() as held:
-            reply, frag = self._push(iter(messages), call or Call(), held)
-        self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
+            reply, frag, counted = self._push(iter(messages), call or Call(), held)
+        if counted:
+            self.metrics.pushes.labels(OUTCOME_LABEL[reply.outcome]).inc()
         if frag is not None and self.model.rounds is not None:
             self.model.rounds.check(frag)
         return reply
@@ -76,18 +84,24 @@ class PushPath:
         stream_messages: Iterator[pb.PushRequest | wire.RawChunk],
         call: Call,
         held: contextlib.ExitStack,
-    ) -> tuple[pb.PushReply, Fragment | None]:
+    ) -> tuple[pb.PushReply, Fragment | None, bool]:
+        """(reply, the fragment whose round to look at or None, whether the reply counts as a
+        push: a slice's does only when it submitted its island's contribution)."""
         # The server holds a call in `Streams.first_messages` until its header is here: the
         # stream takes a slot only once the header names a learner whose session is valid.
         first = next(stream_messages, None)
         if not isinstance(first, pb.PushRequest) or first.WhichOneof("kind") != "header":
             raise invalid("bad_stream", "PushFragment must start with a PushHeader")
         h = first.header
+        sliced = h.HasField("slice")
         rec = self.registry.alive(h.learner_id, h.session)
         check_credential(rec, call.credential)
         self.journal.refuse_if_failing()
         held.enter_context(
-            self.streams.claimed(rec.learner_id, self.streams.counted(rec.credential))
+            self.streams.claimed(
+                slices.stream_key(rec.learner_id, h.slice if sliced else None),
+                self.streams.counted(rec.credential),
+            )
         )
         stream = held.enter_context(
             self.streams.transfer("push", rec.learner_id, call, lambda: self.registry.renew(rec))
@@ -104,19 +118,44 @@ class PushPath:
         if seen is not None:
             for _ in messages:  # drain: the client may still be streaming the repeat
                 pass
-            return self._duplicate(rec, h.seq, seen), None
+            return self._duplicate(rec, h.seq, seen), None, True
+        if sliced:
+            return self._slice(h, rec, frag, messages, call, stream.touch)
         receive.validate_payload(h.payload, frag.numel, PUSH_CODECS)
         nbytes = int(h.payload.total_bytes)
         # Its bytes count against the payload budget from before they arrive: a push that does
         # not fit is refused before it is received (see `Fragment.reserve_hold`).
         reserved = frag.reserve_hold(nbytes, self.registry.live_ids, PAYLOAD_WAIT_S)
-        kept = False
         received: torch.Tensor | None = None
         try:
             received = frag.payloads.take(nbytes)
             # Validated now, decoded by the outer step: the reply need not wait for the decode.
             header = receive.payload(messages, h.payload, received)
-            self.metrics.bytes_in.labels(layout.codec_name(h.payload.codec)).inc(nbytes)
+        except BaseException:
+            if reserved:
+                frag.payloads.release(nbytes)
+            if received is not None:
+                frag.payloads.give(received)
+            raise
+        self.metrics.bytes_in.labels(layout.codec_name(h.payload.codec)).inc(nbytes)
+        reply, judged = self._judge(h, rec, frag, received, header, reserved)
+        return reply, judged, True
+
+    def _judge(
+        self,
+        h: pb.PushHeader,
+        rec: LearnerRecord,
+        frag: Fragment,
+        received: torch.Tensor,
+        header: pb.PayloadHeader,
+        reserved: bool,
+    ) -> tuple[pb.PushReply, Fragment | None]:
+        """The fragment's verdict on a received, validated push (`received`, its payload, with
+        `reserved` bytes of the payload budget, both owned from here on: kept by its round or
+        given back), its log record, and the reply once that record is durable."""
+        nbytes = received.numel()
+        kept = False
+        try:
             with rec.push_lock:  # judging and recording a seq is atomic per learner
                 # a concurrent retry may have won the race
                 seen = self.registry.seen_reply(rec, h.seq)
@@ -156,9 +195,107 @@ class PushPath:
             if not kept:
                 if reserved:
                     frag.payloads.release(nbytes)
-                if received is not None:
-                    frag.payloads.give(received)
+                frag.payloads.give(received)
         return reply, frag if rnd is not None else None
+
+    def _slice(
+        self,
+        h: pb.PushHeader,
+        rec: LearnerRecord,
+        frag: Fragment,
+        messages: Iterator[pb.PushRequest | wire.RawChunk],
+        call: Call,
+        touch: Callable[[], None],
+    ) -> tuple[pb.PushReply, Fragment | None, bool]:
+        """One rank's slice of an island's contribution: received, decoded and scattered into
+        the contribution's assembly; then its call waits (its stream touched) until the
+        contribution is judged or abandoned. The slice that completes it submits it."""
+        runs = slices.runs(h.slice, frag.numel)
+        n = slices.numel_of(runs)
+        receive.validate_payload(h.payload, n, PUSH_CODECS)
+        nbytes = int(h.payload.total_bytes)
+        part = slices.Part(h.slice.rank, runs, h.tokens, h.steps, h.compute_s)
+        if call.on_end(part.call_ended) is False:  # the call already ended
+            part.call_ended()
+        received = frag.payloads.take(nbytes)
+        try:
+            header = receive.payload(messages, h.payload, received)
+            self.metrics.bytes_in.labels(layout.codec_name(h.payload.codec)).inc(nbytes)
+            values = codec.values(received, header, torch.empty(n))
+            asm = self._assembly(rec, h, frag)
+            complete = asm.add(h, part, values)
+        finally:
+            if nbytes:
+                frag.payloads.give(received)
+        if not complete:
+            return asm.wait(part, self.cfg.slice_wait_s, touch), None, False
+        try:
+            whole = self._whole(h, rec, asm)
+            self.registry.check_counts(
+                rec, "island push counts", whole.tokens, whole.steps, whole.compute_s
+            )
+        except BaseException as e:
+            asm.fail(e)
+            raise
+        # From here the buffer and its reserved bytes are the push's (`_judge` keeps or frees them)
+        try:
+            reply, judged = self._judge(whole, rec, frag, asm.buf, whole.payload, asm.reserved)
+        except Rejected as e:
+            asm.finish(None, e)
+            raise
+        except BaseException as e:
+            asm.abandon(e)
+            raise
+        asm.finish(reply)
+        return reply, judged, True
+
+    def _assembly(self, rec: LearnerRecord, h: pb.PushHeader, frag: Fragment) -> slices.Assembly:
+        """The pending assembly of (learner, seq), or a new one: an FP32 buffer of the whole
+        fragment with its bytes reserved in the payload budget, as one FP32 push's."""
+        key = (rec.learner_id, h.seq)
+        asm = self.assemblies.find(key)
+        if asm is not None:
+            return asm
+        nbytes = 4 * frag.numel
+        reserved = frag.reserve_hold(nbytes, self.registry.live_ids, PAYLOAD_WAIT_S)
+        buf = frag.payloads.take(nbytes)
+
+        def discard() -> None:
+            if reserved:
+                frag.payloads.release(nbytes)
+            frag.payloads.give(buf)
+
+        mine = slices.Assembly(
+            key,
+            h,
+            frag.numel,
+            buf,
+            reserved,
+            discard,
+            self.assemblies.forget,
+            lambda outcome: self.metrics.island_contributions.labels(outcome).inc(),
+        )
+        asm = self.assemblies.open(mine)
+        if asm is not mine:  # another rank's slice opened it meanwhile
+            discard()
+        return asm
+
+    @staticmethod
+    def _whole(h: pb.PushHeader, rec: LearnerRecord, asm: slices.Assembly) -> pb.PushHeader:
+        """The header of a complete island contribution as one push: its tokens and compute
+        seconds summed over the ranks, its steps the most any rank took, an FP32 payload."""
+        parts = list(asm.parts.values())
+        return pb.PushHeader(
+            learner_id=rec.learner_id,
+            seq=h.seq,
+            spec_hash=h.spec_hash,
+            fragment_id=asm.fid,
+            base_version=asm.base_version,
+            tokens=sum(p.tokens for p in parts),
+            steps=max(p.steps for p in parts),
+            compute_s=sum(p.compute_s for p in parts),
+            payload=layout.make_header(pb.CODEC_FP32, asm.numel),
+        )
 
     def _duplicate(self, rec: LearnerRecord, seq: int, seen: pb.PushReply) -> pb.PushReply:
         """The reply to a repeated seq, once what it repeats is durable."""
