@@ -52,11 +52,11 @@ class UsageError(ValueError):
 
 
 # TrainOptions' flags by help group ("training" has --no-sync between the two halves)
-TRAINING = "steps start_step lr warmup_steps min_lr_ratio weight_decay clip learner_index learners slow wait_for_learners"
+TRAINING = "steps start_step lr warmup_steps min_lr_ratio weight_decay clip learner_index learners fsdp slow wait_for_learners"
 REPORTING = "log_every eval_windows threads out session_out resume save_every"
 MODEL_AND_DATA = "model data max_bytes n_layer d_model n_head block batch_size seed"
 # LocalOptions' flags before the hand-made ones (--train-args and the rest), then "live"
-LOCAL = "learners island_size shards steps out slow_learner slow_factor kill_learner kill_at restart_after_s quorum grace lease_s sync_every fragments codec data seed"
+LOCAL = "learners island_size fsdp shards steps out slow_learner slow_factor kill_learner kill_at kill_rank restart_after_s quorum grace lease_s sync_every fragments codec data seed"
 
 
 def check_address(addresses: str) -> str:
@@ -166,6 +166,13 @@ def _train(args: argparse.Namespace) -> int:
         )
     if args.d_model % args.n_head:
         raise UsageError(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise UsageError(
+            "--fsdp shards the model across a torchrun island: start it with torchrun "
+            "--nproc-per-node 2 or more (or diloco-learner local --island-size N --fsdp)"
+        )
+    if args.fsdp and args.resume:
+        raise UsageError("--resume is not supported with --fsdp yet")
     if args.out and not Path(args.out).parent.is_dir():
         raise UsageError(f"--out {args.out}: directory {Path(args.out).parent} does not exist")
     name = (sync.name if sync else "") or args.name or f"learner{args.learner_index}"

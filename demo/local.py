@@ -22,6 +22,7 @@ figures add up the shards' metrics.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -147,7 +148,24 @@ def learner_cmd(
     ]
     if o.data:
         cmd += ["--data", o.data]
+    if o.fsdp and ranks > 1:
+        cmd.append("--fsdp")
     return cmd + o.train_args
+
+
+def island_rank(launcher: int, rank: int) -> int:
+    """The pid of rank `rank` among the workers torchrun (pid `launcher`) started."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone, or not ours to read
+        if ppid == launcher and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    raise RuntimeError(f"no rank {rank} among the workers of torchrun (pid {launcher})")
 
 
 def start_learner(
@@ -179,8 +197,15 @@ def kill_or_restart(o: LocalOptions, procs: Procs, address: str, slot: Slot) -> 
             and not r["finished"]
             and slot.proc is not None
         ):
-            Procs.signal(slot.proc, signal.SIGKILL)
-            slot.proc.wait()
+            if o.kill_rank >= 0 and o.island_size > 1:  # one rank: torchrun ends the rest
+                os.kill(island_rank(slot.proc.pid, o.kill_rank), signal.SIGKILL)
+                try:
+                    slot.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    Procs.kill(slot.proc)
+            else:
+                Procs.signal(slot.proc, signal.SIGKILL)
+                slot.proc.wait()
             slot.killed_at_step, slot.killed_at = r["step"], now
             print(f"-- killed {slot.name} (SIGKILL) at step {r['step']}", flush=True)
     elif not slot.restarted and now - slot.killed_at >= o.restart_after_s:

@@ -78,6 +78,10 @@ class TrainOptions(BaseModel):
         description="before the first step, wait until N learners have joined (start a run together)",
         json_schema_extra={"metavar": "N"},
     )
+    fsdp: bool = Field(
+        False,
+        description="under torchrun, shard the model across the island with FSDP2 (fully_shard) instead of replicating it (DDP): each rank keeps, pushes and pulls only its own slice of every fragment",
+    )
     learner_index: int = Field(0, ge=0, description="this learner's data shard, 0..learners-1")
     learners: int = Field(1, ge=1, description="number of data shards")
 
@@ -125,6 +129,10 @@ class LocalOptions(BaseModel):
         ge=1,
         description="ranks per learner: each learner is a torchrun island of this many processes (gloo on CPU, NCCL on GPUs; gradients averaged as in DDP, each rank reading its own data shard) whose rank 0 alone talks to the Synchronizer",
     )
+    fsdp: bool = Field(
+        False,
+        description="with --island-size 2 or more: islands shard the model with FSDP2 (each rank syncs only its slice) instead of replicating it",
+    )
     shards: int = Field(
         1,
         ge=1,
@@ -150,6 +158,11 @@ class LocalOptions(BaseModel):
         description="index of the learner killed mid-run and restarted; -1 for none (default: 2 when there are 3 or more learners)",
     )
     kill_at: float = Field(0.4, ge=0, description="kill it after this fraction of its steps")
+    kill_rank: int = Field(
+        -1,
+        ge=-1,
+        description="with --island-size 2 or more: SIGKILL only this rank of the killed learner's island (torchrun then ends the others); -1 = the whole island",
+    )
     restart_after_s: float = Field(
         5.0, ge=0, description="restart it this long after the kill"
     )  # past the lease

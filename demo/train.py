@@ -66,7 +66,8 @@ def param_hash(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a collective
+        h.update(full.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -288,6 +289,8 @@ def train(o: TrainOptions) -> dict:
     if o.threads:
         torch.set_num_threads(o.threads)
     rank, world, device = init_island()
+    if o.fsdp and (world == 1 or o.resume):
+        raise ValueError("fsdp needs a torchrun island of 2 or more ranks, and no resume")
     out = o.out if rank == 0 or not o.out else f"{o.out}.rank{rank}"
     saved = load_checkpoint(o.resume) if o.resume else None
     if saved is not None:  # continue where the checkpoint left off, data order included
@@ -296,7 +299,11 @@ def train(o: TrainOptions) -> dict:
     shard = {"learner_index": o.learner_index * world + rank, "learners": o.learners * world}
     model, batch_fn, eval_fn = build(o.model_copy(update=shard), device)
     forward: Callable[..., Any] = model
-    if world > 1:  # the island's replicas average their gradients and stay identical
+    if world > 1 and o.fsdp:  # each rank keeps a shard of every parameter (a sharded island)
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    elif world > 1:  # the island's replicas average their gradients and stay identical
         from torch.nn.parallel import DistributedDataParallel
 
         forward = DistributedDataParallel(model)

@@ -132,6 +132,8 @@ class SyncClient:
         self.bytes_received = 0
         self.learner_id = ""
         self.session = ""  # the secret Join gave learner_id: sent with every later call
+        # A rank of a sharded island: per fragment, the slice it pushes and pulls (None: whole)
+        self.slices: Sequence[pb.Slice] | None = None
         # (epoch, fragment, version) -> the checksum the server served it with: one version
         # served with two contents within an epoch is a Synchronizer bug, counted and logged.
         self.served: dict[tuple[str, int, int], int] = {}
@@ -285,6 +287,8 @@ class SyncClient:
             compute_s=push.compute_s,
             payload=push.header,
         )
+        if self.slices is not None:
+            push_header.slice.CopyFrom(self.slices[push.fragment_id])
 
         def messages() -> Iterator[pb.PushRequest]:
             yield pb.PushRequest(header=push_header)
@@ -357,6 +361,9 @@ class SyncClient:
             delta_ok=have is not None,
             have_version=have[0] if have is not None else 0,
         )
+        if self.slices is not None:  # only this rank's runs, never a delta
+            req.slice.CopyFrom(self.slices[fragment_id])
+            req.delta_ok, req.have_version = False, 0
         self._count(sent=req.ByteSize())
         full = 4 * (numel if numel is not None else out.numel() if out is not None else 0)
         stream = self.stub.PullFragment(

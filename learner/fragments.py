@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from learner import sharded
+from learner.sharded import local
 from protos import codec, layout
 from protos import diloco_pb2 as pb
 from protos.spec import Fragment, ModelSpec, TensorInfo, plan_fragments
@@ -38,6 +40,14 @@ class FragmentPlan:
         self.params: list[list[torch.nn.Parameter]] = [
             [params[t.name] for t in f.tensors] for f in self.spec.fragments
         ]
+        # Of a model sharded with FSDP2, this rank's slice of each fragment (None: the whole)
+        self.slices: list[pb.Slice] | None = None
+        if sharded.is_sharded(model):
+            sharded.check_shardable(model)
+            self.slices = [
+                sharded.runs_of(f, ps)
+                for f, ps in zip(self.spec.fragments, self.params, strict=True)
+            ]
 
     @property
     def fragments(self) -> tuple[Fragment, ...]:
@@ -47,6 +57,9 @@ class FragmentPlan:
         return len(self.spec.fragments)
 
     def numel(self, p: int) -> int:
+        """Elements of fragment p held here: its slice's in a sharded island, else all."""
+        if self.slices is not None:
+            return sum(self.slices[p].lengths)
         return self.spec.fragments[p].numel
 
     def gather(self, p: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -61,13 +74,14 @@ class FragmentPlan:
 def gather(
     params: Sequence[torch.Tensor], device: torch.device | str | None = None
 ) -> torch.Tensor:
-    flat = torch.cat([t.detach().reshape(-1).float() for t in params])
+    flat = torch.cat([local(t).detach().reshape(-1).float() for t in params])
     return flat if device is None else flat.to(device)
 
 
 @torch.no_grad()
 def scatter(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Copies a flat vector back into the parameters (in place, casting to their dtype/device)."""
+    params = [local(t) for t in params]
     total = sum(t.numel() for t in params)
     if flat.numel() != total:
         raise ValueError(

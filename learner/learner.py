@@ -21,7 +21,9 @@ shard; nothing else changes.
 
 Multi-GPU islands (torchrun): rank 0 alone talks to the Synchronizer and broadcasts what it merged
 (`learner.island`). Every rank must call `step()`, `flush()` and `finish()` the same number of
-times. Pass each rank's own `tokens`; rank 0 reports them times the world size.
+times. Pass each rank's own `tokens`; rank 0 reports them times the world size. A model sharded
+with FSDP2 (`fully_shard`) makes a sharded island instead: every rank pushes and pulls only its
+own slice of each fragment, under rank 0's membership (`learner.sharded`).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from learner import resume
+from learner import resume, sharded
 from learner.addresses import client_for
 from learner.config import LearnerConfig
 from learner.fragments import (
@@ -132,6 +135,13 @@ class Learner:
         self.scale_dtype = SCALE_DTYPES[cfg.scale_dtype]
         self.island = Island(self.plan, self.param_device)
         self.leader, self.world = self.island.leader, self.island.world
+        self.sharded = self.plan.slices is not None
+        if self.sharded and cfg.strict_overlap:
+            raise ValueError("strict_overlap is not supported for a sharded (FSDP2) island yet")
+        if self.sharded and state is not None:
+            raise ValueError("resume is not supported for a sharded (FSDP2) island yet")
+        self.talks = self.leader or self.sharded  # this rank talks to the Synchronizer
+        self.ready: dict[int, Arrival] = {}  # a sharded island's arrivals not yet agreed on
         self.sync_every = cfg.sync_every
         self.offsets = schedule_offsets(self.sync_every, self.num_fragments)
         self.clock = Clock()
@@ -145,7 +155,7 @@ class Learner:
         self.base: list[torch.Tensor] = []
         self.versions = [0] * self.num_fragments
         self.ef = ErrorFeedback(
-            [self.plan.numel(p) for p in range(self.num_fragments)] if self.leader else [],
+            [self.plan.numel(p) for p in range(self.num_fragments)] if self.talks else [],
             self.device,
             cfg.error_feedback,
         )
@@ -158,13 +168,14 @@ class Learner:
             numels = [self.plan.numel(p) for p in range(self.num_fragments)]
             resume.check_state(state, numels, self.leader)
             resume.restore_clock(self, state)
-        if self.leader:
+        if self.talks:
             self._connect(transport, state)
-            if cfg.metrics_port >= 0 or metrics_registry is not None:
+            if self.leader and (cfg.metrics_port >= 0 or metrics_registry is not None):
                 self._serve_metrics(metrics_registry)
         elif transport is not None:
             transport.close()  # only rank 0 talks to the Synchronizer
-        self.island.broadcast(set(range(self.num_fragments)), announce=False)
+        if not self.sharded:
+            self.island.broadcast(set(range(self.num_fragments)), announce=False)
         self.tokens_per_step = tokens
         self.pending_loss: float | None = None
         self.stepping = False  # inside step(): the optimizer hook leaves the step to it
@@ -189,23 +200,35 @@ class Learner:
         cfg = self.cfg
         self.client = transport if transport is not None else client_for(cfg)
         name = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
+        if self.sharded and not hasattr(self.client, "slices"):
+            self.client.close()
+            raise ValueError(
+                "a sharded (FSDP2) island talks to a single Synchronizer address, not to shards"
+            )
         self.engine = SyncEngine(
             self.client,
-            cfg,
+            cfg.model_copy(update={"delta_pulls": False}) if self.sharded else cfg,
             self.plan.spec,
             name,
             self.clock,
-            global_params=lambda: [b.detach().cpu() for b in self.base],
+            global_params=None if self.sharded else lambda: [b.detach().cpu() for b in self.base],
             pin=self.device.type == "cuda",
+            numels=[self.plan.numel(p) for p in range(self.num_fragments)]
+            if self.sharded
+            else None,
+            follower=self.sharded and not self.leader,
         )
         try:
             # empty: the Synchronizer assigns one; a resumed learner comes back as itself
             self.client.learner_id = state["learner_id"] if state else cfg.learner_id
             self.client.session = state["session"] if state else cfg.learner_session
-            versions, fetched = self.engine.connect(
-                cfg.join_timeout_s,
-                lambda: [self.plan.gather(p, "cpu") for p in range(self.num_fragments)],
-            )
+            if self.sharded:
+                versions, fetched = self._connect_sharded()
+            else:
+                versions, fetched = self.engine.connect(
+                    cfg.join_timeout_s,
+                    lambda: [self.plan.gather(p, "cpu") for p in range(self.num_fragments)],
+                )
         except BaseException:
             self.client.close()
             raise
@@ -231,6 +254,70 @@ class Learner:
             self.versions,
         )
 
+    def _connect_sharded(self) -> tuple[list[int], list[torch.Tensor] | None]:
+        """A sharded island's join: rank 0 joins (the island gathers the model, one fragment at
+        a time, if it must initialise it) and tells the other ranks its membership; every rank
+        pulls its slices, and a rank that got an older version than another re-pulls."""
+        assert self.engine is not None and self.client is not None
+        engine, client, n = self.engine, self.client, self.num_fragments
+        client.slices = self.plan.slices  # type: ignore[attr-defined]
+        whole = [self.plan.params[p] for p in range(n)]
+        if self.leader:
+
+            def gathered() -> list[torch.Tensor]:
+                sharded.Messages.tell(("gather",))
+                return [sharded.gather_full(ps) for ps in whole]
+
+            try:
+                versions, fetched = engine.connect(self.cfg.join_timeout_s, gathered)
+            except BaseException as e:
+                sharded.Messages.tell(("failed", f"{type(e).__name__}: {e}"))
+                raise
+            session = engine.session
+            sharded.Messages.tell(
+                (
+                    "joined",
+                    client.learner_id,
+                    client.session,
+                    client.spec_hash,  # type: ignore[attr-defined]
+                    session.epoch,
+                    session.next_seq,
+                    versions,
+                    fetched is None,
+                )
+            )
+        else:
+            while (message := sharded.Messages.hear())[0] == "gather":
+                for ps in whole:
+                    sharded.gather_full(ps)
+            if message[0] == "failed":
+                raise RuntimeError(f"rank 0 of this island could not join: {message[1]}")
+            _, client.learner_id, client.session, spec_hash, epoch, next_seq, versions, init = (
+                message
+            )
+            client.spec_hash = spec_hash  # type: ignore[attr-defined]
+            engine.session.epoch, engine.session.next_seq = epoch, next_seq
+            fetched = None
+            if not init:
+                fetched = []
+                for p in range(n):
+                    v, _, params = engine.pull(p, versions[p], self.cfg.pull_wait_s, exact=True)
+                    versions[p] = v
+                    fetched.append(params)
+        if fetched is None:
+            return versions, None
+        for _ in range(10):  # a round may close between two ranks' pulls
+            agreed = sharded.exchange(n, [False] * n, versions, 0, 0)
+            if all(agreed.ready(p) for p in range(n)):
+                break
+            for p in range(n):
+                top = max(agreed.versions[p])
+                if versions[p] < top:
+                    versions[p], _, fetched[p] = engine.pull(
+                        p, top, self.cfg.pull_wait_s, exact=True
+                    )
+        return versions, fetched
+
     # Resume ----------------------------------------------------------------------------------
 
     def state_dict(self, timeout_s: float | None = None) -> dict[str, Any]:
@@ -245,6 +332,8 @@ class Learner:
         after a restart. RuntimeError when the flush does not complete: save again later."""
         if self.closed:
             raise RuntimeError("state_dict() after finish() or close()")
+        if self.sharded:
+            raise RuntimeError("resume is not supported for a sharded (FSDP2) island yet")
         if not self.flush(timeout_s):
             raise RuntimeError(
                 "syncs are still in flight (the Synchronizer is slow or unreachable): no "
@@ -316,7 +405,7 @@ class Learner:
         island's broadcast."""
         compute = time.perf_counter() - self.last_step_end  # forward/backward + optimizer step
         c = self.clock
-        tokens = tokens * self.world
+        own, tokens = tokens, tokens * self.world
         c.step += 1
         c.tokens += tokens
         c.compute_s += compute
@@ -325,13 +414,16 @@ class Learner:
             c.loss = float(loss)
         c.recent.append((t_enter, c.tokens))
         for acc in self.since_push:
-            acc[0] += tokens
+            acc[0] += own if self.sharded else tokens  # a slice's push: this rank's tokens
             acc[1] += 1
             acc[2] += compute
-        merged: set[int] = set()
-        if self.leader:
-            merged = self._sync_step()
-        self.island.broadcast(merged)
+        if self.sharded:
+            self._sharded_step()
+        else:
+            merged: set[int] = set()
+            if self.leader:
+                merged = self._sync_step()
+            self.island.broadcast(merged)
         self.last_step_end = time.perf_counter()
 
     def reset_clock(self) -> None:
@@ -341,16 +433,7 @@ class Learner:
 
     def _sync_step(self) -> set[int]:
         assert self.engine is not None
-        h = self.engine.sync_every()
-        if h != self.sync_every:
-            logger.info(
-                "learner=%s sync_every %d -> %d (Dynamic Local Updates)",
-                self.learner_id,
-                self.sync_every,
-                h,
-            )
-            self.sync_every = h
-            self.offsets = schedule_offsets(h, self.num_fragments)
+        self._set_sync_every(self.engine.sync_every())
         merged = self._apply_arrivals()
         for p in sorted(
             set(due_fragments(self.clock.step, self.sync_every, self.offsets)) | self.deferred
@@ -360,9 +443,95 @@ class Learner:
             merged |= self._wait_overlap()
         return merged
 
-    def _push(self, p: int) -> None:
+    def _set_sync_every(self, h: int) -> None:
+        if h != self.sync_every:
+            logger.info(
+                "learner=%s sync_every %d -> %d (Dynamic Local Updates)",
+                self.learner_id,
+                self.sync_every,
+                h,
+            )
+            self.sync_every = h
+            self.offsets = schedule_offsets(h, self.num_fragments)
+
+    # A sharded island: every rank syncs its slices; one exchange per step keeps them in step
+
+    def _exchange(self, flag: int = 0) -> sharded.Agreed:
         assert self.engine is not None
-        if self.engine.busy(p):
+        engine = self.engine
+        while (a := engine.next_arrival()) is not None:
+            self.ready[a.fragment] = a
+        n = self.num_fragments
+        return sharded.exchange(
+            n,
+            [engine.busy(p) for p in range(n)],
+            [self.ready[p].version if p in self.ready else -1 for p in range(n)],
+            engine.sync_every(),
+            engine.next_seq(),
+            flag,
+        )
+
+    def _sharded_step(self) -> set[int]:
+        assert self.engine is not None
+        agreed = self._exchange()
+        self._set_sync_every(agreed.sync_every)
+        merged = self._merge_agreed(agreed)
+        seq = agreed.next_seq
+        for p in sorted(
+            set(due_fragments(self.clock.step, self.sync_every, self.offsets)) | self.deferred
+        ):
+            if agreed.busy[p]:  # some rank is still syncing it: every rank defers it
+                self.deferred.add(p)
+                continue
+            self._push(p, seq)  # every rank, with the same seq
+            seq += 1
+        self.engine.seq_at_least(seq)
+        return merged
+
+    def _merge_agreed(self, agreed: sharded.Agreed) -> set[int]:
+        """Merges the fragments every rank has back at the same version; a rank behind the
+        others on one re-pulls it at their version (merged at the next exchange)."""
+        assert self.engine is not None
+        merged: set[int] = set()
+        for p in range(self.num_fragments):
+            if agreed.ready(p):
+                self._merge(self.ready.pop(p))
+                merged.add(p)
+                continue
+            target = agreed.behind(p, self.island.rank, self.engine.busy(p) and p not in self.ready)
+            if target is None:
+                continue
+            try:
+                version, _, params = self.engine.pull(p, target, self.cfg.pull_wait_s)
+            except (grpc.RpcError, layout.CodecError) as e:
+                self.engine.failed(f"catching up with the island at version {target}: {e}", p)
+                continue
+            old = self.ready.get(p)
+            if old is None:
+                self.engine.delivering(p)
+            self.ready[p] = Arrival(p, version, params, old.job if old else None)
+        return merged
+
+    def _flush_sharded(self, deadline: float) -> tuple[bool, set[int]]:
+        """Exchanges until no rank has a sync in flight (True) or rank 0 gives up (False)."""
+        assert self.engine is not None
+        merged: set[int] = set()
+        while True:
+            idle = self.engine.in_flight() == 0
+            late = self.leader and time.monotonic() > deadline
+            agreed = self._exchange(int(idle) | 2 * int(late))
+            if all(f & 1 for f in agreed.flags):
+                return True, merged
+            if agreed.flags[0] & 2:
+                return False, merged
+            merged |= self._merge_agreed(agreed)
+            arrival = self.engine.next_arrival(0.05)
+            if arrival is not None:
+                self.ready[arrival.fragment] = arrival
+
+    def _push(self, p: int, seq: int = 0) -> None:
+        assert self.engine is not None
+        if not seq and self.engine.busy(p):
             self.deferred.add(p)
             return
         try:
@@ -374,6 +543,8 @@ class Learner:
         except layout.CodecError as e:  # NaN/Inf in the parameters: never send them
             self.engine.failed(f"push skipped at step {self.clock.step}: {e}", p, network=False)
             self.deferred.discard(p)
+            if seq:  # the island's other ranks push this seq: theirs is aborted, all re-pull
+                self.engine.ask_resync(p)
             return
         payload, ready = encoded, None
         if encoded.device.type == "cuda":
@@ -398,7 +569,7 @@ class Learner:
             self.clock.step,
             ready,
         )
-        if not self.engine.submit(job):
+        if not self.engine.submit(job, seq):
             self.deferred.add(p)
             return
         self.deferred.discard(p)
@@ -493,6 +664,12 @@ class Learner:
         """Waits (bounded) for every sync in flight and merges the results; True if all came
         back. Pushes that were due but deferred are not sent. Collective under torchrun."""
         done, merged = True, set[int]()
+        if self.sharded and self.engine is not None and not self.closed:
+            deadline = time.monotonic() + (
+                self.cfg.finish_timeout_s if timeout_s is None else timeout_s
+            )
+            done, _ = self._flush_sharded(deadline)
+            return done
         if self.leader and self.engine is not None and not self.closed:
             deadline = time.monotonic() + (
                 self.cfg.finish_timeout_s if timeout_s is None else timeout_s
@@ -520,6 +697,10 @@ class Learner:
         if self.closed:
             return
         self.flush(timeout_s)
+        if self.sharded and self.engine is not None:
+            self._finish_sharded()
+            self.close()
+            return
         if self.leader and self.engine is not None:
             for p, (version, fresh) in self.engine.finish(self.versions).items():
                 self.plan.scatter(p, fresh)
@@ -533,6 +714,49 @@ class Learner:
             )
         self.island.broadcast(set(range(self.num_fragments)), announce=False)
         self.close()
+
+    def _finish_sharded(self) -> None:
+        """Every rank pulls its slices exactly, the ranks agree on one version of each fragment
+        (a rank behind re-pulls), then rank 0 leaves."""
+        assert self.engine is not None
+        engine, n = self.engine, self.num_fragments
+        fresh = engine.finish(self.versions, leave=False)
+        for _ in range(10):
+            agreed = sharded.exchange(
+                n, [False] * n, [fresh[p][0] if p in fresh else -1 for p in range(n)], 0, 0
+            )
+            behind = [
+                (p, max(agreed.versions[p]))
+                for p in fresh
+                if not agreed.ready(p) and min(agreed.versions[p]) >= 0
+            ]
+            if not behind:
+                break
+            for p, top in behind:
+                if fresh[p][0] < top:
+                    try:
+                        v, _, params = engine.pull(p, top, self.cfg.pull_wait_s, exact=True)
+                    except (grpc.RpcError, layout.CodecError) as e:
+                        engine.failed(f"final pull failed, keeping local parameters: {e}", p)
+                        del fresh[p]
+                        continue
+                    fresh[p] = (v, params)
+        for p in range(n):
+            if p in fresh and agreed.ready(p):
+                version, params = fresh[p]
+                self.plan.scatter(p, params)
+                self.base[p] = params.to(self.device)
+                self.versions[p] = version
+        sharded.exchange(n, [False] * n, [-1] * n, 0, 0)  # every rank has pulled: leave
+        if self.leader:
+            engine.session.leave()
+        logger.info(
+            "learner=%s rank %d finished at step %d with versions %s",
+            self.learner_id,
+            self.island.rank,
+            self.clock.step,
+            self.versions,
+        )
 
     def close(self) -> None:
         """Stops the background threads and closes the channel (no final pull, no Leave)."""

@@ -164,14 +164,21 @@ class Session:
         spec: ModelSpec,
         name: str,
         clock: Clock,
-        global_params: Callable[[], list[torch.Tensor]],
+        global_params: Callable[[], list[torch.Tensor]] | None,
         *,
         lock: threading.Condition,
         stopping: threading.Event,
         on_new_epoch: Callable[[list[int]], int],
+        follower: bool = False,
     ) -> None:
+        """`global_params`: the whole global model, to upload to a Synchronizer that lost it
+        (None: this learner cannot, a sharded island's ranks hold slices). `follower`: a rank of
+        a sharded island other than 0, which uses rank 0's membership (id, session, lease) and
+        never joins, heartbeats or leaves: a new server epoch it sees is only adopted (rank 0
+        re-joins), and its fragments re-pulled."""
         self.client, self.cfg, self.spec, self.name, self.clock = client, cfg, spec, name, clock
         self.global_params = global_params  # what to upload if a restarted server has no model
+        self.follower = follower
         # The engine's state lock: a re-join's generation bump and the engine's reaction to a new
         # epoch (`on_new_epoch(fragments whose shard restarted)`, called with it held; returns the
         # unfinished syncs it dropped) are one step for the engine's threads. It also guards
@@ -275,7 +282,7 @@ class Session:
                     )
                 time.sleep(wait)
 
-    def recover(self, seen_generation: int) -> None:
+    def recover(self, seen_generation: int, seen_epoch: str = "") -> None:
         """Re-joins under this learner's id and session; a no-op if someone re-joined since
         `seen_generation`. Always as itself, even when the Synchronizer no longer lists it
         (NOT_FOUND: dead past its forget_after_s), which takes it back while it keeps the
@@ -286,12 +293,22 @@ class Session:
         with self.join_lock:
             if self.generation != seen_generation or self.stopping.is_set():
                 return
+            if self.follower:
+                self._adopt(seen_epoch)
+                return
             old_epoch, old_id = self.epoch, self.client.learner_id
             try:
                 reply = self._join(old_id)
-                if reply.needs_init:
+                upload = self.global_params
+                if reply.needs_init and upload is None:
+                    self.failed(
+                        "the Synchronizer has no model and a sharded island cannot upload it: "
+                        "initialise it (diloco-synchronizer init, or a learner holding the whole "
+                        "model)"
+                    )
+                elif reply.needs_init and upload is not None:
                     try:
-                        self.client.init_model(self.global_params())
+                        self.client.init_model(upload())
                         logger.warning(
                             "learner=%s re-initialised the Synchronizer's empty model from its global fragments",
                             reply.learner_id,
@@ -320,6 +337,23 @@ class Session:
                 if restarted
                 else "",
             )
+
+    def _adopt(self, epoch: str) -> None:
+        """A follower saw a new server epoch: it re-pulls its fragments (rank 0 re-joins)."""
+        if not epoch or epoch == self.epoch:
+            return
+        restarted = self.restarted(self.epoch, epoch)
+        with self.lock:
+            self.epoch = epoch
+            self.generation += 1
+            self.on_new_epoch(restarted)
+            self.lock.notify_all()
+        logger.warning(
+            "learner=%s new server epoch %s: re-pulling fragments %s",
+            self.client.learner_id,
+            epoch,
+            restarted,
+        )
 
     def restarted(self, old_epoch: str, new_epoch: str) -> list[int]:
         """The fragments whose shard's epoch differs between two server epochs: all of them

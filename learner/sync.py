@@ -82,11 +82,20 @@ class SyncEngine:
         spec: ModelSpec,
         name: str,
         clock: Clock,
-        global_params: Callable[[], list[torch.Tensor]],
+        global_params: Callable[[], list[torch.Tensor]] | None,
         pin: bool,
+        *,
+        numels: list[int] | None = None,
+        follower: bool = False,
     ) -> None:
+        """`numels`: elements of each fragment this learner holds (a sharded island rank: its
+        slice's; default the whole fragment's). `follower`: a sharded island's rank other than
+        0, which syncs under rank 0's membership (`Session.follower`). In a sharded island a
+        push is never superseded: every rank's push of a contribution carries the same seq."""
         self.client, self.cfg, self.spec, self.pin = client, cfg, spec, pin
         self.num = len(spec.fragments)
+        self.numels = numels or [f.numel for f in spec.fragments]
+        self.supersede = numels is None
         self.cv = threading.Condition()
         self.stopping = threading.Event()
         self.session = Session(
@@ -99,6 +108,7 @@ class SyncEngine:
             lock=self.cv,
             stopping=self.stopping,
             on_new_epoch=self._forget_unfinished,
+            follower=follower,
         )
         self.queued: dict[int, PushJob] = {}  # pushes not yet answered (supersedable)
         self.awaiting: dict[int, tuple[PushJob, int]] = {}  # answered pushes: (job, min_version)
@@ -133,18 +143,28 @@ class SyncEngine:
         return versions, None
 
     def busy(self, p: int) -> bool:
-        """True while fragment p's last push is answered but its fresh version not yet merged."""
+        """True while fragment p's last push is answered but its fresh version not yet merged
+        (or, where pushes are not superseded, from the push on)."""
         with self.cv:
-            return p in self.awaiting or p in self.resync or self.undelivered[p] > 0
+            return self._busy(p)
 
-    def submit(self, job: PushJob) -> bool:
-        """Queues a push; supersedes an unanswered one of the same fragment. False if busy."""
+    def _busy(self, p: int) -> bool:
+        queued = not self.supersede and p in self.queued
+        return queued or p in self.awaiting or p in self.resync or self.undelivered[p] > 0
+
+    def submit(self, job: PushJob, seq: int = 0) -> bool:
+        """Queues a push; supersedes an unanswered one of the same fragment. False if busy.
+        `seq`: the push's sequence number, chosen by the caller (a sharded island's ranks
+        share it); 0: the session's next."""
         p = job.fragment
         with self.cv:
-            if p in self.awaiting or p in self.resync or self.undelivered[p] > 0:
+            if self._busy(p):
                 return False
             old = self.queued.get(p)
-            if old is not None:  # never answered: the new delta already contains its progress
+            if seq:
+                job.seq = seq
+                self.session.next_seq = max(self.session.next_seq, seq + 1)
+            elif old is not None:  # never answered: the new delta already contains its progress
                 job.seq = old.seq
                 job.tokens += old.tokens
                 job.steps += old.steps
@@ -188,6 +208,28 @@ class SyncEngine:
         """H now: the configured one, or what Dynamic Local Updates direct."""
         return self.session.sync_every()
 
+    def next_seq(self) -> int:
+        """The sequence number the next push would get."""
+        with self.cv:
+            return self.session.next_seq
+
+    def seq_at_least(self, seq: int) -> None:
+        """The next push gets at least `seq` (a sharded island's ranks keep rank 0's count)."""
+        with self.cv:
+            self.session.next_seq = max(self.session.next_seq, seq)
+
+    def delivering(self, p: int) -> None:
+        """The caller pulled fragment p itself and will merge it (and call `merged`)."""
+        with self.cv:
+            self.undelivered[p] += 1
+
+    def ask_resync(self, p: int) -> None:
+        """Re-pulls fragment p at the current version (its pending push is dropped)."""
+        with self.cv:
+            self.queued.pop(p, None)
+            self.resync.add(p)
+            self.cv.notify_all()
+
     def failed(self, message: str, fragment: int | None = None, network: bool = True) -> None:
         """Records a failure of the caller's (counted in `counts`, logged); never raises."""
         self.session.failed(message, fragment, network)
@@ -205,7 +247,7 @@ class SyncEngine:
         """(version, server epoch, FP32 parameters) of fragment p, now, on the caller's thread:
         as a delta from the version held when possible; `exact` forces FP32 even when
         pull_codec is bf16. Raises `grpc.RpcError` or `CodecError` (the caller records it)."""
-        out = torch.empty(self.spec.fragments[p].numel, dtype=torch.float32, pin_memory=self.pin)
+        out = torch.empty(self.numels[p], dtype=torch.float32, pin_memory=self.pin)
         have, held = None, self.held[p]
         if self.cfg.delta_pulls and held is not None and held[0] == self.session.epoch:
             have = (held[1], held[2])
@@ -220,11 +262,13 @@ class SyncEngine:
             self.pulls += 1
         return version, epoch, params
 
-    def finish(self, versions: list[int]) -> dict[int, tuple[int, torch.Tensor]]:
+    def finish(
+        self, versions: list[int], leave: bool = True
+    ) -> dict[int, tuple[int, torch.Tensor]]:
         """The end: stops the threads, pulls every fragment exactly (at least at `versions`) and
-        leaves the Synchronizer. Returns {fragment: (version, FP32 parameters)} of those it
-        pulled; a failed pull is recorded and the rest of its shard not waited on, and when no
-        shard answered, no Leave is sent. Never raises."""
+        leaves the Synchronizer (unless `leave` is False). Returns {fragment: (version, FP32
+        parameters)} of those it pulled; a failed pull is recorded and the rest of its shard not
+        waited on, and when no shard answered, no Leave is sent. Never raises."""
         self.stop()
         fresh: dict[int, tuple[int, torch.Tensor]] = {}
         unreachable: set[int] = set()  # shards
@@ -238,7 +282,7 @@ class SyncEngine:
                 unreachable.add(self.client.shard_of(p))
                 continue
             fresh[p] = (version, params)
-        if len(unreachable) < len({self.client.shard_of(p) for p in range(self.num)}):
+        if leave and len(unreachable) < len({self.client.shard_of(p) for p in range(self.num)}):
             self.session.leave()
         return fresh
 
@@ -249,7 +293,8 @@ class SyncEngine:
             ("push" if len(shards) == 1 else f"push-{s}", self._send_loop, (s,)) for s in shards
         ]
         loops += [(f"pull-{p}", self._pull_loop, (p,)) for p in range(self.num)]
-        loops.append(("heartbeat", self.session.heartbeat_loop, ()))
+        if not self.session.follower:  # a follower's lease is its rank 0's
+            loops.append(("heartbeat", self.session.heartbeat_loop, ()))
         self.threads = [
             threading.Thread(
                 target=self._guarded, args=(fn, *args), name=f"diloco-{name}", daemon=True
@@ -348,6 +393,10 @@ class SyncEngine:
                     code == grpc.StatusCode.INVALID_ARGUMENT
                 ):  # retrying cannot help; progress stays local
                     self._drop(job, "rejected")
+                elif code == grpc.StatusCode.ABORTED:
+                    # A sharded island's contribution that not every rank's slice reached:
+                    # nothing was applied; every rank re-pulls (progress stays local).
+                    self._drop(job, "aborted", resync=True)
                 elif code in REJOIN_CODES:
                     # A lapsed lease or a restarted server: re-join (which re-pulls everything on a
                     # new epoch) and retry. Refused again after that (e.g. a base version ahead of
@@ -437,7 +486,7 @@ class SyncEngine:
             self.session.succeeded()
             if server_epoch != epoch:
                 self.session.recover(
-                    generation
+                    generation, server_epoch
                 )  # the server restarted: re-join, re-pull everything
                 if self.session.generation == generation:  # the re-join failed: do not spin
                     failures += 1

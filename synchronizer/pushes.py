@@ -282,8 +282,9 @@ class PushPath:
 
     @staticmethod
     def _whole(h: pb.PushHeader, rec: LearnerRecord, asm: slices.Assembly) -> pb.PushHeader:
-        """The header of a complete island contribution as one push: its tokens and compute
-        seconds summed over the ranks, its steps the most any rank took, an FP32 payload."""
+        """The header of a complete island contribution as one push: its tokens summed over the
+        ranks, its steps and compute seconds the most any rank took (the ranks compute side by
+        side: the island's compute is wall time, as its heartbeat reports it), an FP32 payload."""
         parts = list(asm.parts.values())
         return pb.PushHeader(
             learner_id=rec.learner_id,
@@ -293,7 +294,7 @@ class PushPath:
             base_version=asm.base_version,
             tokens=sum(p.tokens for p in parts),
             steps=max(p.steps for p in parts),
-            compute_s=sum(p.compute_s for p in parts),
+            compute_s=max(p.compute_s for p in parts),
             payload=layout.make_header(pb.CODEC_FP32, asm.numel),
         )
 

@@ -1,0 +1,98 @@
+"""Sharded (FSDP2) islands end to end: torchrun islands of 2 ranks (gloo) train the example
+against the real Synchronizer, every rank pushing and pulling only its own slice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from demo.procs import read_json
+from tests.helpers import run_smoke
+
+
+@pytest.mark.timeout(240)
+def test_two_fsdp_islands_train_and_one_killed_rank_takes_its_island_out_and_back_whole(
+    tmp_path: Path,
+):
+    # Two learners, each a torchrun island of 2 ranks sharding the model with FSDP2. Rank 1 of
+    # l0 is killed (SIGKILL) mid-run: torchrun ends rank 0, and the island comes back whole, as
+    # the same learner, from the step it had reached.
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "demo",
+        "local",
+        "--learners",
+        "2",
+        "--island-size",
+        "2",
+        "--fsdp",
+        "--steps",
+        "80",
+        "--slow-learner",
+        "-1",
+        "--kill-learner",
+        "0",
+        "--kill-rank",
+        "1",
+        "--kill-at",
+        "0.4",
+        "--out",
+        str(out),
+        "--lease-s",
+        "2",
+        "--restart-after-s",
+        "2",
+        "--sync-every",
+        "10",
+        "--fragments",
+        "2",
+        "--no-plot",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+    assert summary["faults"]["killed"]
+    assert set(summary["bytes_sent_per_learner"]) == {"l0", "l1"}  # an island is one learner
+    islands = {name: learner["island"] for name, learner in summary["per_learner"].items()}
+    assert islands == {
+        name: {"ranks": 2, "finished": 2, "identical": True} for name in ("l0", "l1")
+    }, islands
+    # Every rank pushes its own slice under its island's learner id, and about half the bytes.
+    for last in (out / "learner-0.run1.json", out / "learner-1.json"):
+        rank0, rank1 = read_json(last), read_json(Path(f"{last}.rank1"))
+        assert rank0["learner"]["learner_id"] == rank1["learner"]["learner_id"]
+        for r in (rank0, rank1):
+            assert r["learner"]["pushes"].get("accepted", 0) > 0, r["learner"]
+            assert r["learner"]["bytes_sent"] > 0
+        sent = (rank0["learner"]["bytes_sent"], rank1["learner"]["bytes_sent"])
+        assert 0.7 < sent[0] / sent[1] < 1.4, sent
+    # The island killed by one rank came back as the same learner.
+    first = read_json(out / "learner-0.json")
+    again = read_json(out / "learner-0.run1.json")
+    assert again["learner"]["learner_id"] == first["learner"]["learner_id"]
+    assert again["start_step"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_islands_smoke_sends_about_half_per_rank_and_ends_with_the_replicated_island(
+    tmp_path: Path,
+):
+    r = run_smoke("islands", tmp_path / "islands.json", timeout_s=280)
+    rep, shd = r["replicated"], r["fsdp2"]
+    for arm in (rep, shd):
+        assert arm["ranks_finished"] == 2 and arm["ranks_identical"], arm
+        assert arm["eval_loss_end"] < arm["eval_loss_start"], arm
+    assert rep["rank_bytes_sent"][1] == 0  # a replicated island's rank 1 never talks
+    assert all(b > 0 for b in shd["rank_bytes_sent"])
+    # A slice is half of each fragment; each push and pull also carries its header.
+    assert 0.4 < r["rank_bytes_ratio"] < 0.6, r
+    assert 0.9 < r["island_bytes_ratio"] < 1.2, r
+    # Same data, same model: the two islands differ by reduction order through the codec only.
+    assert abs(r["eval_ratio"] - 1) < 0.02, r
