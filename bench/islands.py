@@ -6,8 +6,9 @@ data, seed, H, fragments and codec: the island replicated (DDP: rank 0 alone pus
 whole fragments) and sharded (FSDP2: every rank pushes and pulls only its slice of each
 fragment). From each rank's own byte counters:
 
-- `rank_bytes_ratio`: the most any FSDP2 rank sent over what the replicated island's rank 0 sent
-  (expected about 1/N: a slice is 1/N of each fragment, plus per-push headers);
+- `rank_bytes_ratio`: the most any FSDP2 rank sent while training (after joining: rank 0's upload
+  of the initial model is left out) over what the replicated island's rank 0 sent (expected
+  about 1/N: a slice is 1/N of each fragment, plus per-push headers);
 - `island_bytes_ratio`: all FSDP2 ranks together over the replicated rank 0 (about 1);
 - `eval_ratio`: the sharded island's final global eval loss over the replicated one's. The two
   islands see the same data, so they differ only by the order of floating-point reductions and
@@ -51,7 +52,11 @@ def arm(fsdp: bool, ranks: int, steps: int, out: Path) -> dict[str, Any]:
     summary = run(o)
     first = out / "learner-0.json"
     per_rank = [read_json(first), *(read_json(Path(f"{first}.rank{r}")) for r in range(1, ranks))]
-    sent = [int(r.get("bytes_sent", 0)) for r in per_rank]
+    # Bytes sent while training: the join (and rank 0's upload of the initial model) left out
+    sent = [
+        int(r.get("bytes_sent", 0)) - int(r.get("learner", {}).get("bytes_sent_joining", 0))
+        for r in per_rank
+    ]
     received = [int(r.get("bytes_received", 0)) for r in per_rank]
     island = summary["per_learner"][next(iter(summary["per_learner"]))].get("island", {})
     return {

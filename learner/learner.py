@@ -87,6 +87,7 @@ class LearnerStats:
     versions_checked: int = 0  # (epoch, fragment, version)s pulled, with their checksums
     version_conflicts: int = 0  # of those, served again with another checksum (a server bug)
     step_time_s: float | None = None  # moving average of an inner step's compute seconds
+    bytes_sent_joining: int = 0  # of bytes_sent, those sent by the time it had joined (an upload of the initial model included)
 
 
 class Learner:
@@ -161,6 +162,7 @@ class Learner:
         )
         self.client: Transport | None = None
         self.engine: SyncEngine | None = None
+        self.joining_bytes = 0  # bytes sent by the time it had joined (`stats`)
         self.closed = False
         self.metrics_port: int | None = None  # bound port of the /metrics endpoint, if serving
         self._stop_metrics: Callable[[], None] | None = None
@@ -244,6 +246,7 @@ class Learner:
                     if fetched is not None
                     else self.plan.gather(p, self.device)
                 )
+        self.joining_bytes = self.client.bytes_sent
         self.engine.start()
         logger.info(
             "learner=%s joined %s: %d fragments of %s parameters, versions %s",
@@ -816,4 +819,5 @@ class Learner:
             versions_checked=self.client.versions_checked if self.client else 0,
             version_conflicts=self.client.version_conflicts if self.client else 0,
             step_time_s=c.step_time_s if c.step else None,
+            bytes_sent_joining=self.joining_bytes,
         )
