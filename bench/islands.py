@@ -10,6 +10,9 @@ fragment). From each rank's own byte counters:
   of the initial model is left out) over what the replicated island's rank 0 sent (expected
   about 1/N: a slice is 1/N of each fragment, plus per-push headers);
 - `island_bytes_ratio`: all FSDP2 ranks together over the replicated rank 0 (about 1);
+- `rank_received_ratio`: the most any FSDP2 rank received over what the replicated rank 0
+  received (about 1/N: a rank pulls its runs, and of each kept update only the blocks that hold
+  them, `protos.slicing`);
 - `eval_ratio`: the sharded island's final global eval loss over the replicated one's. The two
   islands see the same data, so they differ only by the order of floating-point reductions and
   what that does through the codec (the codec's error bound per push).
@@ -92,6 +95,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fsdp2": shd,
         "rank_bytes_ratio": max(shd["rank_bytes_sent"]) / base if base else None,
         "island_bytes_ratio": sum(shd["rank_bytes_sent"]) / base if base else None,
+        "rank_received_ratio": max(shd["rank_bytes_received"]) / rep["rank_bytes_received"][0]
+        if rep["rank_bytes_received"][0]
+        else None,
         "expected_rank_ratio": 1 / args.ranks,
         "eval_ratio": shd["eval_loss_end"] / rep["eval_loss_end"],
     }
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"rank_bytes_ratio {result['rank_bytes_ratio']:.3f} (expected about "
         f"{result['expected_rank_ratio']:.3f}), island_bytes_ratio "
-        f"{result['island_bytes_ratio']:.3f}, eval_ratio {result['eval_ratio']:.4f}"
+        f"{result['island_bytes_ratio']:.3f}, rank_received_ratio "
+        f"{result['rank_received_ratio']:.3f}, eval_ratio {result['eval_ratio']:.4f}"
     )
     say_mode(mode)
     write_json(args.json, result)

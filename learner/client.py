@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import torch
 
-from protos import codec, framing, layout
+from protos import codec, framing, layout, slicing
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.channel import bearer, open_channel
@@ -132,8 +132,10 @@ class SyncClient:
         self.bytes_received = 0
         self.learner_id = ""
         self.session = ""  # the secret Join gave learner_id: sent with every later call
-        # A rank of a sharded island: per fragment, the slice it pushes and pulls (None: whole)
+        # A rank of a sharded island: per fragment, the slice it pushes and pulls (None: whole),
+        # and the fragments' whole sizes (a delta's blocks are cut from the whole update's)
         self.slices: Sequence[pb.Slice] | None = None
+        self.fragment_numels: Sequence[int] = ()
         # (epoch, fragment, version) -> the checksum the server served it with: one version
         # served with two contents within an epoch is a Synchronizer bug, counted and logged.
         self.served: dict[tuple[str, int, int], int] = {}
@@ -361,9 +363,11 @@ class SyncClient:
             delta_ok=have is not None,
             have_version=have[0] if have is not None else 0,
         )
-        if self.slices is not None:  # only this rank's runs, never a delta
-            req.slice.CopyFrom(self.slices[fragment_id])
-            req.delta_ok, req.have_version = False, 0
+        runs = None
+        if self.slices is not None:  # only this rank's runs (a delta: the blocks holding them)
+            s = self.slices[fragment_id]
+            req.slice.CopyFrom(s)
+            runs = list(zip(s.starts, s.lengths, strict=True))
         self._count(sent=req.ByteSize())
         full = 4 * (numel if numel is not None else out.numel() if out is not None else 0)
         stream = self.stub.PullFragment(
@@ -407,9 +411,14 @@ class SyncClient:
                 f"fragment {fragment_id}: a delta from version {h.delta_from} that was not asked for"
             )
         base = have[1]
+        if out is not None and out.numel() != base.numel():
+            raise layout.CodecError(
+                f"fragment {fragment_id}: held {base.numel()} elements, {out.numel()} expected"
+            )
         target = out if out is not None else torch.empty(base.numel(), dtype=torch.float32)
         target.copy_(base)
         scratch = torch.empty_like(target)
+        ranges: slicing.Ranges = []
         expected = h.delta_from + 1
         link: pb.DeltaLink | None = None
         asm: framing.Assembler | None = None
@@ -422,7 +431,22 @@ class SyncClient:
                     raise layout.CodecError(
                         f"fragment {fragment_id}: update {link.version} arrived, {expected} expected"
                     )
-                layout.validate_header(link.payload, target.numel())
+                if runs is None:
+                    layout.validate_header(link.payload, target.numel())
+                else:  # the blocks of the whole update that hold this rank's runs
+                    if not slicing.cuttable(link.payload):
+                        raise layout.CodecError(
+                            f"fragment {fragment_id}: an update whose blocks cannot be cut"
+                        )
+                    update = pb.PayloadHeader(
+                        codec=link.payload.codec,
+                        numel=self.fragment_numels[fragment_id],
+                        block_size=link.payload.block_size,
+                    )
+                    ranges = slicing.covering(runs, update)
+                    layout.validate_header(link.payload, sum(b - a for a, b in ranges))
+                    if scratch.numel() < link.payload.numel:
+                        scratch = torch.empty(int(link.payload.numel))
                 asm = framing.Assembler(link.payload)
             elif kind == "chunk" and asm is not None:
                 asm.add(msg.chunk)
@@ -431,7 +455,12 @@ class SyncClient:
                     f"unexpected {kind!r} in the delta pull of fragment {fragment_id}"
                 )
             if asm is not None and link is not None and asm.complete:
-                target.add_(codec.decode(asm.finish(), link.payload, scratch))
+                if runs is None:
+                    target.add_(codec.decode(asm.finish(), link.payload, scratch))
+                else:
+                    part = scratch[: link.payload.numel]
+                    codec.decode(asm.finish(), link.payload, part)
+                    slicing.add_runs(target, part, runs, ranges)
                 expected, asm = expected + 1, None
         if asm is not None or expected - 1 != h.version or expected - 1 - h.delta_from != h.links:
             raise layout.CodecError(

@@ -209,7 +209,7 @@ class Learner:
             )
         self.engine = SyncEngine(
             self.client,
-            cfg.model_copy(update={"delta_pulls": False}) if self.sharded else cfg,
+            cfg,
             self.plan.spec,
             name,
             self.clock,
@@ -264,6 +264,7 @@ class Learner:
         assert self.engine is not None and self.client is not None
         engine, client, n = self.engine, self.client, self.num_fragments
         client.slices = self.plan.slices  # type: ignore[attr-defined]
+        client.fragment_numels = [f.numel for f in self.plan.fragments]  # type: ignore[attr-defined]
         whole = [self.plan.params[p] for p in range(n)]
         if self.leader:
 
@@ -307,7 +308,8 @@ class Learner:
                     v, _, params = engine.pull(p, versions[p], self.cfg.pull_wait_s, exact=True)
                     versions[p] = v
                     fetched.append(params)
-        if fetched is None:
+        if fetched is None:  # the island's own model: each rank's slice is where deltas start
+            engine.hold(versions, [self.plan.gather(p, "cpu") for p in range(n)])
             return versions, None
         for _ in range(10):  # a round may close between two ranks' pulls
             agreed = sharded.exchange(n, [False] * n, versions, 0, 0)

@@ -139,8 +139,13 @@ class SyncEngine:
         versions, params, initialised = self.session.connect(timeout_s, local_params, fetch)
         if not initialised:
             return versions, params
-        self.held = [(self.session.epoch, v, t) for v, t in zip(versions, params, strict=True)]
+        self.hold(versions, params)
         return versions, None
+
+    def hold(self, versions: list[int], params: list[torch.Tensor]) -> None:
+        """The exact parameters (FP32, CPU) this learner holds of each fragment at `versions`:
+        where delta pulls start from."""
+        self.held = [(self.session.epoch, v, t) for v, t in zip(versions, params, strict=True)]
 
     def busy(self, p: int) -> bool:
         """True while fragment p's last push is answered but its fresh version not yet merged

@@ -227,13 +227,21 @@ class FragmentModel:
             )
             return snap, links, self.version, self.downlink.checksum(self.params, self.version)
 
-    def gathered(self, runs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int]:
-        """A copy of the parameters' elements in `runs` ((start, length), concatenated), and
-        the version they hold: what a rank of a sharded island pulls."""
+    def gathered(
+        self, runs: Sequence[tuple[int, int]], have_version: int | None = None
+    ) -> tuple[torch.Tensor, int, list[Link] | None]:
+        """A copy of the parameters' elements in `runs` ((start, length), concatenated), the
+        version they hold, and the kept updates since `have_version` when it is given and the
+        chain still covers it: what a rank of a sharded island pulls."""
         with self.cv:
             self._check_healthy()
             assert self.params is not None
-            return slices.gather(self.params, runs), self.version
+            links = (
+                self.downlink.since(have_version, self.version)
+                if have_version is not None
+                else None
+            )
+            return slices.gather(self.params, runs), self.version, links
 
     # Durability ------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from protos import codec, framing, layout
+from protos import codec, framing, layout, slicing
 from protos import diloco_pb2 as pb
 from synchronizer import slices
 from synchronizer.config import SynchronizerConfig
@@ -129,13 +129,13 @@ class PullPath:
             self.model.require_initialized()
             frag = self.model.fragment(request.fragment_id)
             self.model.check_spec_hash(rec.spec_hash)  # the spec this learner joined with
+            have = request.have_version if request.delta_ok else None
             if sliced:
-                part, version, checksum = self._slice(frag, codec_id, request.slice)
+                part, cut, version, checksum = self._slice(frag, codec_id, request.slice, have)
                 yield from stream.moving(
-                    self._stream(frag.fid, request.have_version, part, None, version, checksum)
+                    self._stream(frag.fid, request.have_version, part, cut, version, checksum)
                 )
                 return
-            have = request.have_version if request.delta_ok else None
             snap, links, version, checksum = self._served(frag, codec_id, have, call)
             yield from stream.moving(
                 self._stream(frag.fid, request.have_version, snap, links, version, checksum)
@@ -169,13 +169,25 @@ class PullPath:
                 )
             snapshots.wait(min(1.0, deadline - time.monotonic()))
 
-    def _slice(self, frag: Fragment, codec_id: pb.Codec, s: pb.Slice) -> tuple[Link, int, int]:
-        """A rank's slice of the fragment, judged at one version: always full (never a delta),
-        its runs concatenated in `codec_id`, with the crc32 of their FP32 values."""
+    def _slice(
+        self, frag: Fragment, codec_id: pb.Codec, s: pb.Slice, have: int | None
+    ) -> tuple[Link | None, list[Link] | None, int, int]:
+        """A rank's slice of the fragment, judged at one version, with the crc32 of its FP32
+        values: the updates since `have` cut to the blocks that hold its runs
+        (`protos.slicing`) when the chain still covers it, else its runs concatenated in
+        `codec_id`."""
+        runs = slices.runs(s, frag.numel, ranked=False)
         try:
-            values, version = frag.model.gathered(slices.runs(s, frag.numel, ranked=False))
+            values, version, links = frag.model.gathered(runs, have)
         except FragmentFailed:
             raise self.model.unavailable(frag) from None
+        checksum = framing.checksum(values)
+        if links is not None and all(slicing.cuttable(h) for _, h, _ in links):
+            cut = []
+            for v, h, buf in links:
+                sub, part = slicing.cut(buf, h, slicing.covering(runs, h))
+                cut.append((v, sub, part))
+            return None, cut, version, checksum
         header = layout.make_header(codec_id, values.numel())
         # FP32: the gathered copy's own bytes
         encoded = (
@@ -183,7 +195,7 @@ class PullPath:
             if codec_id == pb.CODEC_FP32
             else codec.encode(values, codec_id)
         )
-        return (version, header, encoded), version, framing.checksum(values)
+        return (version, header, encoded), None, version, checksum
 
     def _wait_for(self, request: pb.PullRequest, call: Call) -> None:
         """Waits (up to the bounded wait) until the model is initialised and the fragment at

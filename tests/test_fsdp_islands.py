@@ -97,5 +97,7 @@ def test_bench_islands_smoke_sends_about_half_per_rank_and_ends_with_the_replica
     # A slice is half of each fragment; each push and pull also carries its header.
     assert 0.4 < r["rank_bytes_ratio"] < 0.6, r
     assert 0.9 < r["island_bytes_ratio"] < 1.2, r
+    # Pulls too: its runs, and of each kept update only the blocks that hold them.
+    assert 0.4 < r["rank_received_ratio"] < 0.65, r
     # Same data, same model: the two islands differ by reduction order through the codec only.
     assert abs(r["eval_ratio"] - 1) < 0.02, r

@@ -12,7 +12,8 @@ import grpc
 import pytest
 import torch
 
-from protos import codec, framing, layout
+from learner.client import SyncClient
+from protos import codec, framing, layout, slicing
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec
 from tests.helpers import TIMEOUT, Client, push_messages, serve_process, small_spec, wait_until
@@ -165,7 +166,7 @@ def test_a_slice_pull_serves_exactly_its_runs_with_their_checksum_in_fp32_and_bf
     first, second = halves(SPEC, 0)
     for runs in (first, second, [(3, 1), (N0 - 2, 2)]):
         want = gathered(flats[0], runs)
-        header, got = pull_slice(c, runs, delta_ok=True)  # never a delta
+        header, got = pull_slice(c, runs)
         assert header.links == 0 and header.version == 0
         assert header.payload.numel == want.numel() and header.payload.codec == pb.CODEC_FP32
         assert torch.equal(got, want) and header.checksum == framing.checksum(want)
@@ -178,6 +179,66 @@ def test_a_slice_pull_serves_exactly_its_runs_with_their_checksum_in_fp32_and_bf
     with pytest.raises(grpc.RpcError) as e:
         pull_slice(c, [(N0 - 1, 2)])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [[(3, 20)], [(3, 20), (250, 10), (N0 - 5, 5)], [(0, N0)]],
+    ids=["one-block", "three-runs", "whole"],
+)
+def test_a_slice_delta_pull_holds_its_runs_of_the_served_parameters_bit_for_bit(
+    make_server, runs: Runs
+):
+    # Kept INT8 updates: a rank holding version 0 of its runs pulls only the blocks of each
+    # update that hold them, and ends with exactly the runs a full pull of the slice serves.
+    srv = make_server(**{**SETTINGS, "update_history": 4})
+    c, flats = start(srv.address)
+    first, second = halves(SPEC, 0)
+    g = torch.Generator().manual_seed(1)
+    for seq in (1, 2):  # two island contributions: versions 1 and 2
+        delta = torch.randn(N0, generator=g) * 0.1
+        futures = [
+            slice_push(c, delta, first, 0, seq=seq, base=seq - 1),
+            slice_push(c, delta, second, 1, seq=seq, base=seq - 1),
+        ]
+        assert all(f.result(timeout=TIMEOUT).outcome == pb.PUSH_ACCEPTED for f in futures)
+        assert c.pull(0, min_version=seq, wait_s=TIMEOUT)[0] == seq
+    full_header, want = pull_slice(c, runs)
+    assert full_header.version == 2
+    rank = SyncClient(srv.address)
+    try:
+        rank.learner_id, rank.session, rank.spec_hash = c.learner_id, c.session, SPEC.spec_hash
+        rank.slices = [make_slice(0, 2, runs), make_slice(0, 2, [])]
+        rank.fragment_numels = [f.numel for f in SPEC.fragments]
+        base = gathered(flats[0], runs)
+        version, _, got = rank.pull(0, min_version=2, have=(0, base))  # checksum checked
+        assert version == 2 and torch.equal(got, want)
+        if runs == [(3, 20)]:  # one block of each update, not both
+            block = layout.encoded_nbytes(pb.CODEC_INT8, layout.DEFAULT_BLOCK_SIZE)
+            whole = layout.encoded_nbytes(pb.CODEC_INT8, N0)
+            assert 2 * block < rank.bytes_received < 2 * whole, rank.bytes_received
+    finally:
+        rank.close()
+
+
+@pytest.mark.parametrize(
+    "codec_id", [pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_FP4_E3M0, pb.CODEC_FP32, pb.CODEC_BF16]
+)
+def test_blocks_cut_from_an_encoded_update_decode_to_exactly_its_runs(codec_id: int):
+    g = torch.Generator().manual_seed(codec_id)
+    n, bs = 1000, 64
+    x = torch.randn(n, generator=g)
+    header = layout.make_header(codec_id, n, bs)
+    buf = codec.encode(x, codec_id, bs)
+    whole = codec.decode(buf, header, torch.empty(n))
+    for runs in ([(5, 3)], [(0, 64), (64, 1), (200, 300), (990, 10)], [(63, 2), (999, 1)], []):
+        ranges = slicing.covering(runs, header)
+        sub, part = slicing.cut(buf, header, ranges)
+        decoded = codec.decode(part, sub, torch.empty(int(sub.numel)))
+        got = torch.zeros(sum(length for _, length in runs))
+        slicing.add_runs(got, decoded, runs, ranges)
+        assert torch.equal(got, gathered(whole, runs))
+        assert sub.total_bytes < header.total_bytes or ranges == [(0, n)]
 
 
 def test_a_rank_that_never_pushes_aborts_the_contribution_after_slice_wait_s(make_server):
