@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from demo.procs import read_json
+from learner.sharded import Agreed
 from tests.helpers import run_smoke
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_fsdp_islands_train_and_one_killed_rank_takes_its_island_out_and_back_whole(
     tmp_path: Path,
@@ -83,6 +85,7 @@ def test_two_fsdp_islands_train_and_one_killed_rank_takes_its_island_out_and_bac
     assert again["start_step"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_islands_smoke_sends_about_half_per_rank_and_ends_with_the_replicated_island(
     tmp_path: Path,
@@ -101,3 +104,24 @@ def test_bench_islands_smoke_sends_about_half_per_rank_and_ends_with_the_replica
     assert 0.4 < r["rank_received_ratio"] < 0.65, r
     # Same data, same model: the two islands differ by reduction order through the codec only.
     assert abs(r["eval_ratio"] - 1) < 0.02, r
+
+
+def test_ranks_merge_only_one_version_and_a_rank_behind_catches_up():
+    # What every rank reads from one exchange: fragment 0 is back at version 3 on both ranks
+    # (merge), fragment 1 at 4 on rank 0 and 3 on rank 1 (rank 1 re-pulls at 4), fragment 2 back
+    # on rank 0 only, while rank 1's own sync of it is in flight (wait) or not (re-pull).
+    agreed = Agreed(
+        busy=[True, True, True],
+        versions=[[3, 3], [4, 3], [5, -1]],
+        sync_every=10,
+        next_seq=7,
+        flags=[0, 0],
+    )
+    assert agreed.ready(0) and not agreed.ready(1) and not agreed.ready(2)
+    assert agreed.behind(0, 1, busy_here=True) is None
+    assert agreed.behind(1, 0, busy_here=True) is None  # rank 0 has the newest
+    assert agreed.behind(1, 1, busy_here=True) == 4
+    assert agreed.behind(2, 1, busy_here=True) is None  # its own pull will come back
+    assert agreed.behind(2, 1, busy_here=False) == 5
+    nothing = Agreed(busy=[False], versions=[[-1, -1]], sync_every=10, next_seq=1, flags=[0, 0])
+    assert not nothing.ready(0) and nothing.behind(0, 0, busy_here=False) is None
