@@ -94,7 +94,7 @@ class ReferenceCurve:
     best: tuple[float, ...]  # running minimum of the eval loss: non-increasing
 
     @classmethod
-    def from_points(cls, points: Sequence[tuple[Any, Any]]) -> ReferenceCurve:
+    def from_points(cls, points: Sequence[Sequence[Any]]) -> ReferenceCurve:
         if len(points) < 2:
             raise ValueError(f"needs at least 2 points, has {len(points)}")
         if len(points) > MAX_CURVE_POINTS:

@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from protos import diloco_pb2 as pb
 from protos.configload import ConfigError, load
 from synchronizer.config import SynchronizerConfig
 from synchronizer.evaluation import ReferenceCurve
-from tests.helpers import REPO, Client, small_spec
+from tests.helpers import REPO, Client, small_spec, wait_until
 
 SPEC = small_spec()
 CURVE = [[0, 5.0], [1000, 3.0], [2000, 3.5], [4000, 2.0]]  # noisy: 3.5 after 3.0
@@ -236,3 +237,48 @@ def test_an_evaluator_counts_for_no_quorum_capacity_or_learner_slot(make_server)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     second = Client(srv.address, SPEC, "second evaluator")
     second.join(evaluator=True)  # evaluators take no max_learners slot
+
+
+# The example's evaluator -------------------------------------------------------------------------
+
+
+def test_the_examples_eval_only_reports_each_new_served_model(make_server, tmp_path):
+    from demo.options import TrainOptions
+    from demo.train import build, train
+    from learner.config import LearnerConfig
+    from learner.fragments import FragmentPlan
+
+    srv = make_server(reference_curve=write_curve(tmp_path), quorum=1, grace="none")
+    torch.set_num_threads(1)
+    tiny = {"n_layer": 1, "d_model": 32, "n_head": 2, "block": 32, "max_bytes": 1 << 16}
+    o = TrainOptions(**tiny, eval_windows=8, eval_only=True, eval_every_s=0.1, eval_reports=2)
+    o = o.model_copy(
+        update={
+            "out": str(tmp_path / "eval.json"),
+            "sync": LearnerConfig(synchronizer=srv.address, fragments=2),
+        }
+    )
+    model = build(o, torch.device("cpu"))[0]
+    plan = FragmentPlan(model, 2)
+    trainer = Client(srv.address, plan.spec, "trainer")
+    trainer.join()
+    trainer.init([plan.gather(p) for p in range(len(plan))])
+    trainer.heartbeat(steps=1, tokens=100)
+
+    def second_model_once_first_is_reported() -> None:
+        assert wait_until(lambda: sample(srv, "diloco_eval_loss") is not None, 60)
+        trainer.push(0, torch.full((plan.spec.fragments[0].numel,), 1e-2))
+        trainer.heartbeat(steps=2, tokens=300)
+
+    pusher = threading.Thread(target=second_model_once_first_is_reported)
+    pusher.start()
+    result = train(o)
+    pusher.join(30)
+    series = result["series"]
+    assert [s["versions"] for s in series] == [{0: 0, 1: 0}, {0: 1, 1: 0}]
+    assert all(math.isfinite(s["eval_loss"]) for s in series)
+    assert all(s["effective_goodput"] is not None for s in series)  # 0 here: above the curve
+    assert series[1]["consumed_tokens"] == 300
+    assert sample(srv, "diloco_eval_loss") == series[1]["eval_loss"]
+    assert json.loads((tmp_path / "eval.json").read_text())["finished"]
+    assert srv.synchronizer.registry.counts()["alive"] == 1  # the evaluator left; never counted
