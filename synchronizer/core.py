@@ -242,6 +242,8 @@ class Synchronizer:
         ):
             raise invalid("bad_counters", "counters and step time must be finite and non-negative")
         blocked = self.registry.report(rec, counters, step_time_s)
+        if rec.evaluator:  # trains nothing: none of its counts are goodput's
+            return
         self.metrics.blocked.inc(blocked * self.goodput.fraction)  # a shard counts its part
         self.goodput.report(rec.learner_id, float(rec.tokens), rec.compute_s)
         if step_time_s > 0:

@@ -70,6 +70,16 @@ class LearnerRecord:
     credential: str = ""  # the credential it joined under ("" in shared mode)
     first_joined: float = 0.0  # wall clock, kept across restarts
     evaluator: bool = False  # joined as an evaluator: reports eval loss, never trains
+    # Tokens consumed under this id across its processes: a process restarted under the id
+    # (re-joined, counters from zero) reports less than its predecessor's last count, which is
+    # then banked in earlier_tokens (`tokens` keeps the most any process reported)
+    reported_tokens: int = 0  # the current process's last report
+    earlier_tokens: int = 0  # its earlier processes' last reports, summed
+
+    @property
+    def consumed_tokens(self) -> int:
+        return max(self.tokens, self.earlier_tokens + self.reported_tokens)
+
     forgotten_up_to: int = 0  # replies up to this seq are no longer remembered
     replies: dict[int, pb.PushReply] = field(default_factory=dict)
     tickets: dict[int, int] = field(default_factory=dict)  # seq -> write-ahead log ticket
@@ -331,6 +341,9 @@ class Registry:
         )
         with self.lock:
             blocked_delta = max(0.0, counters.blocked_s - rec.blocked_s)
+            if counters.tokens < rec.reported_tokens:  # a new process under this id
+                rec.earlier_tokens += rec.reported_tokens
+            rec.reported_tokens = counters.tokens
             rec.steps = max(rec.steps, counters.steps)
             rec.tokens = max(rec.tokens, counters.tokens)
             rec.compute_s = max(rec.compute_s, counters.compute_s)
@@ -371,7 +384,7 @@ class Registry:
     def _forget(self, rec: LearnerRecord) -> None:
         """Drops a record, keeping its tokens among the consumed. Caller holds the lock."""
         if not rec.evaluator:
-            self.forgotten_tokens += rec.tokens
+            self.forgotten_tokens += rec.consumed_tokens
         del self.learners[rec.learner_id]
 
     def _live(self) -> list[LearnerRecord]:
@@ -420,9 +433,10 @@ class Registry:
             )
 
     def consumed_tokens(self) -> float:
-        """Training tokens every training learner reported, kept or forgotten since the start."""
+        """Training tokens every training learner reported, kept or forgotten since the start
+        (a process restarted under an id adds its tokens to its predecessors')."""
         with self.lock:
-            kept = sum(r.tokens for r in self.learners.values() if not r.evaluator)
+            kept = sum(r.consumed_tokens for r in self.learners.values() if not r.evaluator)
             return float(kept + self.forgotten_tokens)
 
     # Idempotency -------------------------------------------------------------------------
@@ -533,6 +547,8 @@ class Registry:
                     "tokens": r.tokens,
                     "compute_s": r.compute_s,
                     "blocked_s": r.blocked_s,
+                    "reported_tokens": r.reported_tokens,
+                    "earlier_tokens": r.earlier_tokens,
                 }
                 for r in self.learners.values()
             ]
@@ -561,4 +577,6 @@ class Registry:
                 rec.first_joined = float(d.get("first_joined", self.clock.wall()))
                 rec.steps, rec.tokens = int(d["steps"]), int(d["tokens"])
                 rec.compute_s, rec.blocked_s = float(d["compute_s"]), float(d["blocked_s"])
+                rec.reported_tokens = int(d.get("reported_tokens", rec.tokens))
+                rec.earlier_tokens = int(d.get("earlier_tokens", 0))
                 self.learners[rec.learner_id] = rec

@@ -142,6 +142,7 @@ def test_effective_goodput_is_reference_tokens_over_tokens_consumed(make_server,
     assert sample(srv, "diloco_eval_consumed_tokens") == 2000.0
     assert sample(srv, "diloco_effective_goodput_ratio") == 1.5
     assert sample(srv, "diloco_eval_below_reference") == 0
+    assert srv.synchronizer.goodput.in_flight()[0] == 2000  # nor goodput's
 
     trainer.heartbeat(steps=20, tokens=7500)  # 8000 consumed: a loss below the curve's best
     reply = evaluator.report_eval(1.0, eval_set="wiki")
@@ -149,6 +150,19 @@ def test_effective_goodput_is_reference_tokens_over_tokens_consumed(make_server,
     assert sample(srv, "diloco_effective_goodput_ratio", "wiki") == 0.5
     assert sample(srv, "diloco_eval_below_reference", "wiki") == 1
     assert sample(srv, "diloco_effective_goodput_ratio") == 1.5  # each set keeps its own
+
+
+def test_a_learner_restarted_under_its_id_adds_its_new_processs_tokens(make_server, tmp_path):
+    srv = make_server(reference_curve=write_curve(tmp_path))
+    trainer, evaluator = trainer_and_evaluator(srv)
+    trainer.heartbeat(steps=10, tokens=1200)
+    trainer.heartbeat(steps=8, tokens=800)  # a new process under the id counts from zero
+    trainer.heartbeat(steps=9, tokens=900)
+    assert evaluator.report_eval(3.0).consumed_tokens == 1200 + 900
+    # a restart keeps it: the checkpoint holds both counts
+    registry = srv.synchronizer.registry
+    registry.restore(registry.snapshot())
+    assert registry.consumed_tokens() == 2100
 
 
 def test_effective_goodput_is_absent_without_a_curve_or_before_any_report(make_server, tmp_path):
