@@ -13,7 +13,8 @@ held-out set fit:
     ev.close()
 
 `fragments` and `fragment_strategy` must be the learners' (the spec is checked at Join). A lapsed
-lease is joined again; one unsharded Synchronizer for now (not a sharded one).
+lease is joined again. A sharded Synchronizer gets the report on every shard, each with the
+versions of its own fragments.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import grpc
 import torch
 
 from learner.addresses import client_for
-from learner.client import SyncClient
 from learner.config import LearnerConfig
 from learner.fragments import FragmentPlan
 from protos import diloco_pb2 as pb
@@ -37,11 +37,7 @@ class Evaluator:
         self, model: torch.nn.Module, config: LearnerConfig, eval_set: str = "", name: str = ""
     ) -> None:
         self.plan = FragmentPlan(model, config.fragments, config.fragment_strategy)
-        client = client_for(config)
-        if not isinstance(client, SyncClient):
-            client.close()
-            raise ValueError("an Evaluator reports to one unsharded Synchronizer for now")
-        self.client = client
+        self.client = client_for(config)
         self.name = name or config.name or "evaluator"
         self.eval_set = eval_set
         self.versions: dict[int, int] = {}  # the versions held in the model
@@ -72,7 +68,7 @@ class Evaluator:
             if p in self.versions and self.versions[p] >= self.served.get(p, 0):
                 continue
             version, _, flat = self.client.pull(
-                p, self.served.get(p, 0), wait_s, numel=self.plan.numel(p)
+                p, self.served.get(p, 0), wait_s, pb.CODEC_FP32, out=torch.empty(self.plan.numel(p))
             )
             self.plan.scatter(p, flat)
             self.versions[p] = version

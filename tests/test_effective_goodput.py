@@ -296,3 +296,37 @@ def test_the_examples_eval_only_reports_each_new_served_model(make_server, tmp_p
     assert sample(srv, "diloco_eval_loss") == series[1]["eval_loss"]
     assert json.loads((tmp_path / "eval.json").read_text())["finished"]
     assert srv.synchronizer.registry.counts()["alive"] == 1  # the evaluator left; never counted
+
+
+def test_an_evaluator_of_a_sharded_synchronizer_reports_to_every_shard(make_server, tmp_path):
+    from learner.config import LearnerConfig
+    from learner.evaluator import Evaluator
+    from tests.test_shards import OWNED, _init, _join, _values
+    from tests.test_shards import SPEC as SHARDED_SPEC
+
+    model = torch.nn.Module()  # the parameters SHARDED_SPEC names
+    for i, n in enumerate((300, 257, 100, 40)):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.zeros(n))
+        model.add_module(f"layer{i}", layer)
+    curve = write_curve(tmp_path)
+    servers = [
+        make_server(shards=2, shard_index=i, state_dir=tmp_path / f"s{i}", reference_curve=curve)
+        for i in range(2)
+    ]
+    for srv, ids in zip(servers, OWNED, strict=True):
+        trainer = Client(srv.address, SHARDED_SPEC, "trainer")
+        _join(trainer, 2)
+        _init(trainer, ids)
+        trainer.heartbeat(steps=1, tokens=1000)
+    addresses = ",".join(s.address for s in servers)
+    evaluator = Evaluator(model, LearnerConfig(synchronizer=addresses, fragments=4))
+    assert evaluator.refresh() and not evaluator.refresh()  # pulled once; nothing new after
+    for p in range(4):
+        assert torch.equal(evaluator.plan.gather(p), _values(p))
+    assert evaluator.report(2.5).effective_goodput == 3000 / 1000
+    for srv in servers:
+        assert sample(srv, "diloco_eval_loss") == 2.5
+        assert sample(srv, "diloco_effective_goodput_ratio") == 3.0
+        assert srv.synchronizer.registry.capacity_slots() == 1
+    evaluator.close()
