@@ -76,7 +76,7 @@ from bench.dp import DPJob
 from bench.jobs import Decoupled, DilocoJob, Slot, Workload
 from bench.net import open_links
 from bench.plots import goodput_timelines, png_path
-from bench.reference import curve_of, record, synchronous, workload
+from bench.reference import consumed_tokens, curve_of, record, synchronous, workload
 from demo.procs import Procs, metric, rejoin_args, scrape
 from synchronizer.evaluation import ReferenceCurve
 
@@ -267,7 +267,7 @@ def run_diloco(
     return {
         **summary,
         **diloco_goodput(cfg, w, job.slots, summary),
-        "consumed_tokens": sum(r.get("tokens", 0) for rs in summary["results"] for r in rs),
+        "consumed_tokens": consumed_tokens(summary),
         "timeline": timeline,
         "timeline_source": "curve: the Synchronizer's gauge",
         "events": injector.log,

@@ -4,8 +4,10 @@ effective goodput (docs/protocol.md, "Evaluators and effective goodput").
 It trains bench.goodput's workload with bench.goodput's synchronous DiLoCo (K = every live
 learner, FP32, P = 1, strict overlap), with no faults, and evaluates the served model every few
 seconds (an evaluator: it counts as no learner). Each point is (training tokens the learners had
-consumed, the Synchronizer's count, when the model was pulled; its eval loss on the held-out
-windows), from the initial model at 0 tokens to the final one.
+consumed when the model was pulled, as the Synchronizer counts them from their heartbeats, so
+up to a heartbeat interval behind; its eval loss on the held-out windows), from the initial
+model at 0 tokens to the final one, whose tokens are the learner processes' own count (what
+bench.goodput counts for every arm).
 
     python -m bench.reference [--quick | --smoke] [--json PATH] [--steps S] [--points N]
 
@@ -49,15 +51,25 @@ def synchronous(cfg: Decoupled) -> Decoupled:
     return cfg.with_(name="sync", quorum=0, strict_overlap=True, fragments=1, codec="fp32")
 
 
+def consumed_tokens(run: dict[str, Any]) -> int:
+    """Tokens every learner process of a DiLoCo run trained (redone steps of a restarted one
+    included), from their own results."""
+    return sum(r.get("tokens", 0) for incarnations in run["results"] for r in incarnations)
+
+
 def curve_of(run: dict[str, Any]) -> list[list[float]]:
     """[tokens, eval_loss] of a DiLoCo run's evaluations, from its initial model at 0 tokens
-    (every learner's start loss: they start from one model); points whose tokens do not grow
-    (no heartbeat between two evaluations) are left out."""
+    (every learner's start loss: they start from one model) to its final model at the tokens
+    its processes trained; points whose tokens do not grow are left out."""
     start = run["results"][0][0]["eval_loss_start"]
     points = [[0.0, float(start)]]
-    for e in run["eval_series"]:
-        if e.get("tokens") and e["tokens"] > points[-1][0]:
+    final = run["eval_series"][-1]
+    total = float(consumed_tokens(run))
+    for e in run["eval_series"][:-1]:
+        if e.get("tokens") and points[-1][0] < e["tokens"] < total:
             points.append([float(e["tokens"]), float(e["eval_loss"])])
+    if total > points[-1][0]:
+        points.append([total, float(final["eval_loss"])])
     return points
 
 
