@@ -279,10 +279,11 @@ def any_rank(flag: bool, world: int) -> bool:
 
 def wait_for_learners(learner: Any, n: int, timeout_s: float = 120.0) -> None:
     """Blocks until n learners have joined the Synchronizer, so a run starts together. Learners
-    that already left count: a short run may finish between two polls of another."""
+    that already left count: a short run may finish between two polls of another; evaluators
+    do not."""
     deadline = time.monotonic() + timeout_s
     while True:
-        joined = len(learner.client.status().learners)
+        joined = sum(not x.evaluator for x in learner.client.status().learners)
         if joined >= n:
             return
         if time.monotonic() > deadline:

@@ -23,6 +23,7 @@ import torch
 
 from protos import diloco_pb2 as pb
 from protos.configload import ConfigError, load
+from synchronizer.cli_status import status_json
 from synchronizer.config import SynchronizerConfig
 from synchronizer.evaluation import ReferenceCurve
 from tests.helpers import REPO, Client, small_spec, wait_until
@@ -241,6 +242,8 @@ def test_an_evaluator_counts_for_no_quorum_capacity_or_learner_slot(make_server)
     assert registry.live_ids() == {trainer.learner_id}
     status = {learner.name: learner for learner in trainer.status().learners}
     assert status["evaluator"].evaluator and not status["trainer"].evaluator
+    shown = {x["name"]: x for x in status_json(trainer.status())["learners"]}
+    assert shown["evaluator"]["evaluator"] and not shown["trainer"]["evaluator"]
     # the trainer alone closes the round: it is every live learner
     assert trainer.push(0, torch.full((SPEC.fragments[0].numel,), 0.1)).outcome == pb.PUSH_ACCEPTED
     version, _ = trainer.pull(0, min_version=1, wait_s=10)
