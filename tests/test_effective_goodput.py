@@ -333,3 +333,26 @@ def test_an_evaluator_of_a_sharded_synchronizer_reports_to_every_shard(make_serv
         assert sample(srv, "diloco_effective_goodput_ratio") == 3.0
         assert srv.synchronizer.registry.capacity_slots() == 1
     evaluator.close()
+
+
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["checkpoint", "log"])
+def test_an_evaluator_stays_one_and_tokens_stay_consumed_across_a_restart(tmp_path, checkpoint):
+    from synchronizer.metrics import Metrics
+    from synchronizer.server import serving
+
+    cfg = SynchronizerConfig(
+        port=0, metrics_port=-1, state_dir=tmp_path / "state", shutdown_grace_s=1.0, lease_s=120.0
+    )
+    with serving(cfg, Metrics()) as srv:
+        trainer, evaluator = trainer_and_evaluator(srv)
+        trainer.heartbeat(steps=1, tokens=700)
+        if checkpoint:
+            assert srv.synchronizer.save_checkpoint()
+    with serving(cfg, Metrics()) as srv:
+        registry = srv.synchronizer.registry
+        assert registry.learners[evaluator.learner_id].evaluator
+        assert registry.capacity_slots() == 1 and registry.live_ids() == {trainer.learner_id}
+        assert registry.consumed_tokens() == 700
+        again = Client(srv.address, SPEC, "evaluator")  # a new port: the same evaluator
+        again.learner_id, again.session = evaluator.learner_id, evaluator.session
+        assert again.report_eval(2.5).consumed_tokens == 700  # its session kept too
