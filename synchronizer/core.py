@@ -298,6 +298,7 @@ class Synchronizer:
                 "not_an_evaluator",
                 f"learner {rec.learner_id!r} joined to train; only a learner that joined as an evaluator (JoinRequest.evaluator) reports eval loss",
             )
+        self.model.require_initialized()
         served = {f.fid: f.version for f in self.model.fragments}
         eval_set = self.evaluations.check(request, served)
         result = self.evaluations.report(eval_set, request.eval_loss)
@@ -312,7 +313,7 @@ class Synchronizer:
         )
         return pb.EvalReply(
             consumed_tokens=result.consumed_tokens,
-            has_reference=result.reference_tokens is not None,
+            has_reference=ratio is not None,
             reference_tokens=result.reference_tokens or 0.0,
             effective_goodput=ratio or 0.0,
             below_curve=result.below_curve,

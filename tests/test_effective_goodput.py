@@ -227,6 +227,13 @@ def test_only_a_joined_evaluator_reports_and_an_evaluator_never_pushes(make_serv
     with pytest.raises(grpc.RpcError) as e:
         impostor.report_eval(2.0)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    early = make_server(state_dir=tmp_path / "empty")  # nothing to evaluate yet
+    waiting = Client(early.address, SPEC, "early")
+    waiting.join(evaluator=True)
+    with pytest.raises(grpc.RpcError) as e:
+        waiting.report_eval(2.0)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no parameters yet" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         evaluator.push(0, torch.ones(SPEC.fragments[0].numel))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
