@@ -34,16 +34,26 @@ records for all three:
   time it waited for rounds), times the share of its pushes accepted.
 The DiLoCo figures are cross-checked against the Synchronizer's own accounting
 (`diloco_compute_seconds_total{bucket="merged"}` over `diloco_learner_capacity_seconds_total`).
-Also the final eval loss (global model, or data parallel's model).
+Also the final eval loss (global model, or data parallel's model), and the effective goodput
+(docs/protocol.md, "Evaluators and effective goodput"): the tokens a reference run needed to
+reach that final loss over the training tokens the system consumed (every learner process's or
+rank's tokens, redone ones included), for all three from the same curve. The curve is
+`--reference FILE`, or else recorded first from a fault-free synchronous DiLoCo run of the same
+workload (`bench.reference`; its points are in the JSON's `reference`); in --smoke, to stay fast,
+the sync arm's own two points (its initial and final model), so there the sync arm's effective
+goodput is about 1 by construction. With a curve given or recorded, each DiLoCo arm's
+Synchronizer gets it (`--reference-curve`) and its own figure for the final model is kept
+(`synchronizer_effective_goodput`, over the tokens its learners reported).
 
 Both DiLoCo systems sync the whole model (P = 1), so that the comparison isolates the round
 policy: with P = 4 fragments a learner process's last steps after each fragment's last push
 (up to 3H/4 of them, 9% of a 400-step run) never reach the Synchronizer, which the short runs
 would count against Decoupled (`--set fragments=4` measures it).
 
-Headline: `goodput` (Decoupled), `goodput_sync`, `goodput_lockstep`.
+Headline: `goodput` (Decoupled), `goodput_sync`, `goodput_lockstep`; `effective_goodput`,
+`effective_goodput_sync`, `effective_goodput_lockstep`; `eval_loss` of each.
 
-    python -m bench.goodput [--quick | --smoke] [--json PATH] [--seed N] [--steps S]
+    python -m bench.goodput [--quick | --smoke] [--json PATH] [--seed N] [--steps S] [--reference FILE]
 Modes: --smoke a tiny model, 2 learners, 60 steps; --quick 400 steps (about 2 minutes here);
 full 2000 steps (about 8 minutes).
 """
@@ -61,12 +71,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, parser, run_mode, say_mode, table, write_json
-from bench.convergence import BEST, parse_set
+from bench.convergence import parse_set
 from bench.dp import DPJob
-from bench.jobs import SMOKE_SHORT, Decoupled, DilocoJob, Slot, Workload
+from bench.jobs import Decoupled, DilocoJob, Slot, Workload
 from bench.net import open_links
 from bench.plots import goodput_timelines, png_path
+from bench.reference import consumed_tokens, curve_of, record, synchronous, workload
 from demo.procs import Procs, metric, rejoin_args, scrape
+from synchronizer.evaluation import ReferenceCurve
 
 QUICK_IS_SMOKE = (
     "400 steps are too short for the goodput level (quick measured 0.832-0.839 where full's "
@@ -255,6 +267,7 @@ def run_diloco(
     return {
         **summary,
         **diloco_goodput(cfg, w, job.slots, summary),
+        "consumed_tokens": consumed_tokens(summary),
         "timeline": timeline,
         "timeline_source": "curve: the Synchronizer's gauge",
         "events": injector.log,
@@ -361,6 +374,7 @@ def lockstep_goodput(w: Workload, job: DPJob) -> dict:
     t0 = starts[0][0]["started_at"]
     kept = job.resumes + [w.steps]
     merged = 0.0
+    steps = 0  # every rank's steps of every start, redone ones included
     timeline: list[tuple[float, float]] = []
     for k, ranks in enumerate(starts):
         series = [r.get("series") or [] for r in ranks]
@@ -372,6 +386,7 @@ def lockstep_goodput(w: Workload, job: DPJob) -> dict:
                 now = sum(s[min(idx, len(s) - 1)]["compute_s"] for s in series)
                 timeline.append((e["t"] - t0, (merged + now) / (w.learners * (e["t"] - t0))))
         for s in series:
+            steps += s[-1]["step"] - first
             per_step = s[-1]["compute_s"] / max(1, s[-1]["step"] - first)
             merged += per_step * max(0, min(kept[k], s[-1]["step"]) - first)
     capacity = w.learners * (starts[-1][0]["series"][-1]["t"] - t0)
@@ -380,7 +395,20 @@ def lockstep_goodput(w: Workload, job: DPJob) -> dict:
         "wall_s": capacity / w.learners,
         "merged_compute_s_harness": merged,
         "capacity_s_harness": capacity,
+        "consumed_tokens": steps * w.batch_size * w.context,
         "timeline": timeline,
+    }
+
+
+def effective(run: dict, curve: ReferenceCurve) -> dict:
+    """The effective goodput of a finished run: the curve's tokens to reach its final eval loss
+    over the tokens it consumed."""
+    tokens, below = curve.tokens_to_reach(run["eval_loss"])
+    consumed = run["consumed_tokens"]
+    return {
+        "effective_goodput": tokens / consumed if consumed else None,
+        "reference_tokens": tokens,
+        "below_reference": below,
     }
 
 
@@ -403,24 +431,22 @@ def main(argv: list[str] | None = None) -> dict:
         help="links: namespaces (root) or proxies",
     )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
+    p.add_argument(
+        "--reference",
+        type=Path,
+        metavar="FILE",
+        help="loss-to-tokens curve to score effective goodput against (JSON or CSV, as "
+        "--reference-curve reads; bench.reference writes one); default: recorded first from a "
+        "fault-free synchronous DiLoCo run (in --smoke: the sync arm's own)",
+    )
     args = p.parse_args(argv)
     mode = run_mode(args, QUICK_IS_SMOKE)
     say_mode(mode)
-    lease_s = 3.0
-    if args.smoke:
-        w, cfg, lease_s = (
-            dataclasses.replace(SMOKE_SHORT, steps=60),
-            BEST.with_(sync_every=10, fragments=1),
-            1.0,
-        )
-        expected_s, restart_s = 1.0, 2 * lease_s
-    else:
-        w, cfg = Workload(steps=400 if args.quick else 2000), BEST.with_(fragments=1)
-        expected_s, restart_s = None, 2 * lease_s
-    if args.steps:
-        w.steps = args.steps
-    cfg = parse_set(args.set, cfg.with_(lease_s=lease_s))
-    expected_s = expected_s or w.steps / 16  # 11-20 steps/s per learner here, 4 learners on 2 cores
+    w, cfg = workload(args)  # bench.reference's, so its curves fit these runs
+    restart_s = 2 * cfg.lease_s
+    cfg = parse_set(args.set, cfg)
+    # 11-20 steps/s per learner here, 4 learners on 2 cores
+    expected_s = 1.0 if args.smoke else w.steps / 16
     faults = schedule(args.seed, w.learners, expected_s, restart_s)
     systems = args.only.split(",") if args.only else ["decoupled", "sync", "lockstep"]
     print(
@@ -432,6 +458,16 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
         root = args.out or Path(tmp)
+        curve_path, reference = args.reference, None
+        if curve_path is None and not args.smoke:
+            print("reference: fault-free synchronous DiLoCo (bench.reference)", flush=True)
+            reference = record(w, cfg, args.net, root / "reference")
+            curve_path = root / "reference.json"
+            write_json(curve_path, {"points": reference["points"]})
+        curve = ReferenceCurve.load(curve_path) if curve_path else None
+        if curve_path:  # each Synchronizer scores its final model too
+            given = ["--reference-curve", str(curve_path.resolve())]
+            cfg = cfg.with_(synchronizer_args=[*cfg.synchronizer_args, *given])
         for name in systems:
             if name == "decoupled":
                 runs[name] = run_diloco(
@@ -443,9 +479,7 @@ def main(argv: list[str] | None = None) -> dict:
                     align_restart=False,
                 )
             elif name == "sync":  # convergence's (b): FP32, P = 1, strict overlap
-                sync = cfg.with_(
-                    name="sync", quorum=0, strict_overlap=True, fragments=1, codec="fp32"
-                )
+                sync = synchronous(cfg)
                 runs[name] = run_diloco(sync, w, faults, args.net, root / name, align_restart=True)
             elif name == "lockstep":
                 runs[name] = run_lockstep(w, faults, args.net, root / name)
@@ -458,10 +492,20 @@ def main(argv: list[str] | None = None) -> dict:
                 f"  {name:9s} goodput {r['goodput']:.3f}  eval loss {r['eval_loss']:.4f}  wall {r['wall_s']:.1f} s",
                 flush=True,
             )
+        if curve is None and "sync" in runs:  # --smoke: the sync arm's own start and end
+            points = curve_of(runs["sync"])
+            try:
+                curve = ReferenceCurve.from_points(points)
+                reference = {"points": points, "source": "the sync arm's own (smoke)"}
+            except ValueError as e:  # no tokens reported: say why the figures are missing
+                reference = {"points": points, "missing": str(e)}
+        for r in runs.values():
+            r.update(effective(r, curve) if curve else {"effective_goodput": None})
     rows = [
         {
             "system": n,
             "goodput": r["goodput"],
+            "effective_goodput": r["effective_goodput"],
             "eval_loss": r["eval_loss"],
             "wall_s": r["wall_s"],
             "merged_compute_s": r["merged_compute_s_harness"],
@@ -477,6 +521,7 @@ def main(argv: list[str] | None = None) -> dict:
             [
                 "system",
                 "goodput",
+                "effective_goodput",
                 "eval_loss",
                 "wall_s",
                 "merged_compute_s",
@@ -496,7 +541,17 @@ def main(argv: list[str] | None = None) -> dict:
         "goodput": runs["decoupled"]["goodput"] if "decoupled" in runs else None,
         "goodput_sync": runs["sync"]["goodput"] if "sync" in runs else None,
         "goodput_lockstep": runs["lockstep"]["goodput"] if "lockstep" in runs else None,
+        **{
+            f"effective_goodput{suffix}": runs[n]["effective_goodput"] if n in runs else None
+            for n, suffix in (("decoupled", ""), ("sync", "_sync"), ("lockstep", "_lockstep"))
+        },
         "eval_loss": {n: r["eval_loss"] for n, r in runs.items()},
+        "reference": reference
+        or (
+            {"points": [list(p) for p in zip(curve.tokens, curve.best, strict=True)]}
+            if curve
+            else None
+        ),
         **mode,
         "seed": args.seed,
         "steps": w.steps,
@@ -510,7 +565,14 @@ def main(argv: list[str] | None = None) -> dict:
         "\n"
         + "  ".join(
             f"{k} = {result[k]:.3f}"
-            for k in ("goodput", "goodput_sync", "goodput_lockstep")
+            for k in (
+                "goodput",
+                "goodput_sync",
+                "goodput_lockstep",
+                "effective_goodput",
+                "effective_goodput_sync",
+                "effective_goodput_lockstep",
+            )
             if result[k] is not None
         )
     )

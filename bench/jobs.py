@@ -8,7 +8,9 @@ see bench/dp.py) over `bench.net` links, and what every benchmark reads off a fi
   say) and the learners (`python -m demo train`, each on its own link), lets a `tick` hook
   inject faults, and collects per-learner results, bytes on the wire (whole run and steady state)
   and the Synchronizer's metrics. `GlobalModel` pulls the served model into this process and
-  evaluates it (the final loss of a DiLoCo run is the global model's, not a learner's).
+  evaluates it (the final loss of a DiLoCo run is the global model's, not a learner's), as an
+  evaluator: it counts as no learner, and reports the loss, so the Synchronizer's effective
+  goodput (with `--reference-curve`) and its count of tokens consumed come back with it.
 - `alone`: one learner with the same per-learner tokens and no syncing.
 
 Every process runs in its own process group (`demo.procs.Procs`) and is ended when the job ends,
@@ -466,8 +468,15 @@ class DilocoJob:
                 dict(k).get("outcome", ""): v
                 for k, v in samples.get("diloco_pushes_total", {}).items()
             },
-            "eval_series": [{"t": e["t"] - t_start, "eval_loss": e["eval_loss"]} for e in evals]
-            + [{"t": t_end - t_start, "eval_loss": final["eval_loss"]}],
+            "eval_series": [
+                {"t": e["t"] - t_start, "eval_loss": e["eval_loss"], "tokens": e["tokens"]}
+                for e in evals
+            ]
+            + [{"t": t_end - t_start, "eval_loss": final["eval_loss"], "tokens": final["tokens"]}],
+            # the Synchronizer's own: tokens its learners reported, and with --reference-curve
+            # the effective goodput of the final model
+            "synchronizer_consumed_tokens": final["tokens"],
+            "synchronizer_effective_goodput": final["effective_goodput"],
             "t_start": t_start,
             "results": results,
         }
@@ -523,7 +532,8 @@ def wire_bytes(links: Links, results: list[dict] | None, steps: int) -> dict:
 
 
 class GlobalModel:
-    """The served global model, pulled into this process and evaluated on the held-out windows."""
+    """The served global model, pulled into this process and evaluated on the held-out windows,
+    by an evaluator that reports the loss (`timed` gives the Synchronizer's reply too)."""
 
     _built: dict[str, tuple] = {}  # one model and evaluation set per workload, for every run
 
@@ -536,20 +546,32 @@ class GlobalModel:
         self.plan = FragmentPlan(self.model, fragments)
 
     def evaluate(self, address: str) -> float:
+        return float(self.timed(address)["eval_loss"])
+
+    def timed(self, address: str) -> dict:
+        """The eval loss of the served model, when it was pulled, and what the Synchronizer
+        answered its report: the training tokens consumed by then, and the effective goodput
+        (None without a reference curve)."""
+        t = time.time()
         client = SyncClient(address, rpc_timeout_s=60)
         try:
-            client.join("bench-eval", self.plan.spec)
+            client.join("bench-eval", self.plan.spec, evaluator=True)
+            versions = {}
             for p in range(len(self.plan)):
-                _, _, flat = client.pull(p, numel=self.plan.numel(p))
+                versions[p], _, flat = client.pull(p, numel=self.plan.numel(p))
                 self.plan.scatter(p, flat)
+            loss = self.eval_fn(self.model)
+            reply = client.report_eval(loss, versions)
             client.leave(pb.LearnerCounters())
         finally:
             client.close()
-        return self.eval_fn(self.model)
-
-    def timed(self, address: str) -> dict:
-        t = time.time()
-        return {"t": t, "eval_loss": self.evaluate(address), "eval_s": time.time() - t}
+        return {
+            "t": t,
+            "eval_loss": loss,
+            "eval_s": time.time() - t,
+            "tokens": reply.consumed_tokens,
+            "effective_goodput": reply.effective_goodput if reply.has_reference else None,
+        }
 
 
 def alone(workload: Workload, out: Path) -> dict:

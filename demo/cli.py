@@ -53,7 +53,7 @@ class UsageError(ValueError):
 
 # TrainOptions' flags by help group ("training" has --no-sync between the two halves)
 TRAINING = "steps start_step lr warmup_steps min_lr_ratio weight_decay clip learner_index learners fsdp slow wait_for_learners"
-REPORTING = "log_every eval_windows threads out session_out resume save_every"
+REPORTING = "log_every eval_windows eval_only eval_every_s eval_reports threads out session_out resume save_every"
 MODEL_AND_DATA = "model data max_bytes n_layer d_model n_head block batch_size seed"
 # LocalOptions' flags before the hand-made ones (--train-args and the rest), then "live"
 LOCAL = "learners island_size fsdp shards steps out slow_learner slow_factor kill_learner kill_at kill_rank restart_after_s quorum grace lease_s sync_every fragments codec data seed"
@@ -158,6 +158,10 @@ def _train(args: argparse.Namespace) -> int:
             if flags.get(key) is None and key not in file_values and key not in env:
                 flags[key] = value
         sync = load(LearnerConfig, args.config, flags)
+    if args.eval_only and (args.no_sync or args.fsdp or args.resume):
+        raise UsageError(
+            "--eval-only evaluates the Synchronizer's model: not with --no-sync, --fsdp or --resume"
+        )
     if args.start_step > args.steps:
         raise UsageError(f"--start-step {args.start_step} is beyond --steps {args.steps}")
     if args.learner_index >= args.learners:

@@ -94,6 +94,16 @@ class TrainOptions(BaseModel):
     )
     log_every: int = Field(25, ge=1, description="steps between progress lines")
     eval_windows: int = Field(256, ge=1, description="held-out windows the eval loss averages over")
+    eval_only: bool = Field(
+        False,
+        description="be an evaluator instead of training: join as one, pull the served model whenever its versions change (at most every --eval-every-s), evaluate it on the held-out set and report the loss to the Synchronizer (its effective goodput)",
+    )
+    eval_every_s: float = Field(
+        5.0, gt=0, description="with --eval-only: seconds between evaluations at most"
+    )
+    eval_reports: int = Field(
+        0, ge=0, description="with --eval-only: stop after N reports; 0 = run until stopped"
+    )
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default")
     out: str | None = Field(
         None,

@@ -11,6 +11,11 @@ on CPUs), each rank reads its own data shard, the replicas average their gradien
 rank 0 alone syncs with the Synchronizer, broadcasting what it merged (`learner.island`). Rank 0
 writes the result to `--out`, rank r to `OUT.rankR`.
 
+With `eval_only` (`--eval-only`) it trains nothing: it is an evaluator (`learner.evaluator`)
+that pulls the served model whenever its versions change, at most every `eval_every_s`, evaluates
+it with the same eval function, and reports the loss to the Synchronizer, until SIGTERM or Ctrl-C
+(or `eval_reports` reports); its result's `series` holds each report.
+
 A user model plugs in through `model="pkg.module:factory"`: `factory(learner_index, learners)`
 returns `(model, batch_fn)` or `(model, batch_fn, eval_fn)`, where `batch_fn()` gives
 `(inputs, targets)`, `model(inputs, targets)` returns the loss (or a tuple `(logits, loss)`), the
@@ -32,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+import grpc
 import torch
 from torch import nn
 
@@ -273,10 +279,11 @@ def any_rank(flag: bool, world: int) -> bool:
 
 def wait_for_learners(learner: Any, n: int, timeout_s: float = 120.0) -> None:
     """Blocks until n learners have joined the Synchronizer, so a run starts together. Learners
-    that already left count: a short run may finish between two polls of another."""
+    that already left count: a short run may finish between two polls of another; evaluators
+    do not."""
     deadline = time.monotonic() + timeout_s
     while True:
-        joined = len(learner.client.status().learners)
+        joined = sum(not x.evaluator for x in learner.client.status().learners)
         if joined >= n:
             return
         if time.monotonic() > deadline:
@@ -284,10 +291,59 @@ def wait_for_learners(learner: Any, n: int, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
+def evaluate_served(o: TrainOptions) -> dict:
+    """The evaluator's loop (`--eval-only`): returns (and writes) the result dict."""
+    from learner.evaluator import Evaluator
+
+    assert o.sync is not None, "an evaluator needs the Synchronizer's settings"
+    model, _, eval_fn = build(o, torch.device("cpu"))
+    model.eval()
+    evaluator = Evaluator(model, o.sync, name=o.name)
+    result: dict[str, Any] = {"name": o.name, "eval_only": True, "series": [], "finished": False}
+    terminated = Terminated().install()
+    pending, next_eval = False, 0.0  # a pulled model not evaluated yet; when the next may be
+    try:
+        while not terminated.requested:
+            try:
+                pending = evaluator.refresh() or pending
+            except grpc.RpcError as e:  # not initialised yet, restarting: try again later
+                logger.info("[%s] cannot pull the served model yet: %s", o.name, e.code().name)
+            if pending and time.monotonic() >= next_eval:
+                pending, next_eval = False, time.monotonic() + o.eval_every_s
+                with torch.no_grad():
+                    loss = eval_fn(model)
+                reply = evaluator.report(loss)
+                result["series"].append(
+                    {
+                        "t": time.time(),
+                        "versions": dict(evaluator.versions),
+                        "eval_loss": loss,
+                        "consumed_tokens": reply.consumed_tokens,
+                        "effective_goodput": reply.effective_goodput
+                        if reply.has_reference
+                        else None,
+                    }
+                )
+                write_json(o.out, result)
+                if o.eval_reports and len(result["series"]) >= o.eval_reports:
+                    break
+            time.sleep(min(evaluator.heartbeat_interval_s, o.eval_every_s))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        terminated.restore()
+        evaluator.close()
+    result["finished"] = True
+    write_json(o.out, result)
+    return result
+
+
 def train(o: TrainOptions) -> dict:
     """Runs the loop and returns (and writes) the result dict."""
     if o.threads:
         torch.set_num_threads(o.threads)
+    if o.eval_only:
+        return evaluate_served(o)
     rank, world, device = init_island()
     if o.fsdp and (world == 1 or o.resume):
         raise ValueError("fsdp needs a torchrun island of 2 or more ranks, and no resume")

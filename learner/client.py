@@ -202,11 +202,13 @@ class SyncClient:
         *,
         shards: int = 0,
         fragment_shards: Sequence[int] = (),
+        evaluator: bool = False,
     ) -> pb.JoinReply:
         """Joins as a new learner, or re-joins under `learner_id` with the session it holds.
         `shards` > 0: this is one of that many shards, which own the fragments as
         `fragment_shards` says. ShardMismatch when the Synchronizer's shard count is not
-        `shards` (0: unsharded)."""
+        `shards` (0: unsharded). `evaluator`: join as an evaluator (reports eval loss, never
+        pushes, counts as no training learner)."""
         req = pb.JoinRequest(
             learner_name=name,
             spec=spec.to_proto(),
@@ -214,6 +216,7 @@ class SyncClient:
             session=self.session if learner_id else "",
             shards=shards,
             fragment_shards=fragment_shards,
+            evaluator=evaluator,
         )
         try:
             reply = self._unary("Join", self.stub.Join, req)
@@ -501,6 +504,19 @@ class SyncClient:
 
     def status(self) -> pb.StatusReply:
         return self._unary("Status", self.stub.Status, pb.StatusRequest())
+
+    def report_eval(
+        self, eval_loss: float, versions: dict[int, int], eval_set: str = ""
+    ) -> pb.EvalReply:
+        """An evaluator's eval loss of the fragment `versions` it evaluated."""
+        req = pb.EvalReport(
+            learner_id=self.learner_id,
+            session=self.session,
+            versions=[pb.FragmentVersion(fragment_id=f, version=v) for f, v in versions.items()],
+            eval_loss=eval_loss,
+            eval_set=eval_set,
+        )
+        return self._unary("ReportEval", self.stub.ReportEval, req)
 
     @property
     def versions_checked(self) -> int:

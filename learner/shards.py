@@ -49,6 +49,7 @@ class Shard(Transport, Protocol):
         *,
         shards: int = 0,
         fragment_shards: Sequence[int] = (),
+        evaluator: bool = False,
     ) -> pb.JoinReply: ...
 
     def init_model(
@@ -56,6 +57,10 @@ class Shard(Transport, Protocol):
     ) -> pb.InitModelReply: ...
 
     def status(self) -> pb.StatusReply: ...
+
+    def report_eval(
+        self, eval_loss: float, versions: dict[int, int], eval_set: str = ""
+    ) -> pb.EvalReply: ...
 
 
 class Refusal(grpc.RpcError):
@@ -122,12 +127,15 @@ class ShardedClient:
 
     # Join ----------------------------------------------------------------------------------
 
-    def join(self, name: str, spec: ModelSpec, learner_id: str = "") -> pb.JoinReply:
+    def join(
+        self, name: str, spec: ModelSpec, learner_id: str = "", evaluator: bool = False
+    ) -> pb.JoinReply:
         """Joins every shard under one learner id: the given one, or the one the first shard
         hands out. A re-join under an id carries on without a shard out of reach that was
         joined before (its last reply stands; it is re-joined when it answers again).
         ShardMismatch when the shards are not 0..S-1 once each owning what this learner
-        computed; the first shard's `grpc.RpcError` otherwise."""
+        computed; the first shard's `grpc.RpcError` otherwise. `evaluator`: as an evaluator
+        on every shard."""
         n = len(self.shards)
         try:
             owners = shard_owners(spec, n)
@@ -142,7 +150,9 @@ class ShardedClient:
         replies: list[pb.JoinReply | None] = [None] * n
         for i, s in enumerate(self.shards):
             try:
-                replies[i] = r = s.join(name, spec, learner_id, shards=n, fragment_shards=owners)
+                replies[i] = r = s.join(
+                    name, spec, learner_id, shards=n, fragment_shards=owners, evaluator=evaluator
+                )
             except grpc.RpcError as e:
                 if not (rejoin and self.replies[i] is not None and e.code() in UNREACHABLE):
                     raise
@@ -382,6 +392,22 @@ class ShardedClient:
             self.shards[shard].address,
             message,
         )
+
+    def report_eval(
+        self, eval_loss: float, versions: dict[int, int], eval_set: str = ""
+    ) -> pb.EvalReply:
+        """An evaluator's eval loss to every shard, each with the versions of its own fragments
+        (each scores it against its own reference curve over every learner's tokens, so their
+        figures agree); the first shard's reply."""
+        replies = [
+            s.report_eval(
+                eval_loss,
+                {f: v for f, v in versions.items() if self.owners[f] == i},
+                eval_set,
+            )
+            for i, s in enumerate(self.shards)
+        ]
+        return replies[0]
 
     def leave(self, counters: pb.LearnerCounters) -> None:
         """Leaves every shard; the first failure is raised once all were tried."""

@@ -115,20 +115,22 @@ class LearnerCounters(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., blocked_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_name", "spec", "learner_id", "session", "shards", "fragment_shards")
+    __slots__ = ("learner_name", "spec", "learner_id", "session", "shards", "fragment_shards", "evaluator")
     LEARNER_NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
     learner_name: str
     spec: ModelSpec
     learner_id: str
     session: str
     shards: int
     fragment_shards: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ..., session: _Optional[str] = ..., shards: _Optional[int] = ..., fragment_shards: _Optional[_Iterable[int]] = ...) -> None: ...
+    evaluator: bool
+    def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ..., session: _Optional[str] = ..., shards: _Optional[int] = ..., fragment_shards: _Optional[_Iterable[int]] = ..., evaluator: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("learner_id", "lease_s", "heartbeat_interval_s", "server_epoch", "versions", "needs_init", "inner_steps", "next_seq", "session", "inner_steps_scale", "shards", "shard_index", "owned_fragments")
@@ -356,25 +358,55 @@ class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class EvalReport(_message.Message):
+    __slots__ = ("learner_id", "session", "versions", "eval_loss", "eval_set")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_SET_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    session: str
+    versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
+    eval_loss: float
+    eval_set: str
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., eval_loss: _Optional[float] = ..., eval_set: _Optional[str] = ...) -> None: ...
+
+class EvalReply(_message.Message):
+    __slots__ = ("consumed_tokens", "has_reference", "reference_tokens", "effective_goodput", "below_curve")
+    CONSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    BELOW_CURVE_FIELD_NUMBER: _ClassVar[int]
+    consumed_tokens: float
+    has_reference: bool
+    reference_tokens: float
+    effective_goodput: float
+    below_curve: bool
+    def __init__(self, consumed_tokens: _Optional[float] = ..., has_reference: _Optional[bool] = ..., reference_tokens: _Optional[float] = ..., effective_goodput: _Optional[float] = ..., below_curve: _Optional[bool] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("learner_id", "name", "state", "counters", "inner_steps", "credential")
+    __slots__ = ("learner_id", "name", "state", "counters", "inner_steps", "credential", "evaluator")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     name: str
     state: str
     counters: LearnerCounters
     inner_steps: int
     credential: str
-    def __init__(self, learner_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., inner_steps: _Optional[int] = ..., credential: _Optional[str] = ...) -> None: ...
+    evaluator: bool
+    def __init__(self, learner_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., inner_steps: _Optional[int] = ..., credential: _Optional[str] = ..., evaluator: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("server_epoch", "initialized", "spec_hash", "versions", "learners", "outer_steps", "goodput", "unhealthy", "shards", "shard_index", "model_fraction")

@@ -69,6 +69,11 @@ class SynchronizerStub:
                 request_serializer=protos_dot_diloco__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_diloco__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ReportEval = channel.unary_unary(
+                '/diloco.v1.Synchronizer/ReportEval',
+                request_serializer=protos_dot_diloco__pb2.EvalReport.SerializeToString,
+                response_deserializer=protos_dot_diloco__pb2.EvalReply.FromString,
+                _registered_method=True)
 
 
 class SynchronizerServicer:
@@ -122,6 +127,14 @@ class SynchronizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEval(self, request, context):
+        """An evaluator (a learner that joined with `evaluator` set) reports the eval loss of the
+        served model on a held-out set: the effective goodput is computed from it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SynchronizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +172,11 @@ def add_SynchronizerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_diloco__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_diloco__pb2.StatusReply.SerializeToString,
+            ),
+            'ReportEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEval,
+                    request_deserializer=protos_dot_diloco__pb2.EvalReport.FromString,
+                    response_serializer=protos_dot_diloco__pb2.EvalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +368,33 @@ class Synchronizer:
             '/diloco.v1.Synchronizer/Status',
             protos_dot_diloco__pb2.StatusRequest.SerializeToString,
             protos_dot_diloco__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Synchronizer/ReportEval',
+            protos_dot_diloco__pb2.EvalReport.SerializeToString,
+            protos_dot_diloco__pb2.EvalReply.FromString,
             options,
             channel_credentials,
             insecure,

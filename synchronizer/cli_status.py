@@ -63,7 +63,8 @@ def status_json(reply: pb.StatusReply) -> dict[str, Any]:
     - `shards` (int, 1 when unsharded) and `shard_index` (int): which shard of how many answered;
     - `fragments`: [{`fragment_id`, `version`}] in id order (a shard's own fragments only);
     - `learners`: [{`learner_id`, `name`, `state` ("alive", "dead" or "left"), `steps`, `tokens`,
-      `compute_s`, `blocked_s`}], their cumulative counters as last reported;
+      `compute_s`, `blocked_s`, `evaluator`}], their cumulative counters as last reported
+      (`evaluator`: it joined to report eval loss, and trains nothing);
     - `totals`: `learners` by state, and `steps`, `tokens`, `compute_s`, `blocked_s` summed;
     - `goodput`: the Synchronizer's goodput, merged compute / learner capacity over its goodput
       window (0-1; `diloco_goodput_ratio`), which discounts dropped, lost and blocked work; a
@@ -84,6 +85,7 @@ def status_json(reply: pb.StatusReply) -> dict[str, Any]:
             "tokens": x.counters.tokens,
             "compute_s": x.counters.compute_s,
             "blocked_s": x.counters.blocked_s,
+            "evaluator": x.evaluator,
         }
         for x in reply.learners
     ]
@@ -152,7 +154,7 @@ def status_table(s: dict[str, Any]) -> str:
             [
                 x["name"] or "-",
                 x["learner_id"],
-                x["state"],
+                x["state"] + (" (evaluator)" if x.get("evaluator") else ""),
                 f"{x['steps']:,}",
                 f"{x['tokens']:,}",
                 f"{x['compute_s']:.1f}",

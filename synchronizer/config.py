@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protos.framing import CHUNK_BYTES
 from synchronizer.credentials import load_tokens
+from synchronizer.evaluation import ReferenceCurve
 from synchronizer.shards import resolve_index
 
 RESERVED_WORKERS = 8  # gRPC workers no stream may take: heartbeats, joins, health checks
@@ -41,7 +42,7 @@ class SynchronizerConfig(BaseModel):
         "wal_segment_bytes shutdown_grace_s",
         "security": "auth_token admin_token tls_cert tls_key tls_client_ca learner_tokens_file "
         "client_cert_credentials max_learners_per_credential",
-        "observability": "goodput_window_s log_level log_format",
+        "observability": "goodput_window_s reference_curve log_level log_format",
     }
 
     # Network
@@ -341,6 +342,10 @@ class SynchronizerConfig(BaseModel):
     goodput_window_s: float = Field(
         300.0, gt=0, description="Window of the diloco_goodput_ratio gauge"
     )
+    reference_curve: Path | None = Field(
+        None,
+        description="Effective goodput: a JSON ([[tokens, eval_loss], ...]) or CSV (header tokens,eval_loss) file of the eval loss a reference run (e.g. synchronous DiLoCo of the same model: python -m bench.reference) reached after each number of training tokens; evaluators' reports are then scored as reference tokens to reach their loss over tokens consumed (diloco_effective_goodput_ratio)",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
     log_format: Literal["text", "json"] = Field(
         "text",
@@ -389,6 +394,8 @@ class SynchronizerConfig(BaseModel):
                     "learner_tokens_file gives each learner its own token: use it instead of auth_token and client_cert_credentials, not with them"
                 )
             load_tokens(self.learner_tokens_file)  # a bad file is a configuration error
+        if self.reference_curve is not None:
+            ReferenceCurve.load(self.reference_curve)  # likewise
         return self
 
     @property

@@ -1,7 +1,7 @@
 """The Synchronizer itself, without gRPC: the facade the thin servicer calls.
 
 `Synchronizer` puts the rooms together and answers the learner RPCs that are bookkeeping alone
-(Join, Heartbeat, Leave, Status). The rest has a module each, in the order a call meets it:
+(Join, Heartbeat, Leave, Status, ReportEval: `synchronizer.evaluation` scores it). The rest has a module each, in the order a call meets it:
 
 - the served model, its fragments and which failed: `synchronizer.served`;
 - pushes: `synchronizer.pushes` (then `admission`, `journal`, `rounds`, `fragments`, `model`);
@@ -32,6 +32,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.credentials import Credentials, load_tokens
 from synchronizer.disk import Disk
 from synchronizer.errors import Code, Rejected, invalid
+from synchronizer.evaluation import Evaluations, ReferenceCurve
 from synchronizer.goodput import Goodput
 from synchronizer.grace import GraceWindow
 from synchronizer.initialize import Initializer
@@ -73,6 +74,11 @@ class Synchronizer:
         )
         self.registry = Registry(cfg.lease_s, cfg.max_learners, cfg.forget_after_s, self.clock)
         self.goodput = Goodput(self.metrics, cfg.goodput_window_s, self.clock)
+        self.evaluations = Evaluations(
+            self.metrics,
+            ReferenceCurve.load(cfg.reference_curve) if cfg.reference_curve else None,
+            self.registry.consumed_tokens,
+        )
         self.grace = GraceWindow(cfg)
         self.streams = Streams(cfg, self.metrics, self.clock)
         self.credentials = Credentials(
@@ -177,13 +183,15 @@ class Synchronizer:
             request.session,
             credential,
             self.cfg.max_learners_per_credential if self.credentials.per_learner else 0,
+            evaluator=request.evaluator,
         )
         rec.spec_hash = spec.spec_hash
         self.journal.joined(self.registry, rec)
         if needs_init:
             self.model.propose(spec)
         logger.info(
-            "learner %s (%s) %s%s",
+            "%s %s (%s) %s%s",
+            "evaluator" if rec.evaluator else "learner",
             rec.learner_id,
             rec.name,
             "re-joined" if revived else "joined",
@@ -234,6 +242,8 @@ class Synchronizer:
         ):
             raise invalid("bad_counters", "counters and step time must be finite and non-negative")
         blocked = self.registry.report(rec, counters, step_time_s)
+        if rec.evaluator:  # trains nothing: none of its counts are goodput's
+            return
         self.metrics.blocked.inc(blocked * self.goodput.fraction)  # a shard counts its part
         self.goodput.report(rec.learner_id, float(rec.tokens), rec.compute_s)
         if step_time_s > 0:
@@ -260,6 +270,7 @@ class Synchronizer:
                     counters=r.counters(),
                     inner_steps=0,
                     credential=r.credential,
+                    evaluator=r.evaluator,
                 )
                 for r in self.registry.learners.values()
             ]
@@ -275,6 +286,37 @@ class Synchronizer:
             unhealthy=self.unhealthy or "",
             shards=self.cfg.shards,
             shard_index=self.cfg.shard_index,
+        )
+
+    def report_eval(self, request: pb.EvalReport) -> pb.EvalReply:
+        """An evaluator's eval loss of the served model: checked (finite, non-negative, of
+        versions the server has served), then scored against the reference curve."""
+        rec = self.registry.alive(request.learner_id, request.session)
+        if not rec.evaluator:
+            raise Rejected(
+                Code.FAILED_PRECONDITION,
+                "not_an_evaluator",
+                f"learner {rec.learner_id!r} joined to train; only a learner that joined as an evaluator (JoinRequest.evaluator) reports eval loss",
+            )
+        self.model.require_initialized()
+        served = {f.fid: f.version for f in self.model.fragments}
+        eval_set = self.evaluations.check(request, served)
+        result = self.evaluations.report(eval_set, request.eval_loss)
+        ratio = result.effective_goodput
+        logger.info(
+            "eval loss %.4f on %s from %s at %.0f tokens consumed%s",
+            request.eval_loss,
+            eval_set,
+            rec.learner_id,
+            result.consumed_tokens,
+            f": effective goodput {ratio:.3f}" if ratio is not None else "",
+        )
+        return pb.EvalReply(
+            consumed_tokens=result.consumed_tokens,
+            has_reference=ratio is not None,
+            reference_tokens=result.reference_tokens or 0.0,
+            effective_goodput=ratio or 0.0,
+            below_curve=result.below_curve,
         )
 
     # Transfers -------------------------------------------------------------------------------

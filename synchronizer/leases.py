@@ -8,7 +8,11 @@ learner a random session secret; every later call under that id (and a re-join u
 it, so one learner cannot act as another (PERMISSION_DENIED): only its SHA-256 is kept, and
 checkpointed, so learners keep their sessions across a restart. With per-learner credentials
 (`synchronizer.credentials`) an id is bound at Join to its credential too, and a credential has at
-most `max_learners_per_credential` live learners. The registry also keeps each
+most `max_learners_per_credential` live learners. An evaluator (joined with `evaluator` set: it
+pulls and reports eval loss, never pushes) is a learner here too, but never a training one: it
+is not among the live learners rounds wait for, takes no `max_learners` slot (at most
+MAX_EVALUATORS are alive), adds no goodput capacity, and its tokens are not consumed tokens.
+The registry also keeps each
 learner's push replies by sequence number, so a retried push is answered, not applied twice, and
 computes the Dynamic Local Updates directive from measured step times.
 """
@@ -44,6 +48,7 @@ DLU_RATIO = 0.5  # Dynamic Local Updates with no H set: scale only learners belo
 MAX_TOKENS_PER_S = 1e9
 MAX_STEPS_PER_S = 1e5
 COUNTS_SLACK_S = 60.0
+MAX_EVALUATORS = 4  # live evaluators at once (they hold no max_learners slot)
 
 
 @dataclass
@@ -64,6 +69,17 @@ class LearnerRecord:
     spec_hash: str = ""  # of the model spec it joined with
     credential: str = ""  # the credential it joined under ("" in shared mode)
     first_joined: float = 0.0  # wall clock, kept across restarts
+    evaluator: bool = False  # joined as an evaluator: reports eval loss, never trains
+    # Tokens consumed under this id across its processes: a process restarted under the id
+    # (re-joined, counters from zero) reports less than its predecessor's last count, which is
+    # then banked in earlier_tokens (`tokens` keeps the most any process reported)
+    reported_tokens: int = 0  # the current process's last report
+    earlier_tokens: int = 0  # its earlier processes' last reports, summed
+
+    @property
+    def consumed_tokens(self) -> int:
+        return max(self.tokens, self.earlier_tokens + self.reported_tokens)
+
     forgotten_up_to: int = 0  # replies up to this seq are no longer remembered
     replies: dict[int, pb.PushReply] = field(default_factory=dict)
     tickets: dict[int, int] = field(default_factory=dict)  # seq -> write-ahead log ticket
@@ -140,6 +156,7 @@ class Registry:
         self.lock = threading.Lock()
         self.learners: dict[str, LearnerRecord] = {}
         self.renew_every_s = min(RENEW_EVERY_S, lease_s / 4)
+        self.forgotten_tokens = 0  # tokens of training learners no longer kept (not checkpointed)
 
     def join(
         self,
@@ -148,6 +165,7 @@ class Registry:
         session: str = "",
         credential: str = "",
         per_credential: int = 0,
+        evaluator: bool = False,
     ) -> tuple[LearnerRecord, str, bool]:
         """Registers (or revives) a learner under `credential`; returns it, its session secret
         and whether it came back from the dead. Re-joining under an id takes that id's session
@@ -156,7 +174,9 @@ class Registry:
 
         At most `max_learners` are alive at once: dead and left learners hold no slot. Records of
         dead and left learners are kept (for re-joins, duplicate pushes and goodput) up to
-        RECORDS_PER_SLOT per slot; past that the longest gone are forgotten first."""
+        RECORDS_PER_SLOT per slot; past that the longest gone are forgotten first. An
+        `evaluator` takes no such slot; at most MAX_EVALUATORS are alive. A re-join keeps what
+        the id first joined as."""
         if len(name) > MAX_NAME_CHARS:
             raise Rejected(
                 Code.INVALID_ARGUMENT,
@@ -182,9 +202,17 @@ class Registry:
                 return rec, session, revived
             self._check_credential_room(credential, per_credential, now)
             alive = sum(
-                1 for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline
+                1
+                for r in self.learners.values()
+                if r.state == "alive" and now <= r.lease_deadline and r.evaluator == evaluator
             )
-            if alive >= self.max_learners:
+            if evaluator and alive >= MAX_EVALUATORS:
+                raise Rejected(
+                    Code.RESOURCE_EXHAUSTED,
+                    "too_many_evaluators",
+                    f"the Synchronizer already has {alive} live evaluators (at most {MAX_EVALUATORS}); retry when one leaves or its lease lapses",
+                )
+            if not evaluator and alive >= self.max_learners:
                 raise Rejected(
                     Code.RESOURCE_EXHAUSTED,
                     "too_many_learners",
@@ -196,6 +224,7 @@ class Registry:
             rec.first_joined = self.clock.wall()
             rec.session_hash = session_hash(session)
             rec.credential = credential
+            rec.evaluator = evaluator
             self.learners[lid] = rec
             self._trim()
             return rec, session, False
@@ -228,7 +257,7 @@ class Registry:
             key=lambda r: r.died_at or r.joined_at,
         )
         for rec in gone[:excess]:
-            del self.learners[rec.learner_id]
+            self._forget(rec)
 
     def member(self, learner_id: str, session: str) -> LearnerRecord:
         """The record for an id, alive or dead (a lapsed lease still names its learner, which
@@ -312,6 +341,9 @@ class Registry:
         )
         with self.lock:
             blocked_delta = max(0.0, counters.blocked_s - rec.blocked_s)
+            if counters.tokens < rec.reported_tokens:  # a new process under this id
+                rec.earlier_tokens += rec.reported_tokens
+            rec.reported_tokens = counters.tokens
             rec.steps = max(rec.steps, counters.steps)
             rec.tokens = max(rec.tokens, counters.tokens)
             rec.compute_s = max(rec.compute_s, counters.compute_s)
@@ -344,16 +376,25 @@ class Registry:
                 elif rec.state == "dead" and gone_for > self.forget_after_s:
                     rec.state, rec.died_at = "left", now
                 elif rec.state == "left" and gone_for > self.forget_after_s:
-                    del self.learners[rec.learner_id]
+                    self._forget(rec)
         for rec in died:
             logger.warning("learner %s (%s) lease lapsed: now dead", rec.learner_id, rec.name)
         return died
 
+    def _forget(self, rec: LearnerRecord) -> None:
+        """Drops a record, keeping its tokens among the consumed. Caller holds the lock."""
+        if not rec.evaluator:
+            self.forgotten_tokens += rec.consumed_tokens
+        del self.learners[rec.learner_id]
+
     def _live(self) -> list[LearnerRecord]:
+        """Live training learners (evaluators are not)."""
         now = self.clock.monotonic()
         with self.lock:
             return [
-                r for r in self.learners.values() if r.state == "alive" and now <= r.lease_deadline
+                r
+                for r in self.learners.values()
+                if r.state == "alive" and now <= r.lease_deadline and not r.evaluator
             ]
 
     def live_by_credential(self) -> dict[str, int]:
@@ -377,14 +418,26 @@ class Registry:
         with self.lock:
             out = {"alive": 0, "dead": 0}
             for r in self.learners.values():
-                if r.state in out:
+                if r.state in out and not r.evaluator:
                     out[r.state] += 1
             return out
 
     def capacity_slots(self) -> int:
-        """Learners that count toward capacity: alive, or dead and not yet forgotten."""
+        """Learners that count toward capacity: alive, or dead and not yet forgotten (training
+        learners only)."""
         with self.lock:
-            return sum(1 for r in self.learners.values() if r.state in ("alive", "dead"))
+            return sum(
+                1
+                for r in self.learners.values()
+                if r.state in ("alive", "dead") and not r.evaluator
+            )
+
+    def consumed_tokens(self) -> float:
+        """Training tokens every training learner reported, kept or forgotten since the start
+        (a process restarted under an id adds its tokens to its predecessors')."""
+        with self.lock:
+            kept = sum(r.consumed_tokens for r in self.learners.values() if not r.evaluator)
+            return float(kept + self.forgotten_tokens)
 
     # Idempotency -------------------------------------------------------------------------
 
@@ -440,6 +493,7 @@ class Registry:
             rec.first_joined = min(rec.first_joined, float(d.get("first_joined", rec.first_joined)))
             rec.spec_hash = str(d.get("spec_hash", rec.spec_hash))
             rec.credential = str(d.get("credential", rec.credential))
+            rec.evaluator = bool(d.get("evaluator", rec.evaluator))
             return rec
 
     def journal_of(self, rec: LearnerRecord) -> dict[str, Any]:
@@ -452,6 +506,7 @@ class Registry:
                 "first_joined": rec.first_joined,
                 "spec_hash": rec.spec_hash,
                 "credential": rec.credential,
+                "evaluator": rec.evaluator,
             }
 
     # Dynamic Local Updates -------------------------------------------------------------------
@@ -486,11 +541,14 @@ class Registry:
                     "session_hash": r.session_hash,
                     "spec_hash": r.spec_hash,
                     "credential": r.credential,
+                    "evaluator": r.evaluator,
                     "first_joined": r.first_joined,
                     "steps": r.steps,
                     "tokens": r.tokens,
                     "compute_s": r.compute_s,
                     "blocked_s": r.blocked_s,
+                    "reported_tokens": r.reported_tokens,
+                    "earlier_tokens": r.earlier_tokens,
                 }
                 for r in self.learners.values()
             ]
@@ -515,7 +573,10 @@ class Registry:
                 rec.session_hash = str(d.get("session_hash", ""))
                 rec.spec_hash = str(d.get("spec_hash", ""))
                 rec.credential = str(d.get("credential", ""))
+                rec.evaluator = bool(d.get("evaluator", False))
                 rec.first_joined = float(d.get("first_joined", self.clock.wall()))
                 rec.steps, rec.tokens = int(d["steps"]), int(d["tokens"])
                 rec.compute_s, rec.blocked_s = float(d["compute_s"]), float(d["blocked_s"])
+                rec.reported_tokens = int(d.get("reported_tokens", rec.tokens))
+                rec.earlier_tokens = int(d.get("earlier_tokens", 0))
                 self.learners[rec.learner_id] = rec

@@ -146,6 +146,37 @@ class Metrics:
             "Merged compute seconds over learner capacity seconds, over the configured window.",
             registry=r,
         )
+        # Effective goodput (synchronizer.evaluation): absent until an evaluator reports
+        self.eval_loss = Gauge(
+            "diloco_eval_loss",
+            "Eval loss of the served model on a held-out set, as an evaluator last reported it (by the set's name).",
+            ["eval_set"],
+            registry=r,
+        )
+        self.eval_consumed_tokens = Gauge(
+            "diloco_eval_consumed_tokens",
+            "Training tokens the learners had consumed (merged, discarded, lost or in flight) when that eval loss was reported.",
+            ["eval_set"],
+            registry=r,
+        )
+        self.reference_tokens = Gauge(
+            "diloco_reference_tokens",
+            "Training tokens the reference run (reference_curve) needed to reach the last reported eval loss.",
+            ["eval_set"],
+            registry=r,
+        )
+        self.eval_below_reference = Gauge(
+            "diloco_eval_below_reference",
+            "1 when the last reported eval loss is below the reference curve's best: diloco_reference_tokens is then the curve's last tokens, and the effective goodput a lower bound.",
+            ["eval_set"],
+            registry=r,
+        )
+        self.effective_goodput = Gauge(
+            "diloco_effective_goodput_ratio",
+            "Effective goodput: tokens the reference run needed to reach the served model's last reported eval loss, over the training tokens the learners had consumed then (1 = as good per token as the reference). Absent without reference_curve or eval report.",
+            ["eval_set"],
+            registry=r,
+        )
         self.staleness = Histogram(
             "diloco_push_staleness",
             "Staleness (outer steps between a push's base version and the round it joins).",

@@ -29,7 +29,7 @@ from protos import codec, layout
 from protos import diloco_pb2 as pb
 from synchronizer import receive, slices, wire
 from synchronizer.config import SynchronizerConfig
-from synchronizer.errors import Rejected, invalid
+from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
 from synchronizer.journal import Journal
 from synchronizer.leases import LearnerRecord, Registry, check_credential
@@ -96,6 +96,12 @@ class PushPath:
         sliced = h.HasField("slice")
         rec = self.registry.alive(h.learner_id, h.session)
         check_credential(rec, call.credential)
+        if rec.evaluator:
+            raise Rejected(
+                Code.FAILED_PRECONDITION,
+                "evaluator_push",
+                f"learner {rec.learner_id!r} joined as an evaluator, which never pushes; join without evaluator to train",
+            )
         self.journal.refuse_if_failing()
         held.enter_context(
             self.streams.claimed(

@@ -167,6 +167,11 @@ class SynchronizerService:
                 pb.LeaveRequest.FromString,
                 pb.LeaveReply.SerializeToString,
             ),
+            "ReportEval": grpc.unary_unary_rpc_method_handler(
+                self.unary("ReportEval", core.report_eval),
+                pb.EvalReport.FromString,
+                pb.EvalReply.SerializeToString,
+            ),
             "Status": grpc.unary_unary_rpc_method_handler(
                 self.unary("Status", lambda _: core.status()),
                 pb.StatusRequest.FromString,

@@ -310,6 +310,7 @@ class FakeShard(FakeClient):
         *,
         shards: int = 0,
         fragment_shards: Sequence[int] = (),
+        evaluator: bool = False,
     ) -> pb.JoinReply:
         sent = self.session if learner_id else ""
         reply = super().join(name, spec, learner_id)
@@ -320,6 +321,12 @@ class FakeShard(FakeClient):
             reply.shards, reply.shard_index = self.shards, self.index
             reply.owned_fragments.extend(self.mine(spec))
         return reply
+
+    def report_eval(
+        self, eval_loss: float, versions: dict[int, int], eval_set: str = ""
+    ) -> pb.EvalReply:
+        self._enter("report_eval", eval_loss, dict(versions), eval_set)
+        return pb.EvalReply()
 
     def status(self) -> pb.StatusReply:
         self._enter("status")

@@ -101,13 +101,14 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def join(self, learner_id: str = "") -> pb.JoinReply:
+    def join(self, learner_id: str = "", evaluator: bool = False) -> pb.JoinReply:
         reply = self.stub.Join(
             pb.JoinRequest(
                 learner_name=self.name,
                 spec=self.spec.to_proto(),
                 learner_id=learner_id,
                 session=self.session if learner_id else "",
+                evaluator=evaluator,
             ),
             timeout=TIMEOUT,
             metadata=self.md,
@@ -209,6 +210,20 @@ class Client:
 
     def status(self) -> pb.StatusReply:
         return self.stub.Status(pb.StatusRequest(), timeout=TIMEOUT, metadata=self.md)
+
+    def report_eval(
+        self, eval_loss: float, versions: dict[int, int] | None = None, eval_set: str = ""
+    ) -> pb.EvalReply:
+        request = pb.EvalReport(
+            learner_id=self.learner_id,
+            session=self.session,
+            versions=[
+                pb.FragmentVersion(fragment_id=f, version=v) for f, v in (versions or {}).items()
+            ],
+            eval_loss=eval_loss,
+            eval_set=eval_set,
+        )
+        return self.stub.ReportEval(request, timeout=TIMEOUT, metadata=self.md)
 
 
 SPEC_FOR_TESTS = small_spec()

@@ -49,7 +49,19 @@ SMOKES = [
         [],
         ["bandwidth_ratio", "loss_gap", "m1_gain", "default_vs_sync", "default_vs_best"],
     ),
-    ("goodput", [], ["goodput", "goodput_sync", "goodput_lockstep"]),
+    (
+        "goodput",
+        [],
+        [
+            "goodput",
+            "goodput_sync",
+            "goodput_lockstep",
+            "effective_goodput",
+            "effective_goodput_sync",
+            "effective_goodput_lockstep",
+        ],
+    ),
+    ("reference", [], ["eval_loss", "wall_s"]),
     ("overlap", [], ["overlap_ratio"]),
     # its kill -9 comparison is bench.chaos.compare, which test_e2e's chaos test runs
     ("durability", ["--no-chaos"], ["wal_ratio", "fsync_p50_ms", "restart_s"]),

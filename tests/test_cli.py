@@ -423,6 +423,7 @@ def test_init_and_status_json_reach_a_mutual_tls_server_with_learner_and_admin_t
         "tokens": 3840,
         "compute_s": 3.0,
         "blocked_s": 1.0,
+        "evaluator": False,
     }
     assert status["totals"] == {
         "learners": {"alive": 1, "dead": 0, "left": 1},

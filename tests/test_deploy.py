@@ -201,7 +201,8 @@ def fake_learner_stats() -> Callable[[], LearnerStats]:
 
 def traffic(address: str, stop: threading.Event, errors: list[BaseException]) -> None:
     """Two learners push both fragments every 0.2 s, reporting 90% of the wall time as compute,
-    heartbeat and pull: every series the dashboard draws gets values. Ends when stop is set."""
+    heartbeat and pull, and an evaluator reports a falling eval loss: every series the dashboard
+    draws gets values. Ends when stop is set."""
     try:
         spec = small_spec()
         g = torch.Generator().manual_seed(0)
@@ -214,6 +215,8 @@ def traffic(address: str, stop: threading.Event, errors: list[BaseException]) ->
         learners = [Client(address, spec, f"learner-{i}") for i in range(2)]
         for c in learners:
             c.join()
+        evaluator = Client(address, spec, "evaluator")
+        evaluator.join(evaluator=True)
         versions = {f.fragment_id: 0 for f in spec.fragments}
         last = [time.monotonic()] * len(learners)
         total = [0.0] * len(learners)
@@ -243,7 +246,9 @@ def traffic(address: str, stop: threading.Event, errors: list[BaseException]) ->
                 )
             if rounds % 5 == 0:
                 learners[0].pull(rounds // 5 % len(spec.fragments))
-        for c in learners:
+                evaluator.heartbeat()
+                evaluator.report_eval(4.0 / (1 + rounds / 50))
+        for c in [*learners, evaluator]:
             c.leave()
     except BaseException as e:  # reported by the tests, not lost in a thread
         errors.append(e)
@@ -275,6 +280,8 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prometheus = tool("prometheus", DEBIAN.format("prometheus"))
     tmp = tmp_path_factory.mktemp("deploy")
+    curve = tmp / "reference.json"  # the effective goodput panels get values too
+    curve.write_text(json.dumps([[0, 5.0], [10_000, 3.0], [100_000, 2.0]]))
     with contextlib.ExitStack() as exit_stack:
         cfg = SynchronizerConfig(
             port=0,
@@ -285,6 +292,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             grace="none",
             shutdown_grace_s=1.0,
             checkpoint_interval_s=0,
+            reference_curve=curve,
         )
         srv = exit_stack.enter_context(serving(cfg, Metrics()))
         learner_port, stop_learner = start_learner_metrics(
@@ -461,6 +469,7 @@ def test_every_dashboard_query_is_valid_promql_for_the_live_server(stack: Stack)
         "job_codec:diloco_received_bytes:rate5m",
         "job_codec:diloco_sent_bytes:rate5m",
         "job:diloco_round_wait_seconds:p99_5m",
+        "job_eval_set:diloco_effective_goodput:ratio",
     ):
         poll(functools.partial(stack.query, name), 30, f"{name} has no samples under live traffic")
 
