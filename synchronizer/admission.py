@@ -77,8 +77,8 @@ class Round:
         assert self.acc is not None
         spent = [h.buf for h in self.held]
         try:
-            for h in sorted(self.held, key=lambda h: h.order):
-                self.acc.add_payload(h.buf, h.header, h.weight, scratch)
+            ordered = sorted(self.held, key=lambda h: h.order)
+            self.acc.add_payloads([(h.buf, h.header, h.weight) for h in ordered], scratch)
         finally:
             self.held.clear()
         return spent

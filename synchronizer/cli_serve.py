@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from protos.cli import LOG_FORMATS, setup_logging
-from protos.configload import add_flags, env_name, load
+from protos.configload import ConfigError, add_flags, env_name, load
+from synchronizer import native
 from synchronizer.config import SynchronizerConfig
 from synchronizer.server import RunningServer, serve
 
@@ -73,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("INFO", fmt if fmt in LOG_FORMATS else "text")
     cfg = load(SynchronizerConfig, args.config, vars(args))
     setup_logging(cfg.log_level, cfg.log_format)
+    try:
+        uses_native = native.resolve(cfg.kernels)
+    except native.NativeUnavailable as e:
+        raise ConfigError(f"kernels native: {e}; use kernels auto or torch") from None
+    logger.info("outer step kernels: %s", "native" if uses_native else "torch")
     if warning := open_to_all(cfg):
         logger.warning(warning)
 

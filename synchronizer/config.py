@@ -37,7 +37,7 @@ class SynchronizerConfig(BaseModel):
         "max_streams_per_learner max_model_params memory_limit_bytes payload_budget_bytes "
         "snapshot_budget_bytes max_spec_bytes max_message_bytes max_concurrent_streams "
         "max_unidentified_streams max_unidentified_per_peer max_workers apply_threads "
-        "compute_threads",
+        "compute_threads kernels",
         "durability": "state_dir checkpoint_interval_s keep_checkpoints wal wal_wait_s "
         "wal_segment_bytes shutdown_grace_s",
         "security": "auth_token admin_token tls_cert tls_key tls_client_ca learner_tokens_file "
@@ -281,6 +281,10 @@ class SynchronizerConfig(BaseModel):
         1,
         ge=1,
         description="Torch threads for decoding and outer steps; memory-bound work gains little from more, which the gRPC threads need",
+    )
+    kernels: Literal["auto", "native", "torch"] = Field(
+        "auto",
+        description="How the outer step computes on CPU: native runs the kernels of synchronizer/native.c (each push decoded and weighted, and the Nesterov step with the int8 update chain, in one pass over memory), built on first start by the machine's C compiler; torch runs torch's operations; auto runs native where a C compiler builds it, else torch. A change of kernel starts a new epoch (learners re-pull)",
     )
 
     # Durability

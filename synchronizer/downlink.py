@@ -32,6 +32,7 @@ import torch
 
 from protos import blockwise, codec, framing, layout
 from protos import diloco_pb2 as pb
+from synchronizer import native
 from synchronizer.buffers import Snapshots
 from synchronizer.outer import RUN_ELEMS, OuterStep, runs
 
@@ -62,11 +63,18 @@ RESIDUAL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 class Downlink:
     def __init__(
-        self, numel: int, update_codec: str, history: int, residual_dtype: str = "bf16"
+        self,
+        numel: int,
+        update_codec: str,
+        history: int,
+        residual_dtype: str = "bf16",
+        native_kernels: bool = False,
     ) -> None:
         """`history`: links kept (see `kept_links`); `residual_dtype`: how the error-feedback
-        residual is stored (`RESIDUAL_DTYPES`)."""
+        residual is stored (`RESIDUAL_DTYPES`); `native_kernels`: an INT8 chain of a Nesterov
+        or plain step runs `native.chain_int8` (one pass) instead of torch's runs."""
         self.numel = numel
+        self.native_kernels = native_kernels
         self.history = history
         self.codec = layout.parse_codec(update_codec)
         self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
@@ -89,6 +97,8 @@ class Downlink:
         bytes are those of encoding u at once. `merged` is only read."""
         if self.residual is None:
             self.residual = torch.zeros(self.numel, dtype=self.residual_dtype)
+        if self._native_step(params, merged, outer, version):
+            return
         run = min(RUN_ELEMS, self.numel)
         if self.codec in blockwise.MAX_CODE:
             bs = layout.DEFAULT_BLOCK_SIZE
@@ -103,7 +113,41 @@ class Downlink:
             values = encoder.encode(u, decoded)
             params[start:stop].add_(values)
             self.residual[start:stop].copy_(u.sub_(values))
-        self.chain.append((version, encoder.header, encoder.out))
+        self._append((version, encoder.header, encoder.out))
+
+    def _native_step(
+        self, params: torch.Tensor, merged: torch.Tensor, outer: OuterStep, version: int
+    ) -> bool:
+        """`step` by the native kernel, where it computes this one (an INT8 chain of a
+        Nesterov or plain step, on CPU); False where it does not."""
+        form = outer.native_form() if self.native_kernels else None
+        if form is None or self.codec != pb.CODEC_INT8 or params.device.type != "cpu":
+            return False
+        assert self.residual is not None
+        momentum, mu = form
+        header = layout.make_header(self.codec, self.numel)
+        out = torch.empty(int(header.total_bytes), dtype=torch.uint8)
+        code_bytes = layout.code_bytes(self.codec, self.numel)
+        scales = torch.empty(-(-self.numel // int(header.block_size)))
+        finite = native.chain_int8(
+            params,
+            momentum,
+            merged,
+            self.residual,
+            out[:code_bytes],
+            scales,
+            int(header.block_size),
+            outer.factor,
+            mu,
+        )
+        if not finite:
+            raise layout.CodecError("the outer update is not finite: it cannot be encoded")
+        out[code_bytes:] = scales.view(torch.uint8)  # the scales follow the codes, unaligned
+        self._append((version, header, out))
+        return True
+
+    def _append(self, link: Link) -> None:
+        self.chain.append(link)
         while len(self.chain) > self.history:
             self.chain.popleft()
 
@@ -113,9 +157,7 @@ class Downlink:
         if self.history == 0:
             return
         header = layout.make_header(self.codec, self.numel)
-        self.chain.append((version, header, codec.encode(torch.zeros(self.numel), self.codec)))
-        while len(self.chain) > self.history:
-            self.chain.popleft()
+        self._append((version, header, codec.encode(torch.zeros(self.numel), self.codec)))
 
     def changed(self) -> None:
         """The parameters changed: cached snapshots are stale."""

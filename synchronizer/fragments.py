@@ -19,6 +19,7 @@ import torch
 
 from protos import diloco_pb2 as pb
 from protos.spec import Fragment as FragmentSpec
+from synchronizer import native
 from synchronizer.admission import Admission, Round, Verdict
 from synchronizer.buffers import Fp32Buffers, Payloads
 from synchronizer.clock import Clock
@@ -85,6 +86,7 @@ class Fragment:
             radial=radial,
             mean_segments=self.mean_segments if radial else None,
             buffer=self.fp32.take(),
+            native_kernels=native.resolve(self.cfg.kernels),
         )
 
     def initialize(self, params: torch.Tensor, version: int = 0, adopt: bool = False) -> None:
@@ -183,7 +185,9 @@ class Fragment:
             def merge() -> torch.Tensor:  # in place over the round's sums; zero weights: no change
                 return acc.merged() if acc.total_weight > 0 else acc.cleared()
 
-            seconds, refused = self.model.step(rnd.start_version, merge, rnd.contributions)
+            seconds, refused = self.model.step(
+                rnd.start_version, merge, rnd.contributions, lambda: acc.merged_max_abs
+            )
         finally:
             self.discard(rnd)
         return seconds + t_decode, refused

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from protos import diloco_pb2 as pb
+from synchronizer import native
 from synchronizer.admission import Verdict
 from synchronizer.config import SynchronizerConfig
 from synchronizer.disk import Disk
@@ -74,9 +75,12 @@ def replay_settings(cfg: SynchronizerConfig) -> dict[str, Any]:
     shard's log holds its own fragments only, so its layout is one of them (unsharded state
     keeps the settings it always had)."""
     settings = {name: getattr(cfg, name) for name in REPLAY_SETTINGS}
-    # How an outer step computes (torch's fused SGD kernel, or the same operations one by one):
-    # a log written under one is not replayed under the other.
-    settings["outer_kernel"] = "fused_sgd" if FUSED_SGD is not None else "ops"
+    # How an outer step computes (the native kernels, torch's fused SGD kernel, or the same
+    # operations one by one): a log written under one is not replayed under another.
+    if native.resolve(cfg.kernels):
+        settings["outer_kernel"] = "native"
+    else:
+        settings["outer_kernel"] = "fused_sgd" if FUSED_SGD is not None else "ops"
     if cfg.shards > 1:
         settings["shard_layout"] = [cfg.shards, cfg.shard_index]
     return settings

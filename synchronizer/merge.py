@@ -14,8 +14,9 @@ import math
 
 import torch
 
-from protos import codec
+from protos import blockwise, codec
 from protos import diloco_pb2 as pb
+from synchronizer import native
 
 TOKEN_WEIGHTS = ("uniform", "tokens", "tokens2_per_step")
 STALENESS_FACTORS = ("none", "poly", "hinge", "exp")
@@ -83,6 +84,11 @@ class Accumulator:
     `buffer` is the storage of the sums (flat contiguous FP32 of at least `numel` elements, its
     contents ignored: e.g. one lent by a pool, given back after the outer step); allocated when
     not given.
+
+    With `native_kernels`, INT8 and INT4 payloads in mean mode on CPU are decoded and added by
+    `native.accumulate` (`add_payloads` takes a round's held pushes in one pass over the sums)
+    and the merge divides by `native.merge`, which also takes the merged delta's largest
+    magnitude (`merged_max_abs`).
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class Accumulator:
         mean_segments: set[int] | None = None,
         device: torch.device | str = "cpu",
         buffer: torch.Tensor | None = None,
+        native_kernels: bool = False,
     ) -> None:
         if numel < 1:
             raise ValueError(f"numel must be >= 1, got {numel}")
@@ -129,6 +136,8 @@ class Accumulator:
         self._norm_sums = [0.0] * len(segments)  # R per segment (radial mode only)
         self._total_weight = 0.0
         self._count = 0
+        self.native_kernels = native_kernels and not radial and self._sum.device.type == "cpu"
+        self.merged_max_abs: float | None = None  # from the last native merge, else None
 
     @property
     def total_weight(self) -> float:
@@ -143,6 +152,7 @@ class Accumulator:
     def reset(self) -> None:
         """Empty the sums for the next round, keeping the buffer."""
         self._fresh = True
+        self.merged_max_abs = None
         self._norm_sums = [0.0] * len(self.segments)
         self._total_weight = 0.0
         self._count = 0
@@ -200,10 +210,51 @@ class Accumulator:
             raise ValueError(f"payload must have {self.numel} elements, got {header.numel}")
         if weight == 0.0:
             return
+        if self._native(header):
+            self._add_native([(buf, header, weight)])
+            return
         codec.accumulate(buf, header, self._sum, weight, overwrite=self._fresh)
         self._fresh = False
         self._total_weight += weight
         self._count += 1
+
+    def add_payloads(
+        self,
+        payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]],
+        scratch: torch.Tensor | None = None,
+    ) -> None:
+        """`add_payload` of each (buf, header, weight) in order; where the native kernels take
+        them all, in one pass over the sums (the same numbers as one by one)."""
+        weighted = [p for p in payloads if _check_weight("weight", p[2]) > 0.0]
+        if weighted and all(self._native(h) and int(h.numel) == self.numel for _, h, _ in weighted):
+            self._add_native(weighted)
+            return
+        for buf, header, weight in payloads:
+            self.add_payload(buf, header, weight, scratch)
+
+    def _native(self, header: pb.PayloadHeader) -> bool:
+        return self.native_kernels and header.codec in (pb.CODEC_INT8, pb.CODEC_INT4)
+
+    def _add_native(self, payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]]) -> None:
+        """The native kernel's sum of INT8/INT4 payloads (checked, positive weights), the
+        weight folded into each block's scale as `codec.accumulate` folds it."""
+        bs = {int(h.block_size) for _, h, _ in payloads}
+        if len(bs) > 1:  # one kernel call walks one block size: one call per payload
+            for p in payloads:
+                self._add_native([p])
+            return
+        pushes = [
+            (
+                buf.contiguous(),
+                h.codec == pb.CODEC_INT4,
+                blockwise.checked_scales(buf, h.codec, self.numel, h.scale_dtype) * weight,
+            )
+            for buf, h, weight in payloads
+        ]
+        native.accumulate(pushes, self.numel, bs.pop(), self._sum, overwrite=self._fresh)
+        self._fresh = False
+        self._total_weight += sum(w for _, _, w in payloads)
+        self._count += len(payloads)
 
     def add_tensor_weighted(self, vec: torch.Tensor, weight_sum: float) -> None:
         """Add an already-weighted vector (sum_i w_i x_i) to S; mean mode only.
@@ -230,6 +281,10 @@ class Accumulator:
         total = self._total_weight
         if total == 0.0:
             raise ValueError("cannot merge a round whose total weight is 0")
+        self.merged_max_abs = None
+        if self.native_kernels and out is self._sum and not self._fresh:
+            self.merged_max_abs = native.merge(self._sum, total)
+            return out
         if not self.radial:
             return torch.div(self._sum, total, out=out)
         self._materialize()

@@ -30,7 +30,7 @@ import torch
 
 from protos import codec
 from protos import diloco_pb2 as pb
-from synchronizer import slices
+from synchronizer import native, slices
 from synchronizer.buffers import Snapshots
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink, Link, kept_links
@@ -48,17 +48,18 @@ class FragmentFailed(Exception):
     """The fragment's outer step failed earlier; its state is not trusted any more."""
 
 
-def unappliable(merged: torch.Tensor) -> str | None:
+def unappliable(merged: torch.Tensor, max_abs: float | None = None) -> str | None:
     """Why a merged delta must not be applied (non-finite, or beyond `MAX_MERGED_ABS`), or None.
-    One pass, no temporaries."""
+    One pass, no temporaries; none where its largest magnitude `max_abs` is known already."""
     if merged.numel() == 0:
         return None
-    lo, hi = torch.aminmax(merged)
-    lo_f, hi_f = float(lo), float(hi)
-    if not (math.isfinite(lo_f) and math.isfinite(hi_f)):
+    if max_abs is None:
+        lo, hi = (float(x) for x in torch.aminmax(merged))
+        max_abs = max(-lo, hi) if math.isfinite(lo) and math.isfinite(hi) else math.inf
+    if not math.isfinite(max_abs):
         return "the merged delta is not finite (NaN or Inf: a weighted sum overflowed)"
-    if max(-lo_f, hi_f) > MAX_MERGED_ABS:
-        return f"the merged delta reaches {max(-lo_f, hi_f):.3g}, beyond {MAX_MERGED_ABS:g}"
+    if max_abs > MAX_MERGED_ABS:
+        return f"the merged delta reaches {max_abs:.3g}, beyond {MAX_MERGED_ABS:g}"
     return None
 
 
@@ -81,7 +82,13 @@ class FragmentModel:
         self.frozen = False  # a checkpoint is writing the live state: outer steps wait
         self.outer = make_outer(cfg.outer, numel, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay)
         kept = kept_links(cfg.update_history, cfg.update_history_bytes, numel, cfg.update_codec)
-        self.downlink = Downlink(numel, cfg.update_codec, kept, cfg.update_residual_dtype)
+        self.downlink = Downlink(
+            numel,
+            cfg.update_codec,
+            kept,
+            cfg.update_residual_dtype,
+            native_kernels=native.resolve(cfg.kernels),
+        )
 
     @property
     def initialized(self) -> bool:
@@ -102,10 +109,12 @@ class FragmentModel:
         start_version: int,
         merge: Callable[[], torch.Tensor],
         contributions: Sequence[Contributor],
+        max_abs: Callable[[], float | None] = lambda: None,
     ) -> tuple[float, str | None]:
         """Applies one round's outer step once the fragment is at `start_version`; returns the
         seconds it took and, for a refused round, why. `merge()` returns the round's merged
-        delta in a buffer the outer step may write over (the round's own sums). A merged delta that is not finite or beyond
+        delta in a buffer the outer step may write over (the round's own sums); `max_abs()`, its
+        largest magnitude where the merge took it (None: measured here). A merged delta that is not finite or beyond
         `MAX_MERGED_ABS` is refused before it touches any state: the version still advances
         (by an empty update, so rounds and delta pulls keep their order) and the fragment stays
         healthy. Waits while a checkpoint writes the fragment (`frozen`). Raises
@@ -119,7 +128,7 @@ class FragmentModel:
             merged = merge()
             if self.cfg.anchor == "current":
                 self._reanchor(start_version, contributions, merged)
-            refused = unappliable(merged)
+            refused = unappliable(merged, None if self.cfg.anchor == "current" else max_abs())
             if refused is not None:
                 self.downlink.skip(start_version + 1)
             elif self.downlink.history > 0:

@@ -60,6 +60,11 @@ class OuterStep(ABC):
         d = self.direction(start, stop, grad, scratch[: stop - start])
         target.add_(d, alpha=self.factor)
 
+    def native_form(self) -> tuple[torch.Tensor | None, float] | None:
+        """(momentum buffer, momentum) where the native update chain computes this step
+        (`native.chain_int8`: Nesterov; (None, 0.0) for a plain step), else None."""
+        return None
+
 
 class Plain(OuterStep):
     """d = g: a step of `factor * g` with no state (SGD; or a caller's own update)."""
@@ -71,6 +76,9 @@ class Plain(OuterStep):
         self, start: int, stop: int, grad: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
         return grad if out is grad else out.copy_(grad)
+
+    def native_form(self) -> tuple[torch.Tensor | None, float] | None:
+        return None, 0.0
 
 
 def _check_range(name: str, value: float, low: float, high: float, high_open: bool) -> float:
@@ -242,6 +250,9 @@ class _NesterovStep(OuterStep):
             maximize=False,
             is_first_step=False,
         )
+
+    def native_form(self) -> tuple[torch.Tensor | None, float] | None:
+        return self.opt.momentum_buffer, self.opt.momentum
 
     def direction(
         self, start: int, stop: int, grad: torch.Tensor, out: torch.Tensor

@@ -1,0 +1,190 @@
+/* The Synchronizer's outer-step kernels in plain C: each does in one pass over memory what
+ * torch does in several (see synchronizer/native.py, which builds and loads this file).
+ *
+ * Built with -O3 -fno-fast-math -ffp-contract=off: every operation is one IEEE-754 single
+ * precision operation in the order written (no fused multiply-add, no reassociation), and no
+ * kernel reduces across elements except by max, which is exact. The same inputs therefore give
+ * the same bits on every machine, vectorised or not, which log replay and the update chain's
+ * checksums rely on. No threads, no allocation, no global state: the caller releases the GIL.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define RUN 4096 /* elements per run: a run of every array a kernel touches stays in L1/L2 */
+
+/* Round to nearest, ties to even, for |x| < 2^22 (codes are at most 127 in magnitude): adding
+ * and subtracting 1.5 * 2^23 leaves x rounded in the current rounding mode (nearest even), as
+ * torch.round does. */
+static inline float round_even(float x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return (x + magic) - magic;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even into bfloat16, as torch's conversion does for finite values. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* The code values of elements [start, stop) of a blockwise payload's codes into q: int8, or
+ * int4 two per byte, low nibble first, stored as code + 8 (nibble 0 is never written and reads
+ * as -7). `start` is even. */
+static void codes_of(const uint8_t *codes, int int4, int64_t start, int64_t stop,
+                     int8_t *restrict q) {
+    int64_t m = stop - start;
+    if (!int4) {
+        memcpy(q, codes + start, (size_t)m);
+        return;
+    }
+    const uint8_t *p = codes + (start >> 1);
+    int64_t pairs = m >> 1;
+    for (int64_t j = 0; j < pairs; j++) {
+        int8_t lo = (int8_t)((p[j] & 15) - 8), hi = (int8_t)((p[j] >> 4) - 8);
+        q[2 * j] = lo < -7 ? -7 : lo;
+        q[2 * j + 1] = hi < -7 ? -7 : hi;
+    }
+    if (m & 1) {
+        int8_t lo = (int8_t)((p[pairs] & 15) - 8);
+        q[m - 1] = lo < -7 ? -7 : lo;
+    }
+}
+
+/* out[i] = sum over pushes k, in order, of code_k(i) * scales_k[i / bs] over [0, n): the first
+ * push written (overwrite) or added, each later one added: ((a0 + a1) + a2) ... with every
+ * product rounded before its add. Walked run by run so `out` is read and written once. */
+void diloco_accumulate(int npush, const uint8_t *const *codes, const int *int4,
+                       const float *const *scales, int64_t n, int64_t bs, float *out,
+                       int overwrite) {
+    int8_t q[RUN];
+    for (int64_t start = 0; start < n; start += RUN) {
+        int64_t stop = start + RUN < n ? start + RUN : n;
+        for (int k = 0; k < npush; k++) {
+            codes_of(codes[k], int4[k], start, stop, q);
+            const float *s = scales[k];
+            int write = overwrite && k == 0;
+            for (int64_t i = start; i < stop;) {
+                int64_t b = i / bs;
+                int64_t end = (b + 1) * bs < stop ? (b + 1) * bs : stop;
+                float sc = s[b];
+                const int8_t *qi = q + (i - start);
+                float *o = out + i;
+                int64_t m = end - i;
+                if (write)
+                    for (int64_t j = 0; j < m; j++) o[j] = (float)qi[j] * sc;
+                else
+                    for (int64_t j = 0; j < m; j++) o[j] = o[j] + (float)qi[j] * sc;
+                i = end;
+            }
+        }
+    }
+}
+
+/* s[i] / total over [0, n), in place; returns the greatest |result| (NaN or Inf where one is
+ * not finite): the merged delta and what `unappliable` judges it by, in one pass. */
+float diloco_merge(float *s, int64_t n, float total) {
+    uint32_t top = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float g = s[i] / total;
+        s[i] = g;
+        uint32_t bits;
+        memcpy(&bits, &g, sizeof bits);
+        bits &= 0x7FFFFFFFu; /* |g|: finite ones order as integers, Inf and NaN above them */
+        top = bits > top ? bits : top;
+    }
+    float amax;
+    memcpy(&amax, &top, sizeof amax);
+    return amax;
+}
+
+/* One Nesterov outer step taken through an INT8 update chain, block by block:
+ *
+ *     m <- mu * m + g;  d <- g + mu * m          (Nesterov; d <- g without: SGD)
+ *     u <- r + factor * d                        (the update, with the carried residual r)
+ *     codes, scale <- INT8 absmax encoding of u  (scale = max|u| / 127 per block)
+ *     p <- p + codes * scale;  r <- u - codes * scale
+ *
+ * `params`, `momentum` (unused without `nesterov`) and `grad` are FP32; the residual is bfloat16
+ * (`residual_bf16`) or FP32; `codes` (n bytes) and `scales` (ceil(n / bs)) are the link's
+ * encoding. `scratch` holds one block of u (bs floats). Returns 0, or -1 if some block of u is
+ * not finite (parameters and state are then partly written, as the torch path leaves them). */
+static inline int chain_block(float *params, float *momentum, const float *grad,
+                              uint16_t *r16, float *r32, int8_t *codes, float *scale_out,
+                              int64_t m, float factor, int nesterov, int bf16, float mu,
+                              float *restrict u) {
+    if (nesterov)
+        for (int64_t j = 0; j < m; j++) {
+            float g = grad[j];
+            float mom = mu * momentum[j] + g;
+            momentum[j] = mom;
+            u[j] = g + mu * mom;
+        }
+    else
+        for (int64_t j = 0; j < m; j++) u[j] = grad[j];
+    if (bf16)
+        for (int64_t j = 0; j < m; j++) u[j] = bf16_to_f32(r16[j]) + factor * u[j];
+    else
+        for (int64_t j = 0; j < m; j++) u[j] = r32[j] + factor * u[j];
+    /* max |u| on the bits: for finite floats of one sign, integer order is float order */
+    uint32_t top = 0;
+    for (int64_t j = 0; j < m; j++) {
+        uint32_t bits;
+        memcpy(&bits, &u[j], sizeof bits);
+        bits &= 0x7FFFFFFFu;
+        top = bits > top ? bits : top;
+    }
+    if (top >= 0x7F800000u) return -1; /* Inf or NaN */
+    float amax;
+    memcpy(&amax, &top, sizeof amax);
+    float scale = amax / 127.0f;
+    float div = scale > 0.0f ? scale : 1.0f;
+    *scale_out = scale;
+    for (int64_t j = 0; j < m; j++) {
+        float q = round_even(u[j] / div);
+        codes[j] = (int8_t)q;
+        float v = q * scale;
+        params[j] = params[j] + v;
+        u[j] = u[j] - v;
+    }
+    if (bf16)
+        for (int64_t j = 0; j < m; j++) r16[j] = f32_to_bf16(u[j]);
+    else
+        for (int64_t j = 0; j < m; j++) r32[j] = u[j];
+    return 0;
+}
+
+int diloco_chain_int8(float *params, float *momentum, const float *grad, void *residual,
+                      int residual_bf16, int8_t *codes, float *scales, int64_t n, int64_t bs,
+                      float factor, int nesterov, float mu, float *scratch) {
+    uint16_t *r16 = (uint16_t *)residual;
+    float *r32 = (float *)residual;
+    for (int64_t start = 0, b = 0; start < n; start += bs, b++) {
+        int64_t m = start + bs < n ? bs : n - start;
+        float *mom = nesterov ? momentum + start : momentum;
+        int status;
+        /* one call per combination, so each inlined copy has no branch in its loops */
+        if (nesterov && residual_bf16)
+            status = chain_block(params + start, mom, grad + start, r16 + start, NULL,
+                                 codes + start, scales + b, m, factor, 1, 1, mu, scratch);
+        else if (nesterov)
+            status = chain_block(params + start, mom, grad + start, NULL, r32 + start,
+                                 codes + start, scales + b, m, factor, 1, 0, mu, scratch);
+        else if (residual_bf16)
+            status = chain_block(params + start, mom, grad + start, r16 + start, NULL,
+                                 codes + start, scales + b, m, factor, 0, 1, mu, scratch);
+        else
+            status = chain_block(params + start, mom, grad + start, NULL, r32 + start,
+                                 codes + start, scales + b, m, factor, 0, 0, mu, scratch);
+        if (status) return status;
+    }
+    return 0;
+}

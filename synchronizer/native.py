@@ -1,0 +1,275 @@
+"""The outer step's native kernels: `native.c`, built on first use by the machine's C compiler.
+
+torch runs an outer step as a chain of element-wise operations, each a pass over memory: the
+decode of a push is a dozen, the INT8 update chain another dozen (`docs/performance.md`). The
+kernels in `native.c` do each of those in one pass: every held push of a round decoded and
+weighted into its sums together (`accumulate`), the sums divided into the merged delta while its
+range is taken (`merge`), and the Nesterov step, the INT8 encoding of the update with its
+residual, and the parameters' add, block by block (`chain_int8`).
+
+They are optional: nothing but a C compiler is needed (no torch headers, no build step at
+install), the shared object is cached per source, compiler and machine, and where none can be
+built the Synchronizer runs the torch path (`--kernels auto`, the default) or refuses to start
+(`--kernels native`). The kernels' numbers are their own (no fused multiply-add, each product
+rounded before its add): the same on every machine, but not always torch's to the last bit,
+so the kernel in use is one of the log's replay settings. Tensors must be contiguous CPU
+tensors; the GIL is released while a kernel runs (ctypes does so for every foreign call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("auto", "native", "torch")
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-O3", "-fno-fast-math", "-ffp-contract=off", "-fPIC", "-shared", "-std=c99")
+CACHE_ENV = "DILOCO_NATIVE_CACHE"  # where the built object is kept (default: the user's cache)
+BUILD_TIMEOUT_S = 120.0
+
+_lock = threading.Lock()
+_built: dict[str, Kernels | str] = {}  # one build per process: the kernels, or why there are none
+
+_f32p = ctypes.POINTER(ctypes.c_float)
+_i64 = ctypes.c_int64
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels could not be built or loaded here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    lib: ctypes.CDLL
+    path: Path
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and (found := shutil.which(name)):
+            return found
+    return None
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "diloco-native"
+
+
+def _build() -> Kernels:
+    cc = _compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc and clang)")
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"{cc} --version failed: {e}") from None
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), version, platform.machine().encode()])
+    ).hexdigest()[:16]
+    candidates = [_cache_dir(), Path(tempfile.gettempdir()) / f"diloco-native-{os.getuid()}"]
+    errors = []
+    for directory in candidates:
+        path = directory / f"diloco_native_{key}.so"
+        try:
+            if not path.exists():
+                directory.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so")
+                os.close(fd)
+                try:
+                    done = subprocess.run(
+                        [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                        capture_output=True,
+                        text=True,
+                        timeout=BUILD_TIMEOUT_S,
+                        check=False,
+                    )
+                    if done.returncode != 0:
+                        raise NativeUnavailable(
+                            f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}"
+                        )
+                    os.replace(tmp, path)  # whole or not at all, whoever builds at once
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+            return Kernels(_declare(ctypes.CDLL(str(path))), path)
+        except NativeUnavailable:
+            raise
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(f"{directory}: {e}")
+    raise NativeUnavailable("could not build or load the kernels: " + "; ".join(errors))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    vp = ctypes.c_void_p
+    lib.diloco_accumulate.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(vp),
+        ctypes.POINTER(ctypes.c_int),
+        ctypes.POINTER(vp),
+        _i64,
+        _i64,
+        vp,
+        ctypes.c_int,
+    ]
+    lib.diloco_accumulate.restype = None
+    lib.diloco_merge.argtypes = [vp, _i64, ctypes.c_float]
+    lib.diloco_merge.restype = ctypes.c_float
+    lib.diloco_chain_int8.argtypes = [
+        vp,
+        vp,
+        vp,
+        vp,
+        ctypes.c_int,
+        vp,
+        vp,
+        _i64,
+        _i64,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_float,
+        vp,
+    ]
+    lib.diloco_chain_int8.restype = ctypes.c_int
+    return lib
+
+
+def load() -> Kernels:
+    """The kernels, built on the first call of the process (NativeUnavailable with the reason
+    where they cannot be; the same answer on every later call)."""
+    with _lock:
+        got = _built.get("kernels")
+        if got is None:
+            try:
+                got = _build()
+            except NativeUnavailable as e:
+                got = str(e)
+            _built["kernels"] = got
+    if isinstance(got, str):
+        raise NativeUnavailable(got)
+    return got
+
+
+def resolve(choice: str) -> bool:
+    """Whether the outer step runs the native kernels under the `kernels` setting: `torch`
+    never, `native` always (NativeUnavailable where they cannot be built), `auto` where they
+    can (logging why not, once, where they cannot)."""
+    if choice not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {choice!r}")
+    if choice == "torch":
+        return False
+    try:
+        load()
+    except NativeUnavailable as e:
+        if choice == "native":
+            raise
+        with _lock:
+            if not _built.get("warned"):
+                _built["warned"] = "yes"
+                logger.warning("native kernels unavailable, the outer step runs torch's: %s", e)
+        return False
+    return True
+
+
+def _ptr(t: torch.Tensor) -> int:
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("native kernels take contiguous CPU tensors")
+    return t.data_ptr()
+
+
+def _check_f32(name: str, t: torch.Tensor, numel: int) -> None:
+    if t.dtype != torch.float32 or t.numel() < numel:
+        raise ValueError(f"{name} must be FP32 of at least {numel} elements")
+
+
+def accumulate(
+    pushes: list[tuple[torch.Tensor, bool, torch.Tensor]],
+    n: int,
+    block_size: int,
+    out: torch.Tensor,
+    overwrite: bool,
+) -> None:
+    """out (=|+=) the sum, in order, of each push's codes x its block's scale over [0, n).
+    A push is (codes: uint8, INT8 or packed INT4; whether INT4; FP32 scales, weighted)."""
+    lib = load().lib
+    _check_f32("out", out, n)
+    k = len(pushes)
+    codes = (ctypes.c_void_p * k)()
+    scales = (ctypes.c_void_p * k)()
+    int4 = (ctypes.c_int * k)()
+    blocks = -(-n // block_size)
+    for i, (c, is_int4, s) in enumerate(pushes):
+        if c.dtype != torch.uint8 or c.numel() < (-(-n // 2) if is_int4 else n):
+            raise ValueError("codes must be uint8 covering every element")
+        _check_f32("scales", s, blocks)
+        codes[i], scales[i], int4[i] = _ptr(c), _ptr(s), int(is_int4)
+    lib.diloco_accumulate(k, codes, int4, scales, n, block_size, _ptr(out), int(overwrite))
+
+
+def merge(sums: torch.Tensor, total: float) -> float:
+    """sums /= total in place; returns the greatest |merged value| (Inf or NaN where one is
+    not finite)."""
+    _check_f32("sums", sums, sums.numel())
+    return float(load().lib.diloco_merge(_ptr(sums), sums.numel(), total))
+
+
+def chain_int8(
+    params: torch.Tensor,
+    momentum: torch.Tensor | None,
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    factor: float,
+    mu: float,
+) -> bool:
+    """One outer step through the INT8 update chain (`native.c`, `diloco_chain_int8`);
+    Nesterov with `momentum`, SGD without. False if the update was not finite."""
+    n = params.numel()
+    for name, t in (("params", params), ("grad", grad)):
+        _check_f32(name, t, n)
+    if momentum is not None:
+        _check_f32("momentum", momentum, n)
+    if residual.dtype not in (torch.bfloat16, torch.float32) or residual.numel() < n:
+        raise ValueError("residual must be BF16 or FP32 covering every element")
+    if codes.dtype != torch.uint8 or codes.numel() < n:
+        raise ValueError("codes must be uint8 of at least n bytes")
+    _check_f32("scales", scales, -(-n // block_size))
+    scratch = torch.empty(block_size)
+    status = load().lib.diloco_chain_int8(
+        _ptr(params),
+        _ptr(momentum) if momentum is not None else None,
+        _ptr(grad),
+        _ptr(residual),
+        int(residual.dtype == torch.bfloat16),
+        _ptr(codes),
+        _ptr(scales),
+        n,
+        block_size,
+        factor,
+        int(momentum is not None),
+        mu,
+        _ptr(scratch),
+    )
+    return status == 0

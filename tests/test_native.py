@@ -1,0 +1,241 @@
+"""The native outer-step kernels (synchronizer/native.c): each against the same arithmetic done
+by torch one IEEE operation at a time, bit for bit; the Synchronizer's use of them (rounds,
+the update chain a learner replays, the epoch they belong to); and what happens where they
+cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from protos import blockwise, codec, layout
+from protos import diloco_pb2 as pb
+from synchronizer import journal, native
+from synchronizer.config import SynchronizerConfig
+from synchronizer.downlink import Downlink
+from synchronizer.merge import Accumulator
+from synchronizer.outer import make_outer
+
+BS = layout.DEFAULT_BLOCK_SIZE
+N = 7 * BS + 77  # a partial last block, and an odd element count (an INT4 half byte)
+
+
+@pytest.fixture(autouse=True)
+def kernels() -> None:
+    try:
+        native.load()
+    except native.NativeUnavailable as e:
+        pytest.skip(f"no native kernels here: {e}")
+
+
+def _push(codec_id: int, seed: int, n: int = N) -> tuple[torch.Tensor, pb.PayloadHeader]:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 1e-3
+    return codec.encode(x, codec_id), layout.make_header(codec_id, n)
+
+
+def _codes(buf: torch.Tensor, h: pb.PayloadHeader, n: int) -> torch.Tensor:
+    """The code values of an INT8 or INT4 payload, as FP32 (exact small integers)."""
+    code_bytes = buf[: layout.code_bytes(h.codec, n)]
+    if h.codec == pb.CODEC_INT8:
+        return code_bytes.view(torch.int8).float()
+    return blockwise.int4_values(code_bytes)[:n].float()
+
+
+def _reference_sum(
+    pushes: list[tuple[torch.Tensor, pb.PayloadHeader, float]], n: int
+) -> torch.Tensor:
+    """sum_k code_k * (scale_k * w_k): each product rounded, then added, in order."""
+    total: torch.Tensor | None = None
+    for buf, h, w in pushes:
+        scales = blockwise.checked_scales(buf, h.codec, n, h.scale_dtype) * w
+        term = torch.mul(_codes(buf, h, n), scales.repeat_interleave(int(h.block_size))[:n])
+        total = term if total is None else torch.add(total, term)
+    assert total is not None
+    return total
+
+
+def test_accumulate_is_each_push_weighted_and_added_in_order_bit_for_bit() -> None:
+    pushes = [
+        (*_push(pb.CODEC_INT4, 1), 0.5),
+        (*_push(pb.CODEC_INT8, 2), 3.0),
+        (*_push(pb.CODEC_INT4, 3), 1.25),
+    ]
+    together = Accumulator(N, native_kernels=True)
+    together.add_payloads(pushes)
+    one_by_one = Accumulator(N, native_kernels=True)
+    for buf, h, w in pushes:
+        one_by_one.add_payload(buf, h, w)
+    expected = _reference_sum(pushes, N)
+    assert torch.equal(together.merged(), expected / 4.75)
+    assert torch.equal(one_by_one.merged(), expected / 4.75)
+    assert together.count == 3 and together.total_weight == 4.75
+    torch_path = Accumulator(N)  # torch's kernels: the same values within rounding
+    torch_path.add_payloads(pushes)
+    assert torch.allclose(torch_path.merged(), expected / 4.75, rtol=1e-6, atol=1e-9)
+
+
+def test_a_round_mixing_codecs_and_zero_weights_adds_what_the_torch_path_adds() -> None:
+    pushes = [
+        (*_push(pb.CODEC_FP32, 4), 1.0),
+        (*_push(pb.CODEC_INT4, 5), 0.0),  # counts toward nothing
+        (*_push(pb.CODEC_INT8, 6), 2.0),
+        (*_push(pb.CODEC_BF16, 7), 1.0),
+    ]
+    native_acc, torch_acc = Accumulator(N, native_kernels=True), Accumulator(N)
+    native_acc.add_payloads(pushes)
+    torch_acc.add_payloads(pushes)
+    assert native_acc.count == torch_acc.count == 3
+    assert torch.allclose(native_acc.merged(), torch_acc.merged(), rtol=1e-6, atol=1e-9)
+
+
+def test_merge_divides_in_place_and_gives_the_largest_magnitude() -> None:
+    acc = Accumulator(N, native_kernels=True)
+    acc.add_payload(*_push(pb.CODEC_INT8, 8), 3.0)
+    sums = acc._sum.clone()
+    merged = acc.merged()
+    assert torch.equal(merged, sums / 3.0)
+    assert acc.merged_max_abs == float(merged.abs().max())
+    sums[11] = float("nan")
+    assert native.merge(sums.clone(), 1.0) != native.merge(sums.clone(), 1.0)  # NaN
+    sums[11] = float("inf")
+    assert native.merge(sums, 1.0) == float("inf")
+
+
+def _reference_chain(
+    params: torch.Tensor,
+    momentum: torch.Tensor,
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    lr: float,
+    mu: float,
+) -> torch.Tensor:
+    """The chain's Nesterov step, one IEEE operation per torch call (no fused multiply-add);
+    updates its arguments in place and returns the link's bytes."""
+    n = params.numel()
+    momentum.copy_(torch.add(torch.mul(momentum, mu), grad))
+    d = torch.add(grad, torch.mul(momentum, mu))
+    u = torch.add(residual.float(), torch.mul(d, -lr))
+    nb = -(-n // BS)
+    padded = torch.zeros(nb * BS)
+    padded[:n] = u
+    scales = padded.view(nb, BS).abs().amax(dim=1) / torch.tensor([127.0])
+    divisor = torch.where(scales > 0, scales, 1.0).repeat_interleave(BS)[:n]
+    q = torch.div(u, divisor).round()
+    values = torch.mul(q, scales.repeat_interleave(BS)[:n])
+    params.copy_(torch.add(params, values))
+    residual.copy_(torch.sub(u, values).to(residual.dtype))
+    return torch.cat([q.to(torch.int8).view(torch.uint8), scales.view(torch.uint8)])
+
+
+@pytest.mark.parametrize("residual_dtype", ["bf16", "fp32"])
+def test_nesterov_chain_is_the_separate_operations_bit_for_bit_and_a_learner_replays_it(
+    residual_dtype: str,
+) -> None:
+    gen = torch.Generator().manual_seed(9)
+    start = torch.randn(N, generator=gen)
+    params, outer = start.clone(), make_outer("nesterov", N, lr=0.7, momentum=0.9)
+    down = Downlink(N, "int8", 8, residual_dtype, native_kernels=True)
+    ref_params, ref_momentum = start.clone(), torch.zeros(N)
+    ref_residual = torch.zeros(N, dtype=down.residual_dtype)
+    learner = start.clone()
+    for version in range(1, 5):
+        merged = torch.randn(N, generator=gen) * 1e-2
+        down.step(params, merged, outer.begin(), version)
+        link = _reference_chain(ref_params, ref_momentum, merged, ref_residual, 0.7, 0.9)
+        v, header, encoded = down.chain[-1]
+        assert v == version and torch.equal(encoded, link)
+        assert torch.equal(params, ref_params)
+        assert torch.equal(outer.momentum_buffer, ref_momentum)
+        assert down.residual is not None and torch.equal(down.residual, ref_residual)
+        learner.add_(codec.decode(encoded, header, torch.empty(N)))  # what a delta pull does
+        assert torch.equal(learner, params)
+
+
+def test_the_chain_stays_within_the_int8_bound_of_the_exact_update() -> None:
+    params, outer = torch.zeros(N), make_outer("sgd", N, lr=1.0)
+    down = Downlink(N, "int8", 2, "fp32", native_kernels=True)
+    merged = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    down.step(params, merged, outer.begin(), 1)
+    # one step of plain SGD with lr 1 from zero: the parameters are -merged, encoded in INT8
+    # (error at most half a step of the block's scale), and the residual holds the rest exactly
+    blocks = torch.zeros(-(-N // BS) * BS)
+    blocks[:N] = merged
+    half_step = (blocks.view(-1, BS).abs().amax(dim=1) / 127 / 2).repeat_interleave(BS)[:N]
+    assert bool(((params + merged).abs() <= half_step * (1 + 1e-6)).all())
+    assert down.residual is not None
+    assert torch.equal(down.residual, -merged - params)
+
+
+def test_an_update_that_is_not_finite_is_refused() -> None:
+    down = Downlink(N, "int8", 2, native_kernels=True)
+    merged = torch.zeros(N)
+    merged[5] = float("inf")
+    with pytest.raises(layout.CodecError, match="not finite"):
+        down.step(torch.zeros(N), merged, make_outer("nesterov", N).begin(), 1)
+
+
+def test_other_steps_and_codecs_take_the_torch_path() -> None:
+    # Delayed Nesterov and a 4-bit chain have no native kernel: same result as without one
+    gen = torch.Generator().manual_seed(4)
+    for kind, update_codec in (("delayed_nesterov", "int8"), ("nesterov", "int4")):
+        start, merged = torch.randn(N, generator=gen), torch.randn(N, generator=gen) * 1e-2
+        results = []
+        for use in (True, False):
+            params, outer = start.clone(), make_outer(kind, N, delay=1)
+            down = Downlink(N, update_codec, 2, native_kernels=use)
+            down.step(params, merged.clone(), outer.begin(), 1)
+            results.append(params)
+        assert torch.equal(results[0], results[1])
+
+
+def test_the_kernel_in_use_is_a_replay_setting(tmp_path: Path) -> None:
+    on = journal.replay_settings(SynchronizerConfig(state_dir=tmp_path, kernels="auto"))
+    off = journal.replay_settings(SynchronizerConfig(state_dir=tmp_path, kernels="torch"))
+    assert on["outer_kernel"] == "native" and off["outer_kernel"] != "native"
+
+
+def test_without_a_compiler_auto_runs_torch_and_native_is_a_clear_error(
+    monkeypatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc nor clang there
+    monkeypatch.delenv("CC", raising=False)
+    assert native.resolve("torch") is False
+    assert native.resolve("auto") is False
+    with pytest.raises(native.NativeUnavailable, match="no C compiler"):
+        native.resolve("native")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        native.resolve("fast")
+
+
+def test_serve_with_kernels_native_and_no_compiler_exits_2_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PATH": str(tmp_path), "DILOCO_NATIVE_CACHE": str(tmp_path / "cache")}
+    env.pop("CC", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "synchronizer.cli", "serve", "--kernels", "native", "--port", "0"]
+        + ["--metrics-port", "-1", "--state-dir", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "kernels native: no C compiler found" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_build_is_cached_and_shared_by_processes(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    built = native.load()
+    assert built.path.parent == tmp_path and built.path.exists()
+    monkeypatch.setattr(native, "_built", {})
+    assert native.load().path == built.path  # found, not built again
+    assert [p.name for p in tmp_path.iterdir()] == [built.path.name]  # no temporary left
