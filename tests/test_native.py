@@ -19,7 +19,7 @@ from synchronizer import journal, native
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink
 from synchronizer.merge import Accumulator
-from synchronizer.outer import make_outer
+from synchronizer.outer import Nesterov, make_outer
 
 BS = layout.DEFAULT_BLOCK_SIZE
 N = 7 * BS + 77  # a partial last block, and an odd element count (an INT4 half byte)
@@ -138,7 +138,7 @@ def test_nesterov_chain_is_the_separate_operations_bit_for_bit_and_a_learner_rep
 ) -> None:
     gen = torch.Generator().manual_seed(9)
     start = torch.randn(N, generator=gen)
-    params, outer = start.clone(), make_outer("nesterov", N, lr=0.7, momentum=0.9)
+    params, outer = start.clone(), Nesterov(N, lr=0.7, momentum=0.9)
     down = Downlink(N, "int8", 8, residual_dtype, native_kernels=True)
     ref_params, ref_momentum = start.clone(), torch.zeros(N)
     ref_residual = torch.zeros(N, dtype=down.residual_dtype)
