@@ -49,6 +49,7 @@ from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
 from protos.spec import TensorInfo, plan_fragments
+from synchronizer import native
 from synchronizer.buffers import Fp32Buffers, Payloads, payload_budget
 from synchronizer.clock import SystemClock
 from synchronizer.config import SynchronizerConfig
@@ -230,6 +231,7 @@ def sync_rate(
     quorum: int,
     wal: bool,
     state_root: Path | None,
+    kernels: str = "auto",
 ) -> tuple[float, int]:
     """Payload bytes/s a fresh Synchronizer (state in a new directory under `state_root`, the
     write-ahead log on or off) took from `clients` processes, and the outer steps it applied."""
@@ -247,6 +249,7 @@ def sync_rate(
             max_concurrent_streams=24,
             shutdown_grace_s=1,
             wal=wal,
+            kernels=kernels,
         )
         with service_threads(), serving(cfg, Metrics()) as srv:
             init_synchronizer(srv.address, params, fragments)
@@ -265,6 +268,7 @@ def measure_ingest(
     quorum: int,
     state_root: Path | None = None,
     raw: bool = True,
+    kernels: str = "auto",
 ) -> dict[str, Any]:
     """One cell: raw gRPC to the bare sink (unless `raw` is False: `raw_MBps` None), then a
     Synchronizer with its log off, then one with its log on, each streamed to for `seconds` by
@@ -281,7 +285,7 @@ def measure_ingest(
     bytes_per_param = layout.encoded_nbytes(codec_id, params) / params
     for log, wal in (("log_off", False), ("log_on", True)):
         got, steps = sync_rate(
-            params, fragments, clients, codec_id, seconds, quorum, wal, state_root
+            params, fragments, clients, codec_id, seconds, quorum, wal, state_root, kernels
         )
         cell |= {
             f"{log}_MBps": got / 1e6,
@@ -291,7 +295,7 @@ def measure_ingest(
     return cell
 
 
-def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
+def measure_apply(numel: int, repeats: int = 3, kernels: str = "auto") -> dict[str, Any]:
     """The outer step as the Synchronizer runs it, against one plain add_ pass over the tensors.
 
     apply = an INT8 push decoded into the round's accumulator (weight folded into the scales)
@@ -307,10 +311,12 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
     header = layout.make_header(pb.CODEC_INT8, numel)
     payload = codec.encode(delta, pb.CODEC_INT8)
     scratch, merged = torch.empty(numel), torch.empty(numel)
-    acc = Accumulator(numel)
+    acc = Accumulator(numel, native_kernels=native.resolve(kernels))
     outer = make_outer(OUTER, numel)
     with tempfile.TemporaryDirectory() as state:
-        cfg = SynchronizerConfig(state_dir=Path(state), anchor="base", token_weight="uniform")
+        cfg = SynchronizerConfig(
+            state_dir=Path(state), anchor="base", token_weight="uniform", kernels=kernels
+        )
         metrics = Metrics()
         spec = plan_fragments([TensorInfo("w", (numel,))], 1).fragments[0]
         goodput = Goodput(metrics, cfg.goodput_window_s)
@@ -354,6 +360,7 @@ def measure_apply(numel: int, repeats: int = 3) -> dict[str, Any]:
         "plain_GBps_fp32": numel * 4 / plain_s / 1e9,
         "apply_ratio": plain_s / apply_s,
         "with_chain_s": statistics.median(chain),
+        "kernels": "native" if native.resolve(kernels) else "torch",
         **{f"{k}_s": statistics.median(v) for k, v in parts.items()},
     }
     figures = outer_step_figures(OUTER, numel, apply_s, bandwidth["mem_bw_triad_GBps"])
@@ -397,6 +404,7 @@ APPLY_COLUMNS = [
     "apply_bw_ratio",
     "bytes_per_param_moved",
     "with_chain_s",
+    "kernels",
 ]
 
 
@@ -415,6 +423,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="where the Synchronizers keep their state (a fresh directory per run, deleted "
         "after), and whose sequential write bandwidth with fdatasync is measured as the log's "
         "limit (default: the system's temporary directory)",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=native.KERNELS,
+        default="auto",
+        help="the Synchronizer's outer-step kernels (its --kernels; default auto, as it serves)",
     )
     args = p.parse_args(argv)
     mode: dict[str, Any]
@@ -443,7 +457,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-ingest-", dir=args.state_dir) as root:
         disk = disk_write_bandwidth(Path(root), mode["disk"])
         rows = [
-            measure_ingest(params, 4, n, name, seconds, args.quorum, Path(root))
+            measure_ingest(
+                params, 4, n, name, seconds, args.quorum, Path(root), kernels=args.kernels
+            )
             for name in codecs
             for n in clients
         ]
@@ -454,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"\nstate disk ({disk['disk_dir']}): {shown(disk, 'disk_write_MBps', '.0f')} MB/s "
         f"sequential write with fdatasync ({disk['disk_write_bytes'] >> 20} MiB in 4 MiB blocks)"
     )
-    applied = measure_apply(params)
+    applied = measure_apply(params, kernels=args.kernels)
     print()
     print(table([applied], APPLY_COLUMNS))
     wal_ratios = [r["wal_disk_ratio"] for r in rows if r["wal_disk_ratio"] is not None]
@@ -469,6 +485,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "apply_GBps_fp32": applied["apply_GBps_fp32"],
         "mem_bw_copy_GBps": applied["mem_bw_copy_GBps"],
         "mem_bw_triad_GBps": applied["mem_bw_triad_GBps"],
+        "kernels": applied["kernels"],
     }
     missing = disk.get("missing", {}) | applied.get("missing", {})
     if headline["wal_disk_ratio"] is None:

@@ -60,7 +60,7 @@ from bench.scale_load import (
     join_and_pull,
 )
 from demo.procs import Procs, metric, scrape, start_synchronizer
-from synchronizer import memory
+from synchronizer import memory, native
 from synchronizer.config import SynchronizerConfig
 
 
@@ -114,14 +114,16 @@ def add_pass_s(numel: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def run(params: int, mode: str) -> dict[str, Any]:
+def run(params: int, mode: str, kernels: str = "auto") -> dict[str, Any]:
     _, first, window_s, bisect, largest = MODES[mode]
     serve_s = window_s if mode == "smoke" else 4 * PUSH_EVERY_S  # each learner pushes 4 times
     projection = memory.project(SynchronizerConfig(), [params // FRAGMENTS] * FRAGMENTS)
     with tempfile.TemporaryDirectory() as d:
         procs = Procs(Path(d))
         try:
-            proc, info = start_synchronizer(procs, (), name="synchronizer", timeout_s=300)
+            proc, info = start_synchronizer(
+                procs, ("--kernels", kernels), name="synchronizer", timeout_s=300
+            )
             rss = RssSampler(proc.pid)
             metrics_url = f"http://127.0.0.1:{info['metrics_port']}/metrics"
             baseline_rss = rss.read().get("VmRSS", 0)
@@ -174,6 +176,7 @@ def run(params: int, mode: str) -> dict[str, Any]:
         "outer_steps": rounds,
         "add_pass_s": add_s,
         "apply_ratio": outer_step_s / add_s,
+        "kernels": "native" if native.resolve(kernels) else "torch",
         "learners_sustained": float(sustained),
         "windows": rows,
     }
@@ -190,12 +193,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="S > 1: the same model served by one Synchronizer and by S shards, one after the "
         "other (peak RSS per shard, pushes/s, CPU seconds per pushed GB; bench/scale_shards.py)",
     )
+    p.add_argument(
+        "--kernels",
+        choices=native.KERNELS,
+        default="auto",
+        help="the Synchronizer's outer-step kernels (its --kernels; default auto, as it serves)",
+    )
     args = p.parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     params = args.params or MODES[mode][0]
     if args.shards > 1:
         return scale_shards.main(params, args.shards, mode, args.json)
-    result = {"mode": mode, **run(params, mode), "machine": machine()}
+    result = {"mode": mode, **run(params, mode, args.kernels), "machine": machine()}
     print()
     print(table(result["windows"], WINDOW_COLUMNS))
     print()
@@ -210,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "join_s",
                 "outer_step_s",
                 "apply_ratio",
+                "kernels",
                 "mem_bw_triad_GBps",
                 "apply_bw_ratio",
                 "bytes_per_param_moved",
