@@ -13,6 +13,17 @@
 
 #define RUN 4096 /* elements per run: a run of every array a kernel touches stays in L1/L2 */
 
+/* On x86-64 each kernel is also compiled for AVX2 and the loader picks the copy the CPU runs
+ * (the numbers are the same: element-wise IEEE operations, and no FMA in either copy). */
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define KERNEL __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef KERNEL
+#define KERNEL
+#endif
+
 /* Round to nearest, ties to even, for |x| < 2^22 (codes are at most 127 in magnitude): adding
  * and subtracting 1.5 * 2^23 leaves x rounded in the current rounding mode (nearest even), as
  * torch.round does. */
@@ -62,7 +73,7 @@ static void codes_of(const uint8_t *codes, int int4, int64_t start, int64_t stop
 /* out[i] = sum over pushes k, in order, of code_k(i) * scales_k[i / bs] over [0, n): the first
  * push written (overwrite) or added, each later one added: ((a0 + a1) + a2) ... with every
  * product rounded before its add. Walked run by run so `out` is read and written once. */
-void diloco_accumulate(int npush, const uint8_t *const *codes, const int *int4,
+KERNEL void diloco_accumulate(int npush, const uint8_t *const *codes, const int *int4,
                        const float *const *scales, int64_t n, int64_t bs, float *out,
                        int overwrite) {
     int8_t q[RUN];
@@ -91,7 +102,7 @@ void diloco_accumulate(int npush, const uint8_t *const *codes, const int *int4,
 
 /* s[i] / total over [0, n), in place; returns the greatest |result| (NaN or Inf where one is
  * not finite): the merged delta and what `unappliable` judges it by, in one pass. */
-float diloco_merge(float *s, int64_t n, float total) {
+KERNEL float diloco_merge(float *s, int64_t n, float total) {
     uint32_t top = 0;
     for (int64_t i = 0; i < n; i++) {
         float g = s[i] / total;
@@ -162,7 +173,7 @@ static inline int chain_block(float *params, float *momentum, const float *grad,
     return 0;
 }
 
-int diloco_chain_int8(float *params, float *momentum, const float *grad, void *residual,
+KERNEL int diloco_chain_int8(float *params, float *momentum, const float *grad, void *residual,
                       int residual_bf16, int8_t *codes, float *scales, int64_t n, int64_t bs,
                       float factor, int nesterov, float mu, float *scratch) {
     uint16_t *r16 = (uint16_t *)residual;
