@@ -74,18 +74,12 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Kernels:
-    cc = _compiler()
-    if cc is None:
-        raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc and clang)")
+    """The kernels from the cache, or built into it first. The object is named by the source,
+    the flags and the machine's architecture (no compiler is needed to load one built before,
+    e.g. into an image's cache at build time)."""
     source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run(
-            [cc, "--version"], capture_output=True, timeout=30, check=False
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"{cc} --version failed: {e}") from None
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version, platform.machine().encode()])
+        b"\0".join([source, " ".join(FLAGS).encode(), platform.machine().encode()])
     ).hexdigest()[:16]
     candidates = [_cache_dir(), Path(tempfile.gettempdir()) / f"diloco-native-{os.getuid()}"]
     errors = []
@@ -93,31 +87,38 @@ def _build() -> Kernels:
         path = directory / f"diloco_native_{key}.so"
         try:
             if not path.exists():
-                directory.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so")
-                os.close(fd)
-                try:
-                    done = subprocess.run(
-                        [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                        capture_output=True,
-                        text=True,
-                        timeout=BUILD_TIMEOUT_S,
-                        check=False,
-                    )
-                    if done.returncode != 0:
-                        raise NativeUnavailable(
-                            f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}"
-                        )
-                    os.replace(tmp, path)  # whole or not at all, whoever builds at once
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
+                _compile(path)
             return Kernels(_declare(ctypes.CDLL(str(path))), path)
         except NativeUnavailable:
             raise
         except (OSError, subprocess.SubprocessError) as e:
             errors.append(f"{directory}: {e}")
     raise NativeUnavailable("could not build or load the kernels: " + "; ".join(errors))
+
+
+def _compile(path: Path) -> None:
+    cc = _compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc and clang)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise NativeUnavailable(
+                f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}"
+            )
+        os.replace(tmp, path)  # whole or not at all, whoever builds at the same time
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

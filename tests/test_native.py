@@ -205,6 +205,7 @@ def test_without_a_compiler_auto_runs_torch_and_native_is_a_clear_error(
     monkeypatch.setattr(native, "_built", {})
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc nor clang there
     monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "empty"))  # nothing built before
     assert native.resolve("torch") is False
     assert native.resolve("auto") is False
     with pytest.raises(native.NativeUnavailable, match="no C compiler"):
@@ -239,3 +240,15 @@ def test_a_build_is_cached_and_shared_by_processes(monkeypatch, tmp_path: Path) 
     monkeypatch.setattr(native, "_built", {})
     assert native.load().path == built.path  # found, not built again
     assert [p.name for p in tmp_path.iterdir()] == [built.path.name]  # no temporary left
+
+
+def test_an_object_built_before_loads_without_a_compiler(monkeypatch, tmp_path: Path) -> None:
+    # as in the container image: built into its cache at build time, run where no compiler is
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    built = native.load().path
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.delenv("CC", raising=False)
+    assert native.resolve("native") is True
+    assert native.load().path == built
