@@ -78,11 +78,12 @@ def run(args: argparse.Namespace) -> int:
         uses_native = native.resolve(cfg.kernels)
     except native.NativeUnavailable as e:
         raise ConfigError(f"kernels native: {e}; use kernels auto or torch") from None
-    logger.info("outer step kernels: %s", "native" if uses_native else "torch")
     if warning := open_to_all(cfg):
         logger.warning(warning)
 
     def ready(running: RunningServer) -> None:
+        # said once serving: a start refused by its checks stays the one line that says why
+        logger.info("outer step kernels: %s", "native" if uses_native else "torch")
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
             tmp.write_text(

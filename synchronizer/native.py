@@ -82,24 +82,27 @@ def _build() -> Kernels:
         b"\0".join([source, " ".join(FLAGS).encode(), platform.machine().encode()])
     ).hexdigest()[:16]
     candidates = [_cache_dir(), Path(tempfile.gettempdir()) / f"diloco-native-{os.getuid()}"]
-    errors = []
+    cc = _compiler()
+    errors = []  # every place's reason: an object that cannot load must not hide behind the rest
     for directory in candidates:
         path = directory / f"diloco_native_{key}.so"
+        if not path.exists() and cc is None:
+            continue
         try:
             if not path.exists():
-                _compile(path)
+                _compile(cc, path)
             return Kernels(_declare(ctypes.CDLL(str(path))), path)
-        except NativeUnavailable:
-            raise
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(f"{directory}: {e}")
-    raise NativeUnavailable("could not build or load the kernels: " + "; ".join(errors))
-
-
-def _compile(path: Path) -> None:
-    cc = _compiler()
+        except (NativeUnavailable, OSError, subprocess.SubprocessError) as e:
+            errors.append(f"{path}: {e}")
     if cc is None:
-        raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc and clang)")
+        errors.append(
+            "no C compiler found (looked for $CC, cc, gcc and clang) and no object built "
+            f"before in {' or '.join(str(d) for d in candidates)}"
+        )
+    raise NativeUnavailable("; ".join(errors))
+
+
+def _compile(cc: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
     os.close(fd)
@@ -115,6 +118,11 @@ def _compile(path: Path) -> None:
             raise NativeUnavailable(
                 f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}"
             )
+        # mkstemp makes the file private to its builder; a cache filled at image build time (as
+        # root) is loaded by another user, so the object is readable as any built file would be
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)
         os.replace(tmp, path)  # whole or not at all, whoever builds at the same time
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -228,7 +228,8 @@ def test_serve_with_kernels_native_and_no_compiler_exits_2_with_the_reason(
         env=env,
     )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "kernels native: no C compiler found" in done.stderr
+    assert "kernels native: no C compiler found" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -252,3 +253,34 @@ def test_an_object_built_before_loads_without_a_compiler(monkeypatch, tmp_path: 
     monkeypatch.delenv("CC", raising=False)
     assert native.resolve("native") is True
     assert native.load().path == built
+
+
+def test_the_built_object_is_readable_by_other_users(monkeypatch, tmp_path: Path) -> None:
+    # the image builds it as root and runs the Synchronizer as another user (CI: the image's
+    # Synchronizer fell back to torch because the object was private to its builder)
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    mode = native.load().path.stat().st_mode
+    assert mode & 0o044 == 0o044 & ~_umask()
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def test_a_cached_object_that_cannot_load_is_the_reason_given(monkeypatch, tmp_path: Path) -> None:
+    name = native.load().path.name  # the object's name on this machine
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / name).write_bytes(b"not a shared object")
+    monkeypatch.setenv(native.CACHE_ENV, str(cache))
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(native.NativeUnavailable) as got:
+        native.load()
+    assert str(cache) in str(got.value) and "no C compiler" in str(got.value)
+    assert str(got.value).index(str(cache)) < str(got.value).index("no C compiler")
