@@ -86,13 +86,17 @@ def _build() -> Kernels:
     errors = []  # every place's reason: an object that cannot load must not hide behind the rest
     for directory in candidates:
         path = directory / f"diloco_native_{key}.so"
-        if not path.exists() and cc is None:
-            continue
-        try:
-            if not path.exists():
+        if not path.exists():
+            if cc is None:
+                continue
+            try:
                 _compile(cc, path)
+            except (NativeUnavailable, OSError, subprocess.SubprocessError) as e:
+                errors.append(f"{path}: {e}")
+                continue
+        try:
             return Kernels(_declare(ctypes.CDLL(str(path))), path)
-        except (NativeUnavailable, OSError, subprocess.SubprocessError) as e:
+        except OSError as e:
             errors.append(f"{path}: {e}")
     if cc is None:
         errors.append(
