@@ -161,10 +161,16 @@ class RunEncoder:
         device: torch.device | str = "cpu",
         block_size: int = layout.DEFAULT_BLOCK_SIZE,
         scale_dtype: int = pb.SCALE_FP32,
+        out: torch.Tensor | None = None,
     ) -> None:
         self.header = layout.make_header(codec, numel, block_size, scale_dtype)
         self.codec, self.numel = codec, numel
-        self.out = torch.empty(int(self.header.total_bytes), dtype=torch.uint8, device=device)
+        nbytes = int(self.header.total_bytes)
+        if out is None:
+            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        elif out.dtype != torch.uint8 or out.numel() != nbytes:
+            raise ValueError(f"out must be {nbytes} uint8 bytes, got {out.numel()} {out.dtype}")
+        self.out = out  # written whole: each run's codes and scales
         self.next = 0  # where the next run starts
         self.blockwise = codec in blockwise.MAX_CODE
         self.bs = int(self.header.block_size) if self.blockwise else 1

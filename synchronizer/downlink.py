@@ -23,6 +23,7 @@ which also guards the parameters it reads and writes.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import deque
 from collections.abc import Mapping
@@ -60,6 +61,18 @@ def kept_links(
 
 RESIDUAL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
+_storage_uses = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _holders(t: torch.Tensor) -> tuple[int, int]:
+    """Who holds `t`: Python references to the tensor (this call's own included) and tensors
+    (views, numpy arrays' bases) on its storage; -1 where torch cannot say."""
+    uses = -1 if _storage_uses is None else _storage_uses(t.untyped_storage()._cdata)
+    return sys.getrefcount(t), uses
+
+
+_ALONE = _holders(torch.empty(1))  # a tensor held by nothing but the call
+
 
 class Downlink:
     def __init__(
@@ -83,6 +96,11 @@ class Downlink:
         # codec -> (version, header, the encoded parameters, held weakly: the pulls hold them)
         self._snapshots: dict[int, tuple[int, pb.PayloadHeader, weakref.ref[torch.Tensor]]] = {}
         self._checksums: dict[int, int] = {}
+        # An evicted link's bytes, reused by the next link where nothing holds them any more: a
+        # new link's tens of MB, allocated fresh each outer step, cost a page fault per 4 KiB
+        # (docs/performance.md); links made here only (a restored one may be a file's bytes).
+        self._spare: torch.Tensor | None = None
+        self._made: dict[int, weakref.ref[torch.Tensor]] = {}  # by id (tensors compare by value)
 
     def step(
         self, params: torch.Tensor, merged: torch.Tensor, outer: OuterStep, version: int
@@ -103,7 +121,9 @@ class Downlink:
         if self.codec in blockwise.MAX_CODE:
             bs = layout.DEFAULT_BLOCK_SIZE
             run = max(bs, run // bs * bs)
-        encoder = codec.RunEncoder(self.codec, self.numel, run)
+        header = layout.make_header(self.codec, self.numel)
+        out = self._link_bytes(int(header.total_bytes), params.device)
+        encoder = codec.RunEncoder(self.codec, self.numel, run, params.device, out=out)
         direction = torch.empty(run)
         update = torch.empty(run)
         decoded = torch.empty(run)
@@ -126,7 +146,7 @@ class Downlink:
         assert self.residual is not None
         momentum, mu = form
         header = layout.make_header(self.codec, self.numel)
-        out = torch.empty(int(header.total_bytes), dtype=torch.uint8)
+        out = self._link_bytes(int(header.total_bytes), params.device)
         code_bytes = layout.code_bytes(self.codec, self.numel)
         scales = torch.empty(-(-self.numel // int(header.block_size)))
         finite = native.chain_int8(
@@ -146,10 +166,32 @@ class Downlink:
         self._append((version, header, out))
         return True
 
+    def _link_bytes(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Bytes for the next link: those of the link it evicts from a full chain (evicted now:
+        a step that then fails leaves the chain one link shorter, which pulls that needed it
+        take in full), or of one evicted before, where nothing holds them; new ones else."""
+        while self.history and len(self.chain) >= self.history:
+            self._keep_spare(self.chain.popleft()[2])
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.numel() == nbytes and spare.device == device:
+            return spare
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._made = {k: r for k, r in self._made.items() if r() is not None}
+        self._made[id(out)] = weakref.ref(out)
+        return out
+
+    def _keep_spare(self, buf: torch.Tensor) -> None:
+        """Keeps an evicted link's bytes for the next link if this downlink made them and no
+        pull, checkpoint or view holds them (links are never written while anyone reads)."""
+        made = self._made.get(id(buf))
+        refs, uses = _holders(buf)
+        if made is not None and made() is buf and 0 <= uses <= _ALONE[1] and refs <= _ALONE[0] + 1:
+            self._spare = buf  # (refs: + this call's `buf`)
+
     def _append(self, link: Link) -> None:
         self.chain.append(link)
         while len(self.chain) > self.history:
-            self.chain.popleft()
+            self._keep_spare(self.chain.popleft()[2])
 
     def skip(self, version: int) -> None:
         """A version whose update was refused: an all-zero link, parameters and residual as

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -497,3 +498,50 @@ def test_a_full_pull_past_the_snapshot_budget_waits_and_is_served_when_one_ends(
     puller.join(TIMEOUT)
     client.close()
     assert not puller.is_alive() and got and got[0][1].numel() == spec.fragments[1].numel
+
+
+@pytest.mark.parametrize("native_kernels", [False, True], ids=["torch", "native"])
+def test_an_evicted_links_bytes_are_reused_only_when_nothing_holds_them(
+    native_kernels: bool,
+) -> None:
+    """A new link each outer step would be a fresh allocation of tens of MB (a page fault per
+    4 KiB); the link a full chain evicts gives its bytes to the next one, unless a pull, a
+    checkpoint or a view still reads them: those bytes stay as they were."""
+    n = 3 * layout.DEFAULT_BLOCK_SIZE + 5
+    down = Downlink(n, "int8", 2, native_kernels=native_kernels)
+    params, g = torch.zeros(n), torch.Generator().manual_seed(0)
+
+    def step(version: int) -> torch.Tensor:
+        down.step(params, torch.randn(n, generator=g) * 1e-3, Plain(-0.7), version)
+        return down.chain[-1][2]
+
+    made = [step(v).data_ptr() for v in range(1, 7)]
+    assert len(set(made)) == 2  # history 2: two buffers in turn, no third
+    assert [v for v, _, _ in down.chain] == [5, 6]
+
+    pulled = down.since(4, 6)  # a delta pull streaming links 5 and 6
+    view = step(7)[:8]  # a slice of link 7, alone
+    array = step(8).numpy()  # link 8's bytes, as a numpy array
+    state, _ = down.state("f.")  # a checkpoint writing links 7 and 8
+    held = [bytes(link[2].numpy()) for link in (pulled or [])] + [
+        bytes(view.numpy()),
+        bytes(array),
+    ]
+    assert pulled is not None
+    fresh = {step(v).data_ptr() for v in range(9, 11)}
+    assert not fresh & {link[2].data_ptr() for link in pulled}  # not reused while pulled
+    assert not fresh & {view.data_ptr(), array.ctypes.data}
+    assert [bytes(link[2].numpy()) for link in pulled] + [
+        bytes(view.numpy()),
+        bytes(array),
+    ] == held  # nothing written under the readers
+    del pulled, view, array, state
+    made = [step(v).data_ptr() for v in range(11, 15)]
+    assert len(set(made)) == 2  # the readers gone, two buffers in turn again
+
+    restored = Downlink(n, "int8", 1, native_kernels=native_kernels)
+    tensors, chain = down.state("f.")
+    restored.restore({k: t.clone() for k, t in tensors.items()}, chain, "f.")
+    link = weakref.ref(restored.chain[0][2])  # held by the chain alone
+    restored.step(params, torch.randn(n, generator=g) * 1e-3, Plain(-0.7), 15)
+    assert link() is None  # a restored link (perhaps a file's bytes) is freed, never reused
