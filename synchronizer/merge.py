@@ -65,6 +65,39 @@ def staleness_factor(kind: str, staleness: int, alpha: float = 0.5, hinge: int =
     return 1.0
 
 
+def native_codec(header: pb.PayloadHeader) -> bool:
+    """Whether the native kernels decode this payload's codec (blockwise INT8 and INT4)."""
+    return header.codec in (pb.CODEC_INT8, pb.CODEC_INT4)
+
+
+def add_native(
+    payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]],
+    numel: int,
+    out: torch.Tensor,
+    overwrite: bool = False,
+) -> None:
+    """out (= with `overwrite`, else +=) sum of weight x decode(payload), in order, by the
+    native kernel (`native.accumulate`): checked INT8/INT4 payloads of `numel` elements, the
+    weight folded into each block's scale as `codec.accumulate` folds it; one pass over `out`
+    per run of payloads of one block size."""
+    start = 0
+    while start < len(payloads):
+        size = int(payloads[start][1].block_size)
+        stop = start + 1
+        while stop < len(payloads) and int(payloads[stop][1].block_size) == size:
+            stop += 1
+        pushes = [
+            (
+                buf.contiguous(),
+                h.codec == pb.CODEC_INT4,
+                blockwise.checked_scales(buf, h.codec, numel, h.scale_dtype) * weight,
+            )
+            for buf, h, weight in payloads[start:stop]
+        ]
+        native.accumulate(pushes, numel, size, out, overwrite=overwrite and start == 0)
+        start = stop
+
+
 class Accumulator:
     """Running sums for one round of one fragment: O(fragment) memory, not O(learners).
 
@@ -233,25 +266,11 @@ class Accumulator:
             self.add_payload(buf, header, weight, scratch)
 
     def _native(self, header: pb.PayloadHeader) -> bool:
-        return self.native_kernels and header.codec in (pb.CODEC_INT8, pb.CODEC_INT4)
+        return self.native_kernels and native_codec(header)
 
     def _add_native(self, payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]]) -> None:
-        """The native kernel's sum of INT8/INT4 payloads (checked, positive weights), the
-        weight folded into each block's scale as `codec.accumulate` folds it."""
-        bs = {int(h.block_size) for _, h, _ in payloads}
-        if len(bs) > 1:  # one kernel call walks one block size: one call per payload
-            for p in payloads:
-                self._add_native([p])
-            return
-        pushes = [
-            (
-                buf.contiguous(),
-                h.codec == pb.CODEC_INT4,
-                blockwise.checked_scales(buf, h.codec, self.numel, h.scale_dtype) * weight,
-            )
-            for buf, h, weight in payloads
-        ]
-        native.accumulate(pushes, self.numel, bs.pop(), self._sum, overwrite=self._fresh)
+        """The native kernel's sum of INT8/INT4 payloads (checked, positive weights)."""
+        add_native(payloads, self.numel, self._sum, overwrite=self._fresh)
         self._fresh = False
         self._total_weight += sum(w for _, _, w in payloads)
         self._count += len(payloads)

@@ -34,6 +34,7 @@ from synchronizer import native, slices
 from synchronizer.buffers import Snapshots
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink, Link, kept_links
+from synchronizer.merge import add_native, native_codec
 from synchronizer.outer import make_outer
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,9 @@ class FragmentModel:
         """Adds sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current
         fragment. A contribution staler than the kept links is left as it is (anchored at its
         base, as with anchor 'base'). Each link is decoded in runs of about 1M elements, with
-        the same arithmetic, element for element, as adding the whole decoded link."""
+        the same arithmetic, element for element, as adding the whole decoded link; with the
+        native kernels every link is added in one pass, its weight folded into its block
+        scales (the kernels' own numbers: the kernel in use is a replay setting)."""
         total = sum(c.weight for c in contributions)
         stale = [
             c
@@ -158,14 +161,24 @@ class FragmentModel:
         ]
         if total <= 0 or not stale:
             return
+        links = [
+            (encoded, header, behind / total)
+            for v, header, encoded in self.downlink.chain
+            if (behind := sum(c.weight for c in stale if c.base_version < v)) > 0
+        ]
+        if (
+            self.downlink.native_kernels
+            and merged.device.type == "cpu"
+            and all(native_codec(header) for _, header, _ in links)
+        ):  # every link in one pass over the merged delta
+            add_native(links, self.numel, merged)
+            return
         scratch: torch.Tensor | None = None
-        for v, header, encoded in self.downlink.chain:
-            behind = sum(c.weight for c in stale if c.base_version < v)
-            if behind > 0:
-                if scratch is None:
-                    scratch = torch.empty(codec.run_elems(header))
-                for start, decoded in codec.decode_runs(encoded, header, scratch):
-                    merged[start : start + decoded.numel()].add_(decoded, alpha=behind / total)
+        for encoded, header, weight in links:
+            if scratch is None:
+                scratch = torch.empty(codec.run_elems(header))
+            for start, decoded in codec.decode_runs(encoded, header, scratch):
+                merged[start : start + decoded.numel()].add_(decoded, alpha=weight)
 
     def fail(self, reason: str) -> None:
         """Marks the fragment failed and wakes every waiter."""

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from bench.memory import fragment_bytes, measure, run_rounds
-from protos import codec, framing, layout
+from protos import blockwise, codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer import checkpoint, receive
@@ -159,8 +159,12 @@ def test_push_staler_than_the_kept_links_is_merged_as_anchor_base_does() -> None
     assert not torch.equal(_params(models["current"]), _params(models["base"]))
 
 
-def test_reanchor_adds_each_link_as_the_whole_decoded_link_would() -> None:
-    model = _model(anchor="current", update_history=4, max_staleness=4)
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_reanchor_adds_each_link_as_the_whole_decoded_link_would(kernels: str) -> None:
+    """torch: each link decoded and added as a whole decoded link would be; native: every link
+    in one pass, each product code x (scale x weight) rounded before its add, in link order."""
+    model = _model(anchor="current", update_history=4, max_staleness=4, kernels=kernels)
+    assert model.downlink.native_kernels == (kernels == "native")
     g = torch.Generator().manual_seed(3)
     for v in range(2):
         d = torch.randn(5000, generator=g) * 0.01
@@ -170,7 +174,13 @@ def test_reanchor_adds_each_link_as_the_whole_decoded_link_would() -> None:
     pushes = [_Push(0, 2.0), _Push(1, 1.0), _Push(2, 1.0)]
     for v, header, encoded in model.downlink.chain:
         behind = sum(p.weight for p in pushes if p.base_version < v)
-        expected.add_(codec.decode(encoded, header, torch.empty(5000)), alpha=behind / 4.0)
+        if kernels == "torch":
+            expected.add_(codec.decode(encoded, header, torch.empty(5000)), alpha=behind / 4.0)
+            continue
+        bs, n = int(header.block_size), int(header.numel)
+        scales = blockwise.checked_scales(encoded, header.codec, n, header.scale_dtype)
+        folded = (scales * (behind / 4.0)).repeat_interleave(bs)[:n]
+        expected = expected + encoded[:n].view(torch.int8).float() * folded
     model._reanchor(2, pushes, merged)
     assert torch.equal(merged, expected)
 
