@@ -122,8 +122,8 @@ class Downlink:
             bs = layout.DEFAULT_BLOCK_SIZE
             run = max(bs, run // bs * bs)
         header = layout.make_header(self.codec, self.numel)
-        out = self._link_bytes(int(header.total_bytes), params.device)
-        encoder = codec.RunEncoder(self.codec, self.numel, run, params.device, out=out)
+        out = self._link_bytes(int(header.total_bytes))
+        encoder = codec.RunEncoder(self.codec, self.numel, run, out=out)
         direction = torch.empty(run)
         update = torch.empty(run)
         decoded = torch.empty(run)
@@ -146,7 +146,7 @@ class Downlink:
         assert self.residual is not None
         momentum, mu = form
         header = layout.make_header(self.codec, self.numel)
-        out = self._link_bytes(int(header.total_bytes), params.device)
+        out = self._link_bytes(int(header.total_bytes))
         code_bytes = layout.code_bytes(self.codec, self.numel)
         scales = torch.empty(-(-self.numel // int(header.block_size)))
         finite = native.chain_int8(
@@ -166,16 +166,17 @@ class Downlink:
         self._append((version, header, out))
         return True
 
-    def _link_bytes(self, nbytes: int, device: torch.device) -> torch.Tensor:
+    def _link_bytes(self, nbytes: int) -> torch.Tensor:
         """Bytes for the next link: those of the link it evicts from a full chain (evicted now:
         a step that then fails leaves the chain one link shorter, which pulls that needed it
-        take in full), or of one evicted before, where nothing holds them; new ones else."""
+        take in full), or of one evicted before, where nothing holds them; new ones else. Links
+        are served bytes: they live on the host."""
         while self.history and len(self.chain) >= self.history:
             self._keep_spare(self.chain.popleft()[2])
         spare, self._spare = self._spare, None
-        if spare is not None and spare.numel() == nbytes and spare.device == device:
+        if spare is not None and spare.numel() == nbytes:
             return spare
-        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        out = torch.empty(nbytes, dtype=torch.uint8)
         self._made = {k: r for k, r in self._made.items() if r() is not None}
         self._made[id(out)] = weakref.ref(out)
         return out
