@@ -38,6 +38,19 @@ class Disk:
     def fsync(self, fd: int) -> None:
         os.fdatasync(fd)  # the data and the file's length
 
+    def forget(self, fd: int, offset: int, length: int) -> None:
+        """Drops a fsynced range's pages from the page cache (advice only: a platform without
+        it, or a refusal, changes nothing). For bytes that are written and not read back while
+        serving: the cache would keep them at the cost of fresh pages for every later write, and
+        on a virtual machine a page the guest never touched costs a host fault (measured here:
+        25 MiB written in 7 ms into pages freed this way, in 110-160 ms into fresh ones)."""
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is not None and length > 0:
+            try:
+                advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+
     def truncate(self, fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 

@@ -300,6 +300,9 @@ class Wal:
             t0 = time.perf_counter()
             self.disk.fsync(self.fd)  # fdatasync: the data and the file's new length
             self.on_fsync(time.perf_counter() - t0)
+            # Durable now, and read again only by a replay: its pages go back to be reused by
+            # the next batch rather than fresh ones taken (`Disk.forget`).
+            self.disk.forget(self.fd, start, self.size - start)
         except OSError:
             try:  # cut what this batch wrote, so the retry appends to an intact log
                 self.disk.truncate(self.fd, start)
