@@ -40,7 +40,7 @@ from synchronizer.errors import Code, Rejected
 from synchronizer.leases import LearnerRecord, Registry
 from synchronizer.metrics import Metrics
 from synchronizer.outer import FUSED_SGD
-from synchronizer.wal import JOIN, PUSH, ROUND, Record, Wal, WalError
+from synchronizer.wal import ABANDON, JOIN, PART, PUSH, ROUND, Record, Wal, WalError
 
 if TYPE_CHECKING:
     from synchronizer.fragments import Fragment
@@ -122,6 +122,56 @@ def load_epoch(cfg: SynchronizerConfig, has_state: bool, disk: Disk | None = Non
     return epoch
 
 
+# A push's bytes are logged in parts of at least this many (its last part excepted), whatever
+# its chunks: a learner sending tiny chunks costs the log a record header per part, not per chunk.
+PART_BYTES = 1 << 20
+
+
+class PushStream:
+    """A push's payload logged as it is received (PART records, from the receive buffer itself,
+    no copy): the disk writes the first bytes while the last arrive. It ends in the push's
+    PUSH record (`end`, its last bytes logged first), or in an ABANDON record when the push is
+    not accepted."""
+
+    def __init__(self, wal: Wal, buffer: torch.Tensor) -> None:
+        self.wal = wal
+        self.id = wal.stream()
+        self.view = memoryview(buffer.numpy().data)
+        self.at = 0  # logged up to here
+        self.received = 0  # landed up to here
+        self.ticket = 0  # of its last part
+        self.ended = False
+
+    def add(self, start: int, end: int) -> None:
+        """The buffer's bytes [start, end) landed, the next ones the push received."""
+        assert start == self.received and not self.ended
+        self.received = end
+        if self.received - self.at >= PART_BYTES:
+            self._part()
+
+    def _part(self) -> None:
+        if self.received > self.at:
+            part = self.view[self.at : self.received]
+            self.ticket = self.wal.append(Record(PART, {"stream": self.id, "at": self.at}, part))
+            self.at = self.received
+
+    def end(self) -> int:
+        """Logs what is left of the payload; the stream's id for its PUSH record, next."""
+        self._part()
+        self.ended = True
+        return self.id
+
+    def abandon(self) -> bool:
+        """Ends a stream whose push was not accepted (once; a logged push is not abandoned);
+        returns whether its buffer may be reused: not while a part waits to be written from it
+        (the bytes written must be the ones its checksum was computed over)."""
+        if not self.ended:
+            self.ended = True
+            if self.ticket:  # parts were logged
+                self.wal.append(Record(ABANDON, {"stream": self.id}))
+        return self.wal.is_durable(self.ticket)
+
+
 class Journal:
     """Logs the Synchronizer's decisions and replays them; a no-op without a log."""
 
@@ -153,6 +203,10 @@ class Journal:
         if self.wal is not None:
             self.wait(self.wal.append(Record(JOIN, registry.journal_of(rec))))
 
+    def stream(self, buffer: torch.Tensor) -> PushStream | None:
+        """Logs a push's bytes as they land in `buffer` (`PushStream.add`); None without a log."""
+        return PushStream(self.wal, buffer) if self.wal is not None else None
+
     def push_journal(
         self,
         frag: Fragment,
@@ -160,16 +214,21 @@ class Journal:
         payload: torch.Tensor,
         name: str,
         held: bool,
+        stream: PushStream | None = None,
     ) -> Callable[[Verdict], int] | None:
         """What `Fragment.submit` calls with an accepted push's verdict (in round order). The
         record says whether the round held the payload for its outer step (added then in its
-        canonical order, by learner `name`, id and seq) or added it at once."""
+        canonical order, by learner `name`, id and seq) or added it at once. With `stream`, the
+        payload is in its parts, already logged; the record names the stream."""
         wal = self.wal
         if wal is None:
             return None
         header = base64.b64encode(h.payload.SerializeToString()).decode()
-        data = memoryview(payload.numpy().data)
-        crc = zlib.crc32(data)  # here, on the pushing thread, not on the writer's
+        data: memoryview | bytes = b""
+        crc = None
+        if stream is None:
+            data = memoryview(payload.numpy().data)
+            crc = zlib.crc32(data)  # here, on the pushing thread, not on the writer's
 
         def log(verdict: Verdict) -> int:
             meta = {
@@ -188,6 +247,8 @@ class Journal:
                 "header": header,
                 "held": held,
             }
+            if stream is not None:
+                meta["stream"] = stream.end()
             return wal.append(Record(PUSH, meta, data, crc))
 
         return log
@@ -241,11 +302,23 @@ class Journal:
         if self.wal is None:
             return 0, 0
         pushes = rounds = 0
+        parts: dict[int, bytearray] = {}  # stream -> the bytes of its parts so far
         for record in self.wal.replay():
             meta = record.meta
             if record.kind == JOIN:
                 registry.joined_record(meta)
                 continue
+            if record.kind == PART:
+                got = parts.setdefault(int(meta["stream"]), bytearray())
+                if len(got) == int(meta["at"]):
+                    got += record.payload
+                continue
+            if record.kind == ABANDON:
+                parts.pop(int(meta["stream"]), None)
+                continue
+            payload: bytes | bytearray | memoryview = record.payload
+            if record.kind == PUSH and "stream" in meta:
+                payload = parts.pop(int(meta["stream"]), bytearray())
             frag = fragments.get(int(meta["fid"]))
             if frag is None or closer is None:
                 continue  # logged before a model existed (an initialisation never saved)
@@ -256,7 +329,21 @@ class Journal:
                 if not closer.replay_close_before(frag, version):
                     continue
                 header = pb.PayloadHeader.FromString(base64.b64decode(meta["header"]))
-                buf = torch.frombuffer(bytearray(record.payload), dtype=torch.uint8)
+                if len(payload) != header.total_bytes:
+                    logger.error(
+                        "a logged push of learner %s (seq %s, fragment %d) has %d of its %d bytes: "
+                        "the log is damaged where its parts were; the push is not replayed",
+                        meta["learner_id"],
+                        meta["seq"],
+                        frag.fid,
+                        len(payload),
+                        header.total_bytes,
+                    )
+                    continue
+                buf = torch.frombuffer(
+                    payload if isinstance(payload, bytearray) else bytearray(payload),
+                    dtype=torch.uint8,
+                )
                 share = frag.share_of(int(meta["tokens"]), float(meta["compute_s"]))
                 rec = registry.joined_record(
                     {"learner_id": meta["learner_id"], "name": meta["learner_id"]}

@@ -31,7 +31,7 @@ from synchronizer import receive, slices, wire
 from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
-from synchronizer.journal import Journal
+from synchronizer.journal import Journal, PushStream
 from synchronizer.leases import LearnerRecord, Registry, check_credential
 from synchronizer.metrics import Metrics
 from synchronizer.served import ServedModel
@@ -133,19 +133,30 @@ class PushPath:
         # not fit is refused before it is received (see `Fragment.reserve_hold`).
         reserved = frag.reserve_hold(nbytes, self.registry.live_ids, PAYLOAD_WAIT_S)
         received: torch.Tensor | None = None
+        logged: PushStream | None = None
         try:
             received = frag.payloads.take(nbytes)
+            logged = self.journal.stream(received)  # its bytes logged as they land
             # Validated now, decoded by the outer step: the reply need not wait for the decode.
-            header = receive.payload(messages, h.payload, received)
+            header = receive.payload(
+                messages, h.payload, received, logged.add if logged is not None else None
+            )
         except BaseException:
             if reserved:
                 frag.payloads.release(nbytes)
             if received is not None:
-                frag.payloads.give(received)
+                self._give(frag, received, logged)
             raise
         self.metrics.bytes_in.labels(layout.codec_name(h.payload.codec)).inc(nbytes)
-        reply, judged = self._judge(h, rec, frag, received, header, reserved)
+        reply, judged = self._judge(h, rec, frag, received, header, reserved, logged)
         return reply, judged, True
+
+    @staticmethod
+    def _give(frag: Fragment, received: torch.Tensor, logged: PushStream | None) -> None:
+        """A push's buffer back to the pool, once nothing of its stream waits to be written
+        from it (otherwise it is left to be freed once written)."""
+        if logged is None or logged.abandon():
+            frag.payloads.give(received)
 
     def _judge(
         self,
@@ -155,10 +166,12 @@ class PushPath:
         received: torch.Tensor,
         header: pb.PayloadHeader,
         reserved: bool,
+        logged: PushStream | None = None,
     ) -> tuple[pb.PushReply, Fragment | None]:
         """The fragment's verdict on a received, validated push (`received`, its payload, with
         `reserved` bytes of the payload budget, both owned from here on: kept by its round or
-        given back), its log record, and the reply once that record is durable."""
+        given back), its log record (its payload in `logged`'s parts, when given), and the reply
+        once that record is durable."""
         nbytes = received.numel()
         kept = False
         try:
@@ -175,7 +188,9 @@ class PushPath:
                     h.compute_s,
                     (received, header),
                     hold=reserved,
-                    journal=self.journal.push_journal(frag, h, received, rec.name, reserved),
+                    journal=self.journal.push_journal(
+                        frag, h, received, rec.name, reserved, logged
+                    ),
                     order=(rec.name, rec.learner_id, h.seq),
                     owner=self.streams.counted(rec.credential) or "",
                 )
@@ -201,7 +216,7 @@ class PushPath:
             if not kept:
                 if reserved:
                     frag.payloads.release(nbytes)
-                frag.payloads.give(received)
+                self._give(frag, received, logged)
         return reply, frag if rnd is not None else None
 
     def _slice(

@@ -1,11 +1,17 @@
 """The write-ahead log: what the Synchronizer acknowledged, on disk before it says so.
 
-Three kinds of record, appended in the order the Synchronizer decided them:
+Records, appended in the order the Synchronizer decided them:
 
 - JOIN: a learner record (id, name, session hash, when it first joined);
 - PUSH: an accepted push as received (its payload still encoded, so the log costs what the wire
   costs) with everything its judgement decided: learner, seq, base version, counts, the weight
-  it was merged with and the version of the round it went into;
+  it was merged with and the version of the round it went into. Its payload is either in the
+  record or, for a push logged as it arrived, in the PART records of its stream (`"stream"` in
+  its JSON);
+- PART: the next bytes of a push still arriving (`{"stream", "at"}`), appended chunk by chunk
+  so the disk writes them while the rest is received: one learner's push is then durable soon
+  after its last byte, not a whole payload's write later;
+- ABANDON: a stream whose push was refused or broke off: its parts are never read;
 - ROUND: a fragment's round closed into a version.
 
 A push's reply, a Join's reply and a round's outer step each wait until their record is durable
@@ -51,8 +57,8 @@ from synchronizer.disk import Disk
 
 logger = logging.getLogger(__name__)
 
-JOIN, PUSH, ROUND = 1, 2, 3
-KINDS = {JOIN: "join", PUSH: "push", ROUND: "round"}
+JOIN, PUSH, ROUND, PART, ABANDON = 1, 2, 3, 4, 5
+KINDS = {JOIN: "join", PUSH: "push", ROUND: "round", PART: "part", ABANDON: "abandon"}
 _HEAD = struct.Struct("<IIB")  # body length, crc32 of payload + kind + JSON part, kind
 _META = struct.Struct("<I")  # JSON length, at the start of the body
 NAME = re.compile(r"^wal-(\d{10})\.log$")
@@ -95,6 +101,9 @@ class _Segment:
     # round's version): the segment is covered once a checkpoint holds every one of them.
     versions: dict[int, int] = field(default_factory=dict)
     sealed: bool = False
+    # streams with parts here and no PUSH or ABANDON yet: the segment is kept while any is open
+    # (the push they belong to may still be acknowledged, into a round no checkpoint holds)
+    open_streams: set[int] = field(default_factory=set)
 
     def note(self, record: Record) -> None:
         fid = record.meta.get("fid")
@@ -166,6 +175,9 @@ class Wal:
         self.seal_wanted = False
         self.sealed_upto = 0
         self.writer: threading.Thread | None = None
+        self.next_stream = 1  # above every stream id on disk once replayed
+        # stream id -> the segments holding its parts (the writer's, and replay's, bookkeeping)
+        self.stream_segments: dict[int, list[_Segment]] = {}
 
     # Start ---------------------------------------------------------------------------------
 
@@ -175,12 +187,12 @@ class Wal:
         for number, path in list_segments(self.directory):
             self.last_number = max(self.last_number, number)
             seg = _Segment(number, path, sealed=True)
+            self.segments.append(seg)
             count = 0
             for record in read_segment(path):
-                seg.note(record)
+                self._noted(seg, record, replayed=True)
                 count += 1
                 yield record
-            self.segments.append(seg)
             logger.debug("replayed %d records of %s", count, path.name)
 
     def start(self) -> None:
@@ -215,6 +227,12 @@ class Wal:
             self.queue.append((self.appended, record))
             self.cv.notify_all()
             return self.appended
+
+    def stream(self) -> int:
+        """A fresh stream id for a push's PART records."""
+        with self.lock:
+            self.next_stream += 1
+            return self.next_stream - 1
 
     def wait(self, ticket: int, timeout_s: float) -> None:
         """Returns once the ticket's record is durable; WalError if it is not within
@@ -312,7 +330,28 @@ class Wal:
             raise
         with self.lock:
             for _, record in batch:
-                self.segments[-1].note(record)
+                self._noted(self.segments[-1], record)
+
+    def _noted(self, seg: _Segment, record: Record, replayed: bool = False) -> None:
+        """What a record written to (or replayed from) `seg` tells the segments: the versions
+        it names, noted on the segments of its stream's parts too, and which streams are open.
+        A stream left open by an earlier run can never finish: replayed parts open nothing."""
+        seg.note(record)
+        stream = record.meta.get("stream")
+        if stream is None:
+            return
+        self.next_stream = max(self.next_stream, int(stream) + 1)
+        if record.kind == PART:
+            held = self.stream_segments.setdefault(stream, [])
+            if not held or held[-1] is not seg:
+                held.append(seg)
+            if not replayed:
+                seg.open_streams.add(stream)
+        elif record.kind in (PUSH, ABANDON):
+            for s in self.stream_segments.pop(stream, []):
+                s.open_streams.discard(stream)
+                if record.kind == PUSH:
+                    s.note(record)
 
     def _rotate(self) -> None:
         """Seals the current segment. The next is opened by the next write, which handles a
@@ -373,6 +412,7 @@ class Wal:
                 for s in self.segments
                 if s.sealed
                 and s.number <= upto_segment
+                and not s.open_streams
                 and all(v <= versions.get(fid, -1) for fid, v in s.versions.items())
             ]
             for s in gone:

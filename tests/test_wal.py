@@ -14,14 +14,25 @@ import pytest
 import torch
 
 from protos import diloco_pb2 as pb
+from synchronizer import journal as journal_module
 from synchronizer import wal as wal_module
 from synchronizer.config import SynchronizerConfig
 from synchronizer.disk import Disk
 from synchronizer.leases import Registry
 from synchronizer.metrics import Metrics
 from synchronizer.server import start, stop
-from synchronizer.wal import JOIN, PUSH, ROUND, Record, Wal, WalError, list_segments
-from tests.helpers import TIMEOUT, Client, poll, serve_process, small_spec
+from synchronizer.wal import (
+    ABANDON,
+    JOIN,
+    PART,
+    PUSH,
+    ROUND,
+    Record,
+    Wal,
+    WalError,
+    list_segments,
+)
+from tests.helpers import TIMEOUT, Client, poll, push_messages, serve_process, small_spec
 
 SPEC = small_spec(fragments=2)
 N0 = SPEC.fragments[0].numel
@@ -190,6 +201,139 @@ def test_segment_numbers_keep_growing_after_every_segment_is_released(tmp_path):
     wal.close()
     numbers = [n for n, _ in list_segments(tmp_path / "wal")]
     assert numbers and min(numbers) > sealed  # replay order is number order
+
+
+def test_a_streams_parts_keep_their_segments_until_its_push_whose_version_they_then_carry(
+    tmp_path,
+):
+    """A push logged as it arrives: its parts may span segments, written before anyone knows
+    which round it goes into. No checkpoint may release them while the stream is open, and once
+    its PUSH record names the round, they are kept until a checkpoint holds that round, after a
+    restart too."""
+    wal = Wal(tmp_path / "wal", 1000)  # a rotation after every batch of 1000 bytes or more
+    wal.start()
+    stream = wal.stream()
+    for i in range(3):  # one batch, so one segment, each
+        wal.wait(
+            wal.append(Record(PART, {"stream": stream, "at": i * 1000}, bytes([i]) * 1000)), TIMEOUT
+        )
+    assert len(list_segments(tmp_path / "wal")) >= 3
+    assert wal.release(wal.seal(TIMEOUT), {0: 9}) == 0  # open: whatever the checkpoint holds
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 2, "stream": stream})), TIMEOUT)
+    sealed = wal.seal(TIMEOUT)
+    assert wal.release(sealed, {0: 1}) == 0  # its round 2 is in no checkpoint yet
+    wal.close()
+
+    again = Wal(tmp_path / "wal", 1000)
+    records = list(again.replay())
+    assert [r.kind for r in records] == [PART, PART, PART, PUSH]
+    assert b"".join(bytes(r.payload) for r in records[:3]) == b"".join(
+        bytes([i]) * 1000 for i in range(3)
+    )
+    assert again.stream() > stream  # stream ids never repeat in one log
+    assert again.release(sealed, {0: 1}) == 0
+    assert again.release(sealed, {0: 2}) >= 3 and not list_segments(tmp_path / "wal")
+
+
+def test_an_abandoned_streams_parts_free_their_segments_and_a_dead_runs_open_stream_too(
+    tmp_path,
+):
+    wal = Wal(tmp_path / "wal", 1000)
+    wal.start()
+    refused, cut_off = wal.stream(), wal.stream()
+    wal.append(Record(PART, {"stream": refused, "at": 0}, b"r" * 1000))
+    wal.append(Record(ABANDON, {"stream": refused}))
+    wal.wait(wal.append(Record(PART, {"stream": cut_off, "at": 0}, b"c" * 1000)), TIMEOUT)
+    sealed = wal.seal(TIMEOUT)
+    assert wal.release(sealed, {}) == 0  # `cut_off` is still open
+    wal.close()  # as a kill would leave it: `cut_off` never ends
+    again = Wal(tmp_path / "wal", 1000)
+    assert len(list(again.replay())) == 3
+    assert again.release(sealed, {}) >= 1 and not list_segments(tmp_path / "wal")
+
+
+class GatedDisk(Disk):
+    """Writes wait while `shut` is set: the log's writer falls behind on demand."""
+
+    def __init__(self) -> None:
+        self.open_ = threading.Event()
+        self.open_.set()
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        assert self.open_.wait(TIMEOUT)
+        return super().write(fd, data)
+
+
+def test_a_refused_pushs_buffer_is_not_reused_while_its_parts_wait_to_be_written(
+    tmp_path, monkeypatch
+):
+    """A push's bytes are logged as they arrive, from its receive buffer. Refused after its last
+    byte (here: a NaN), its parts may still be queued: were its buffer handed to the next push
+    meanwhile, the log would write that push's bytes under the refused one's checksums, and a
+    replay would cut the log there, the next push with it, acknowledged as it was."""
+    monkeypatch.setattr(journal_module, "PART_BYTES", 1)  # a part per chunk, as 2 MiB ones are
+    disk = GatedDisk()
+    state = tmp_path / "s"
+    cfg = SynchronizerConfig(port=0, metrics_port=-1, state_dir=state, quorum=1, grace="none")
+    srv = start(cfg, Metrics(), disk=disk)
+    try:
+        c = Client(srv.address, SPEC, "l0")
+        c.join()
+        c.init([torch.zeros(f.numel) for f in SPEC.fragments])
+        assert c.push(0, torch.ones(N0)).outcome == pb.PUSH_ACCEPTED
+        assert c.pull(0, min_version=1, wait_s=TIMEOUT)[0] == 1  # its buffer back in the pool
+        disk.open_.clear()
+        h, buf = c.header(0, torch.ones(N0), pb.CODEC_FP32, base=1)
+        buf.view(torch.float32)[-1] = float("nan")
+        with pytest.raises(grpc.RpcError) as e:
+            c.stub.PushFragment(push_messages(h, buf), timeout=TIMEOUT, metadata=c.md)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        wal = srv.synchronizer.journal.wal
+        assert wal is not None
+        before, parts = wal.appended, -(-buf.numel() // 512)  # its chunks, 512 bytes each
+        second: dict[str, pb.PushReply] = {}
+        pushing = threading.Thread(
+            target=lambda: second.update(r=c.push(0, torch.full((N0,), 2.0), base=1))
+        )
+        pushing.start()  # received whole (into the refused push's buffer, were it reused)
+        poll(lambda: wal.appended >= before + parts, TIMEOUT, "the second push's parts")
+        disk.open_.set()
+        pushing.join(TIMEOUT)
+        assert second["r"].outcome == pb.PUSH_ACCEPTED
+        # The log as it stands (a kill now would leave this) replays the acknowledged push.
+        logged = [
+            r for _, path in list_segments(state / "wal") for r in wal_module.read_segment(path)
+        ]
+        pushes = [r.meta for r in logged if r.kind == PUSH]
+        assert [(m["seq"], m["version"]) for m in pushes] == [(1, 1), (c.seq, 2)]
+    finally:
+        disk.open_.set()
+        stop(srv, 1.0)
+
+
+def test_a_push_in_tiny_chunks_is_logged_in_parts_of_part_bytes(tmp_path, monkeypatch):
+    """A part per chunk would cost a learner sending tiny chunks a record header per chunk."""
+    monkeypatch.setattr(journal_module, "PART_BYTES", 1000)
+    cfg = SynchronizerConfig(port=0, metrics_port=-1, state_dir=tmp_path / "s", quorum=1)
+    srv = start(cfg, Metrics())
+    try:
+        c = Client(srv.address, SPEC, "l0")
+        c.join()
+        c.init([torch.zeros(f.numel) for f in SPEC.fragments])
+        assert c.push(0, torch.ones(N0)).outcome == pb.PUSH_ACCEPTED  # 512-byte chunks
+        logged = [
+            r
+            for _, path in list_segments(tmp_path / "s" / "wal")
+            for r in wal_module.read_segment(path)
+        ]
+    finally:
+        stop(srv, 1.0)
+    (push,) = [r for r in logged if r.kind == PUSH]
+    parts = [r for r in logged if r.kind == PART and r.meta["stream"] == push.meta["stream"]]
+    sizes = [len(r.payload) for r in parts]
+    assert sum(sizes) == N0 * 4 and len(sizes) >= 2
+    assert all(1000 <= n < 1000 + 512 for n in sizes[:-1]) and 0 < sizes[-1] < 1000 + 512
+    assert [r.meta["at"] for r in parts] == [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 # The Synchronizer over the log -------------------------------------------------------------
