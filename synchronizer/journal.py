@@ -129,7 +129,8 @@ PART_BYTES = 1 << 20
 
 class PushStream:
     """A push's payload logged as it is received (PART records, from the receive buffer itself,
-    no copy): the disk writes the first bytes while the last arrive. It ends in the push's
+    no copy; checksummed by the log's writer): the disk writes the first bytes while the last
+    arrive. It ends in the push's
     PUSH record (`end`, its last bytes logged first), or in an ABANDON record when the push is
     not accepted."""
 

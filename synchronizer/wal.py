@@ -78,17 +78,18 @@ class Record:
     kind: int
     meta: dict[str, Any]
     payload: bytes | memoryview = b""
-    payload_crc: int | None = None  # crc32 of the payload, when the caller computed it
-
-    def __post_init__(self) -> None:
-        if self.payload_crc is None:
-            self.payload_crc = zlib.crc32(self.payload)
+    # crc32 of the payload, when the caller computed it; else the writer does, as it encodes
+    # the record (a push's parts: their receiving thread only appends them)
+    payload_crc: int | None = None
 
 
 def encode(record: Record) -> list[bytes | memoryview]:
     meta = json.dumps(record.meta, separators=(",", ":")).encode()
     body_head = _META.pack(len(meta)) + meta
-    crc = zlib.crc32(body_head, zlib.crc32(bytes([record.kind]), record.payload_crc or 0))
+    payload_crc = record.payload_crc
+    if payload_crc is None:
+        payload_crc = zlib.crc32(record.payload)
+    crc = zlib.crc32(body_head, zlib.crc32(bytes([record.kind]), payload_crc))
     length = len(body_head) + len(record.payload)
     return [_HEAD.pack(length, crc, record.kind) + body_head, record.payload]
 
