@@ -13,7 +13,11 @@ needs every tensor at once), straight from their own memory, so the Synchronizer
 state without copying it (one fragment at a time, held still meanwhile); the header, which
 safetensors puts first, goes into room reserved before the data and padded with spaces as the
 format allows. `load_latest` reads each tensor into memory of its own when it is
-asked for (`Stored`), so a restore neither maps the whole file nor holds it twice.
+asked for (`Stored`), so a restore neither maps the whole file nor holds it twice. Every
+`_WRITE_BYTES` written are fdatasync'd and dropped from the page cache (`Disk.forget`): the next
+ones reuse their pages, where a checkpoint of many GB would otherwise take as many fresh ones,
+each a host fault on a virtual machine (measured here: 1 GiB in 5.6-5.7 s that way, 30 s after
+the previous checkpoint, against about 1 s).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class Writer:
         self.size = 0  # data bytes written
         self.fd: int | None = self.disk.create(self.tmp)  # closed by finish or __exit__
         self.at = 8 + self.room  # where the next tensor's bytes go
+        self.synced = 0  # bytes before this are fdatasync'd and forgotten
 
     def __enter__(self) -> Writer:
         return self
@@ -119,6 +124,10 @@ class Writer:
                 part = data[start : start + _WRITE_BYTES]
                 self._pwrite_all(part, self.at)
                 self.at += len(part)
+                if self.at - self.synced >= _WRITE_BYTES:
+                    self.disk.fsync(self.fd)
+                    self.disk.forget(self.fd, self.synced, self.at - self.synced)
+                    self.synced = self.at
             self.entries[name] = {
                 "dtype": _DTYPES[t.dtype],
                 "shape": list(t.shape),
@@ -138,6 +147,7 @@ class Writer:
         assert self.fd is not None, "finish twice"
         self._pwrite_all(struct.pack("<Q", self.room) + header.ljust(self.room, b" "), 0)
         self.disk.fsync(self.fd)
+        self.disk.forget(self.fd, 0, self.at)
         self.disk.close(self.fd)
         self.fd = None
         # The data is durable before its name is, and the name before anything it replaces goes.
@@ -172,7 +182,7 @@ class Writer:
         self.disk.close(self.fd)
         self.disk.replace(moved, self.tmp)  # the open descriptor follows the file
         self.fd, self.room = fd, room
-        self.at = at
+        self.at = self.synced = at  # the new file's data: written, and synced at `finish`
 
 
 def _round8(n: int) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -24,6 +26,7 @@ from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec, TensorInfo, plan_fragments
+from synchronizer.disk import Disk
 
 TIMEOUT = 20.0
 
@@ -350,3 +353,26 @@ def run_smoke(name: str, out: Path, *extra: str, timeout_s: float = 230) -> dict
         )
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def resident_fraction(path: Path) -> float:
+    """The share of a file's pages in the page cache (mincore over a mapping of it)."""
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), size) as m:
+        vec = (ctypes.c_ubyte * pages)()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        rc = libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec)
+        del addr  # the mapping may close only once nothing points into it
+        if rc != 0:
+            pytest.skip(f"mincore failed: {os.strerror(ctypes.get_errno())}")
+        return sum(v & 1 for v in vec) / pages
+
+
+class KeepsPages(Disk):
+    """The real filesystem, but nothing written is dropped from the page cache."""
+
+    def forget(self, fd: int, offset: int, length: int) -> None:
+        pass

@@ -32,7 +32,16 @@ from synchronizer.wal import (
     WalError,
     list_segments,
 )
-from tests.helpers import TIMEOUT, Client, poll, push_messages, serve_process, small_spec
+from tests.helpers import (
+    TIMEOUT,
+    Client,
+    KeepsPages,
+    poll,
+    push_messages,
+    resident_fraction,
+    serve_process,
+    small_spec,
+)
 
 SPEC = small_spec(fragments=2)
 N0 = SPEC.fragments[0].numel
@@ -63,31 +72,6 @@ def test_records_come_back_in_order_and_one_fsync_covers_a_batch(tmp_path):
     assert again[-1][0] == ROUND and again[3][2] == bytes([3]) * 100
 
 
-def _resident_fraction(path: Path) -> float:
-    """The share of a file's pages in the page cache (mincore over a mapping of it)."""
-    import ctypes
-    import mmap
-    import os
-
-    size = path.stat().st_size
-    pages = -(-size // mmap.PAGESIZE)
-    with open(path, "r+b") as f, mmap.mmap(f.fileno(), size) as m:
-        vec = (ctypes.c_ubyte * pages)()
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        rc = libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec)
-        del addr  # the mapping may close only once nothing points into it
-        if rc != 0:
-            pytest.skip(f"mincore failed: {os.strerror(ctypes.get_errno())}")
-        return sum(v & 1 for v in vec) / pages
-
-
-class KeepsPages(Disk):
-    def forget(self, fd: int, offset: int, length: int) -> None:
-        pass
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="page cache residency is read with mincore")
 def test_what_the_log_made_durable_leaves_the_page_cache(tmp_path):
     """The log's bytes are read again only by a replay: once durable, their pages go back to be
@@ -103,7 +87,7 @@ def test_what_the_log_made_durable_leaves_the_page_cache(tmp_path):
         ]
         wal.wait(tickets[-1], TIMEOUT)
         (_, path), *_ = list_segments(tmp_path / name)
-        resident[name] = _resident_fraction(path)
+        resident[name] = resident_fraction(path)
         wal.close()
     if resident["kept"] < 0.5:
         pytest.skip(f"this filesystem does not keep written pages cached ({resident})")
