@@ -22,12 +22,14 @@ the pushes of each round in the order they were added, then its outer step.
 On disk: `wal/wal-NNNNNNNNNN.log` segments, each a sequence of records `<length u32><crc32 u32>
 <kind u8><body>`, the body a JSON document (length-prefixed) followed by the payload bytes; the
 checksum runs over the payload, then the kind and the JSON part (so the payload's part can be
-computed by the pushing thread, outside the writer). A
+computed by the pushing thread, outside the writer; a part's is computed by the writer). A
 record whose length or checksum does not hold ends its segment (a torn tail: only a record that
 was never acknowledged can be torn) and is cut off. A checkpoint seals the current segment
 (`seal`), and once written, `release` deletes the sealed segments it covers: every round they
-mention is at or below the checkpoint's versions. Disk use stays bounded by what the checkpoint
-interval lets accumulate.
+mention is at or below the checkpoint's versions, and no stream with parts in them is still
+open (its push may yet be acknowledged into a later round; a stream that stalls is cut by the
+Synchronizer's idle-stream timeout). Disk use stays bounded by what the checkpoint interval
+lets accumulate. Once fsynced, a batch's pages are dropped from the page cache (`Disk.forget`).
 
 A write or fsync that fails (a full disk, an I/O error) keeps the records in memory and retries
 every `RETRY_S`; meanwhile `failure` says why, new pushes are refused by the caller, and nothing
@@ -195,6 +197,7 @@ class Wal:
                 count += 1
                 yield record
             logger.debug("replayed %d records of %s", count, path.name)
+        self.stream_segments.clear()  # what is still open was cut off by the end of a run
 
     def start(self) -> None:
         """Opens a fresh segment after the replayed ones and starts the writer."""
