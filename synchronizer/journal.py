@@ -130,9 +130,8 @@ PART_BYTES = 1 << 20
 class PushStream:
     """A push's payload logged as it is received (PART records, from the receive buffer itself,
     no copy; checksummed by the log's writer): the disk writes the first bytes while the last
-    arrive. It ends in the push's
-    PUSH record (`end`, its last bytes logged first), or in an ABANDON record when the push is
-    not accepted."""
+    arrive. It ends in the push's PUSH record (`end`, its last bytes logged first), or in an
+    ABANDON record when the push is not accepted."""
 
     def __init__(self, wal: Wal, buffer: torch.Tensor) -> None:
         self.wal = wal
@@ -143,9 +142,9 @@ class PushStream:
         self.ticket = 0  # of its last part
         self.ended = False
 
-    def add(self, start: int, end: int) -> None:
-        """The buffer's bytes [start, end) landed, the next ones the push received."""
-        assert start == self.received and not self.ended
+    def add(self, end: int) -> None:
+        """The buffer holds the payload's first `end` bytes now (chunks land in order)."""
+        assert end >= self.received and not self.ended
         self.received = end
         if self.received - self.at >= PART_BYTES:
             self._part()

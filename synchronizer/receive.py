@@ -69,19 +69,18 @@ def payload(
     messages: Iterator[Any],
     header: pb.PayloadHeader,
     buffer: torch.Tensor,
-    landed: Callable[[int, int], None] | None = None,
+    landed: Callable[[int], None] | None = None,
 ) -> pb.PayloadHeader:
     """Receives a push's chunks into `buffer` and checks the values; returns a copy of the
-    (validated) header that the round may keep. `landed(start, end)` is told of each chunk's
-    bytes as they land in the buffer (the write-ahead log writes them meanwhile)."""
+    (validated) header that the round may keep. `landed(end)` is told after each chunk that the
+    buffer holds the payload's first `end` bytes (the write-ahead log writes them meanwhile)."""
     asm = framing.Assembler(header, buffer=buffer)
     for msg in messages:
         if msg.WhichOneof("kind") != "chunk":
             raise invalid("bad_stream", "only chunks may follow the PushHeader")
-        start = asm.received
         add_chunk(asm, msg.chunk)
         if landed is not None:
-            landed(start, asm.received)
+            landed(asm.received)
     if not asm.complete:
         raise invalid(
             "incomplete",
