@@ -77,11 +77,14 @@ class Round:
         assert self.acc is not None
         spent = [h.buf for h in self.held]
         try:
-            ordered = sorted(self.held, key=lambda h: h.order)
-            self.acc.add_payloads([(h.buf, h.header, h.weight) for h in ordered], scratch)
+            self.acc.add_payloads(self.ordered_held(), scratch)
         finally:
             self.held.clear()
         return spent
+
+    def ordered_held(self) -> list[tuple[torch.Tensor, pb.PayloadHeader, float]]:
+        """The held pushes as (buf, header, weight), in the order they are added in."""
+        return [(h.buf, h.header, h.weight) for h in sorted(self.held, key=lambda h: h.order)]
 
 
 class Held(NamedTuple):

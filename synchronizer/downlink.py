@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -113,9 +113,15 @@ class Downlink:
         cache). Each decoded run is added to the parameters by the same single add a learner
         applying the whole link does (so the sum is the same, element for element); the link's
         bytes are those of encoding u at once. `merged` is only read."""
-        if self.residual is None:
-            self.residual = torch.zeros(self.numel, dtype=self.residual_dtype)
-        if self._native_step(params, merged, outer, version):
+        residual = self._residual()
+        if self._native_step(
+            params,
+            outer,
+            version,
+            lambda momentum, mu, codes, scales, bs: native.chain_int8(
+                params, momentum, merged, residual, codes, scales, bs, outer.factor, mu
+            ),
+        ):
             return
         run = min(RUN_ELEMS, self.numel)
         if self.codec in blockwise.MAX_CODE:
@@ -128,43 +134,85 @@ class Downlink:
         update = torch.empty(run)
         decoded = torch.empty(run)
         for start, stop in runs(self.numel, run):
-            u = update[: stop - start].copy_(self.residual[start:stop])
+            u = update[: stop - start].copy_(residual[start:stop])
             outer.add_to(start, stop, merged[start:stop], u, direction)
             values = encoder.encode(u, decoded)
             params[start:stop].add_(values)
-            self.residual[start:stop].copy_(u.sub_(values))
+            residual[start:stop].copy_(u.sub_(values))
         self._append((version, encoder.header, encoder.out))
 
-    def _native_step(
-        self, params: torch.Tensor, merged: torch.Tensor, outer: OuterStep, version: int
+    def native_chain(self, params: torch.Tensor) -> bool:
+        """Whether the native kernels take this fragment's steps through its chain: kept links,
+        an INT8 chain, parameters on CPU (the outer step must also have a `native_form`)."""
+        return (
+            self.native_kernels
+            and self.history > 0
+            and self.codec == pb.CODEC_INT8
+            and params.device.type == "cpu"
+        )
+
+    def step_pushes(
+        self,
+        params: torch.Tensor,
+        pushes: list[tuple[torch.Tensor, bool, torch.Tensor]],
+        summed: int,
+        total: float,
+        outer: OuterStep,
+        version: int,
     ) -> bool:
-        """`step` by the native kernel, where it computes this one (an INT8 chain of a
-        Nesterov or plain step, on CPU); False where it does not."""
-        form = outer.native_form() if self.native_kernels else None
-        if form is None or self.codec != pb.CODEC_INT8 or params.device.type != "cpu":
+        """`step` with the merged delta made block by block from a round's encoded pushes
+        (`native.step_int8`: the first `summed` weighted, summed and divided by `total`, the
+        rest added; every one of the chain's block size), never held whole in FP32; the same
+        numbers as `step` of that merged delta. False (nothing done) where the native chain does
+        not take this step. The caller has shown the merged delta appliable."""
+        return self._native_step(
+            params,
+            outer,
+            version,
+            lambda momentum, mu, codes, scales, bs: native.step_int8(
+                pushes,
+                summed,
+                total,
+                params,
+                momentum,
+                self._residual(),
+                codes,
+                scales,
+                bs,
+                outer.factor,
+                mu,
+            ),
+        )
+
+    def _native_step(
+        self,
+        params: torch.Tensor,
+        outer: OuterStep,
+        version: int,
+        kernel: Callable[[torch.Tensor | None, float, torch.Tensor, torch.Tensor, int], bool],
+    ) -> bool:
+        """`step` by a native kernel, where one computes this one (an INT8 chain of a Nesterov
+        or plain step, on CPU); False where none does. `kernel(momentum, mu, codes, scales,
+        block size)` writes the link's codes and scales and says whether the update was
+        finite."""
+        form = outer.native_form() if self.native_chain(params) else None
+        if form is None:
             return False
-        assert self.residual is not None
         momentum, mu = form
         header = layout.make_header(self.codec, self.numel)
         out = self._link_bytes(int(header.total_bytes))
         code_bytes = layout.code_bytes(self.codec, self.numel)
         scales = torch.empty(-(-self.numel // int(header.block_size)))
-        finite = native.chain_int8(
-            params,
-            momentum,
-            merged,
-            self.residual,
-            out[:code_bytes],
-            scales,
-            int(header.block_size),
-            outer.factor,
-            mu,
-        )
-        if not finite:
+        if not kernel(momentum, mu, out[:code_bytes], scales, int(header.block_size)):
             raise layout.CodecError("the outer update is not finite: it cannot be encoded")
         out[code_bytes:] = scales.view(torch.uint8)  # the scales follow the codes, unaligned
         self._append((version, header, out))
         return True
+
+    def _residual(self) -> torch.Tensor:
+        if self.residual is None:
+            self.residual = torch.zeros(self.numel, dtype=self.residual_dtype)
+        return self.residual
 
     def _link_bytes(self, nbytes: int) -> torch.Tensor:
         """Bytes for the next link: those of the link it evicts from a full chain (evicted now:

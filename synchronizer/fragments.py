@@ -26,7 +26,7 @@ from synchronizer.clock import Clock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected
 from synchronizer.goodput import Goodput, Share
-from synchronizer.merge import Accumulator
+from synchronizer.merge import Accumulator, native_codec
 from synchronizer.metrics import Metrics
 from synchronizer.model import FragmentModel
 
@@ -175,22 +175,50 @@ class Fragment:
         round's sums are taken from the shared FP32 buffers (unless it added on arrival and has
         them already) and given back when the step ends, whatever happens."""
         try:
-            if rnd.acc is None:
-                rnd.acc = self._new_accumulator()
-            acc = rnd.acc
-            t_decode = time.perf_counter()
-            self._add_held(rnd)
-            t_decode = time.perf_counter() - t_decode
+            # A round still all encoded pushes the native chain can step from is handed over as
+            # it is (no FP32 sums: `FragmentModel.step`), and decoded under the model's lock
+            # only where the step does not take it; every other round is decoded here, outside.
+            held = rnd.ordered_held() if self._steps_from_pushes(rnd) else []
+            t_decode = 0.0 if held else self._decode(rnd)
 
             def merge() -> torch.Tensor:  # in place over the round's sums; zero weights: no change
+                nonlocal t_decode
+                if held:  # the step did not take the pushes as they are: decoded now
+                    t_decode = self._decode(rnd)
+                acc = rnd.acc
+                assert acc is not None
                 return acc.merged() if acc.total_weight > 0 else acc.cleared()
 
             seconds, refused = self.model.step(
-                rnd.start_version, merge, rnd.contributions, lambda: acc.merged_max_abs
+                rnd.start_version,
+                merge,
+                rnd.contributions,
+                lambda: None if rnd.acc is None else rnd.acc.merged_max_abs,
+                held,
             )
         finally:
             self.discard(rnd)
         return seconds + t_decode, refused
+
+    def _steps_from_pushes(self, rnd: Round) -> bool:
+        """Whether the round may go to the outer step as encoded pushes: nothing added on
+        arrival, mean merging, and every push one the native kernels decode."""
+        return (
+            rnd.acc is None
+            and bool(rnd.held)
+            and self.cfg.merge == "mean"
+            and native.resolve(self.cfg.kernels)
+            and all(native_codec(h.header) for h in rnd.held)
+        )
+
+    def _decode(self, rnd: Round) -> float:
+        """The round's held pushes decoded into its sums (taken from the FP32 buffers where it
+        has none yet); the seconds it took."""
+        t0 = time.perf_counter()
+        if rnd.acc is None:
+            rnd.acc = self._new_accumulator()
+        self._add_held(rnd)
+        return time.perf_counter() - t0
 
     def discard(self, rnd: Round) -> None:
         """Gives back what a taken round holds (held payloads, its sums), once its outer step

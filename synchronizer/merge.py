@@ -86,16 +86,24 @@ def add_native(
         stop = start + 1
         while stop < len(payloads) and int(payloads[stop][1].block_size) == size:
             stop += 1
-        pushes = [
-            (
-                buf.contiguous(),
-                h.codec == pb.CODEC_INT4,
-                blockwise.checked_scales(buf, h.codec, numel, h.scale_dtype) * weight,
-            )
-            for buf, h, weight in payloads[start:stop]
-        ]
+        pushes = weighted_codes(payloads[start:stop], numel)
         native.accumulate(pushes, numel, size, out, overwrite=overwrite and start == 0)
         start = stop
+
+
+def weighted_codes(
+    payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]], numel: int
+) -> list[tuple[torch.Tensor, bool, torch.Tensor]]:
+    """The native kernels' form of checked INT8/INT4 payloads: (codes, whether INT4, each
+    block's scale times the payload's weight)."""
+    return [
+        (
+            buf.contiguous(),
+            h.codec == pb.CODEC_INT4,
+            blockwise.checked_scales(buf, h.codec, numel, h.scale_dtype) * weight,
+        )
+        for buf, h, weight in payloads
+    ]
 
 
 class Accumulator:

@@ -28,13 +28,13 @@ from typing import Any, Protocol
 
 import torch
 
-from protos import codec
+from protos import codec, layout
 from protos import diloco_pb2 as pb
 from synchronizer import native, slices
 from synchronizer.buffers import Snapshots
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink, Link, kept_links
-from synchronizer.merge import add_native, native_codec
+from synchronizer.merge import add_native, native_codec, weighted_codes
 from synchronizer.outer import make_outer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,34 @@ logger = logging.getLogger(__name__)
 # Largest |merged delta| an outer step applies: far beyond any honest pseudo-gradient, and small
 # enough that momentum and parameters stay finite in FP32 (max 3.4e38).
 MAX_MERGED_ABS = 1e30
+
+
+# Largest |code| the native kernels decode, per codec: INT8's -128 is never written but decodes
+# (`blockwise`); INT4 nibbles are clamped to [-7, 7].
+_LARGEST_CODE = {False: 128.0, True: 7.0}
+# Room in the bound below for the rounding of the sums it bounds (each operation is rounded
+# to FP32: relative 2^-24 per push added).
+_BOUND_SLACK = 1.001
+
+
+def bounded_by_scales(
+    pushes: Sequence[tuple[torch.Tensor, bool, torch.Tensor]], summed: int, total: float
+) -> bool:
+    """Whether the merged delta of weighted encoded pushes (`native.step_int8`'s: the first
+    `summed` summed and divided by `total`, the rest added) is shown appliable by the scales
+    alone: in each block, the largest code times the scale, summed over the pushes, bounds
+    every element's magnitude, so a finite bound within `MAX_MERGED_ABS` (with slack for
+    rounding) proves what `unappliable` would find without reading a code."""
+    bound: torch.Tensor | None = None
+    for i, (_, int4, scales) in enumerate(pushes):
+        term = scales.double().abs() * _LARGEST_CODE[int4]
+        if i < summed:
+            term /= total
+        bound = term if bound is None else bound + term
+    if bound is None or total <= 0.0:
+        return False
+    largest = float(bound.max()) * _BOUND_SLACK
+    return math.isfinite(largest) and largest <= MAX_MERGED_ABS
 
 
 class FragmentFailed(Exception):
@@ -111,11 +139,15 @@ class FragmentModel:
         merge: Callable[[], torch.Tensor],
         contributions: Sequence[Contributor],
         max_abs: Callable[[], float | None] = lambda: None,
+        held: Sequence[tuple[torch.Tensor, pb.PayloadHeader, float]] = (),
     ) -> tuple[float, str | None]:
         """Applies one round's outer step once the fragment is at `start_version`; returns the
         seconds it took and, for a refused round, why. `merge()` returns the round's merged
-        delta in a buffer the outer step may write over (the round's own sums); `max_abs()`, its
-        largest magnitude where the merge took it (None: measured here). A merged delta that is not finite or beyond
+        delta in a buffer the outer step may write over (the round's own sums); `max_abs()`,
+        its largest magnitude where the merge took it (None: measured here). `held`: the whole
+        round as encoded pushes (buf, header, weight), in order, where `merge()` would only
+        decode and merge them: the native chain may then step from them directly
+        (`_step_held`), and `merge` is not called. A merged delta that is not finite or beyond
         `MAX_MERGED_ABS` is refused before it touches any state: the version still advances
         (by an empty update, so rounds and delta pulls keep their order) and the fragment stays
         healthy. Waits while a checkpoint writes the fragment (`frozen`). Raises
@@ -126,22 +158,82 @@ class FragmentModel:
             self._check_healthy()
             t0 = time.perf_counter()
             assert self.params is not None
-            merged = merge()
-            if self.cfg.anchor == "current":
-                self._reanchor(start_version, contributions, merged)
-            refused = unappliable(merged, None if self.cfg.anchor == "current" else max_abs())
-            if refused is not None:
-                self.downlink.skip(start_version + 1)
-            elif self.downlink.history > 0:
-                self.downlink.step(self.params, merged, self.outer.begin(), start_version + 1)
-            else:
-                self.outer.step(self.params, merged)
+            refused = None
+            if not (held and self._step_held(start_version, held, contributions)):
+                merged = merge()
+                if self.cfg.anchor == "current":
+                    self._reanchor(start_version, contributions, merged)
+                refused = unappliable(merged, None if self.cfg.anchor == "current" else max_abs())
+                if refused is not None:
+                    self.downlink.skip(start_version + 1)
+                elif self.downlink.history > 0:
+                    self.downlink.step(self.params, merged, self.outer.begin(), start_version + 1)
+                else:
+                    self.outer.step(self.params, merged)
             self.version = start_version + 1
             if refused is None:
                 self.merged += len(contributions)
             self.downlink.changed()
             self.cv.notify_all()
             return time.perf_counter() - t0, refused
+
+    def _step_held(
+        self,
+        start_version: int,
+        held: Sequence[tuple[torch.Tensor, pb.PayloadHeader, float]],
+        contributions: Sequence[Contributor],
+    ) -> bool:
+        """The outer step made straight from the round's encoded pushes and re-anchoring links
+        (`Downlink.step_pushes`: no FP32 sums, no pass to merge or to check them), where the
+        native chain takes it: every push and link INT8 or INT4 of the chain's block size, a
+        positive total weight, and the merged delta shown appliable by the scales alone
+        (`bounded_by_scales`). The same numbers as decoding, merging, re-anchoring and stepping
+        one after the other. False, with nothing changed, where it is not taken."""
+        assert self.params is not None
+        if not (self.outer.native and self.downlink.native_chain(self.params)):
+            return False
+        weighted = [p for p in held if p[2] > 0.0]
+        links = self._stale_links(start_version, contributions)
+        payloads = [*weighted, *links]
+        block = layout.DEFAULT_BLOCK_SIZE  # the chain's
+        if not weighted or not all(
+            native_codec(h) and h.block_size == block and h.numel == self.numel
+            for _, h, _ in payloads
+        ):
+            return False
+        total = sum(w for _, _, w in weighted)
+        pushes = weighted_codes(payloads, self.numel)
+        if not bounded_by_scales(pushes, len(weighted), total):
+            return False
+        step = self.outer.begin()
+        taken = self.downlink.step_pushes(
+            self.params, pushes, len(weighted), total, step, start_version + 1
+        )
+        assert taken  # native_chain and native form were checked above
+        return True
+
+    def _stale_links(
+        self, start_version: int, contributions: Sequence[Contributor]
+    ) -> list[tuple[torch.Tensor, pb.PayloadHeader, float]]:
+        """What re-anchoring adds to the merged delta (anchor 'current'): the kept links since
+        each stale contribution's base, as (encoded, header, weight); empty where nothing is
+        re-anchored."""
+        if self.cfg.anchor != "current":
+            return []
+        total = sum(c.weight for c in contributions)
+        stale = [
+            c
+            for c in contributions
+            if c.base_version < start_version
+            and self.downlink.covers(c.base_version, start_version)
+        ]
+        if total <= 0 or not stale:
+            return []
+        return [
+            (encoded, header, behind / total)
+            for v, header, encoded in self.downlink.chain
+            if (behind := sum(c.weight for c in stale if c.base_version < v)) > 0
+        ]
 
     def _reanchor(
         self, start_version: int, contributions: Sequence[Contributor], merged: torch.Tensor
@@ -152,20 +244,9 @@ class FragmentModel:
         the same arithmetic, element for element, as adding the whole decoded link; with the
         native kernels every link is added in one pass, its weight folded into its block
         scales (the kernels' own numbers: the kernel in use is a replay setting)."""
-        total = sum(c.weight for c in contributions)
-        stale = [
-            c
-            for c in contributions
-            if c.base_version < start_version
-            and self.downlink.covers(c.base_version, start_version)
-        ]
-        if total <= 0 or not stale:
+        links = self._stale_links(start_version, contributions)
+        if not links:
             return
-        links = [
-            (encoded, header, behind / total)
-            for v, header, encoded in self.downlink.chain
-            if (behind := sum(c.weight for c in stale if c.base_version < v)) > 0
-        ]
         if (
             self.downlink.native_kernels
             and merged.device.type == "cpu"

@@ -173,6 +173,25 @@ static inline int chain_block(float *params, float *momentum, const float *grad,
     return 0;
 }
 
+/* chain_block with its branches resolved: one call per combination, so each inlined copy has
+ * no branch in its loops. */
+static inline int chain_dispatch(float *params, float *momentum, const float *grad, uint16_t *r16,
+                                 float *r32, int8_t *codes, float *scale_out, int64_t m,
+                                 float factor, int nesterov, int bf16, float mu,
+                                 float *restrict u) {
+    if (nesterov && bf16)
+        return chain_block(params, momentum, grad, r16, NULL, codes, scale_out, m, factor, 1, 1,
+                           mu, u);
+    if (nesterov)
+        return chain_block(params, momentum, grad, NULL, r32, codes, scale_out, m, factor, 1, 0,
+                           mu, u);
+    if (bf16)
+        return chain_block(params, momentum, grad, r16, NULL, codes, scale_out, m, factor, 0, 1,
+                           mu, u);
+    return chain_block(params, momentum, grad, NULL, r32, codes, scale_out, m, factor, 0, 0, mu,
+                       u);
+}
+
 KERNEL int diloco_chain_int8(float *params, float *momentum, const float *grad, void *residual,
                       int residual_bf16, int8_t *codes, float *scales, int64_t n, int64_t bs,
                       float factor, int nesterov, float mu, float *scratch) {
@@ -181,21 +200,50 @@ KERNEL int diloco_chain_int8(float *params, float *momentum, const float *grad, 
     for (int64_t start = 0, b = 0; start < n; start += bs, b++) {
         int64_t m = start + bs < n ? bs : n - start;
         float *mom = nesterov ? momentum + start : momentum;
-        int status;
-        /* one call per combination, so each inlined copy has no branch in its loops */
-        if (nesterov && residual_bf16)
-            status = chain_block(params + start, mom, grad + start, r16 + start, NULL,
-                                 codes + start, scales + b, m, factor, 1, 1, mu, scratch);
-        else if (nesterov)
-            status = chain_block(params + start, mom, grad + start, NULL, r32 + start,
-                                 codes + start, scales + b, m, factor, 1, 0, mu, scratch);
-        else if (residual_bf16)
-            status = chain_block(params + start, mom, grad + start, r16 + start, NULL,
-                                 codes + start, scales + b, m, factor, 0, 1, mu, scratch);
-        else
-            status = chain_block(params + start, mom, grad + start, NULL, r32 + start,
-                                 codes + start, scales + b, m, factor, 0, 0, mu, scratch);
-        if (status) return status;
+        if (chain_dispatch(params + start, mom, grad + start,
+                           residual_bf16 ? r16 + start : NULL, residual_bf16 ? NULL : r32 + start,
+                           codes + start, scales + b, m, factor, nesterov, residual_bf16, mu,
+                           scratch))
+            return -1;
+    }
+    return 0;
+}
+
+/* A whole round's outer step from its encoded pushes, block by block, with no FP32 sums in
+ * memory: each block of the merged delta is made in `scratch` exactly as `diloco_accumulate`
+ * (pushes 0..nsum-1, the first written), `diloco_merge` (divided by `total`) and then
+ * `diloco_accumulate` again (pushes nsum..npush-1 added: the re-anchoring links) make it, and
+ * taken through `diloco_chain_int8`'s step at once. Every push has block size `bs` (at most
+ * RUN), the chain's own. The caller has shown the merged delta appliable from the scales alone
+ * (nothing here checks its range). `scratch` holds 2 * bs floats. Returns as
+ * `diloco_chain_int8`. */
+KERNEL int diloco_step_int8(int npush, int nsum, const uint8_t *const *codes, const int *int4,
+                     const float *const *scales, float total, float *params, float *momentum,
+                     void *residual, int residual_bf16, int8_t *out_codes, float *out_scales,
+                     int64_t n, int64_t bs, float factor, int nesterov, float mu,
+                     float *scratch) {
+    uint16_t *r16 = (uint16_t *)residual;
+    float *r32 = (float *)residual;
+    float *g = scratch, *u = scratch + bs;
+    int8_t q[RUN];
+    if (bs > RUN || npush < 1 || nsum < 1 || nsum > npush) return -2;
+    for (int64_t start = 0, b = 0; start < n; start += bs, b++) {
+        int64_t m = start + bs < n ? bs : n - start;
+        for (int k = 0; k < npush; k++) {
+            codes_of(codes[k], int4[k], start, start + m, q);
+            float sc = scales[k][b];
+            if (k == 0)
+                for (int64_t j = 0; j < m; j++) g[j] = (float)q[j] * sc;
+            else
+                for (int64_t j = 0; j < m; j++) g[j] = g[j] + (float)q[j] * sc;
+            if (k == nsum - 1)
+                for (int64_t j = 0; j < m; j++) g[j] = g[j] / total;
+        }
+        float *mom = nesterov ? momentum + start : momentum;
+        if (chain_dispatch(params + start, mom, g, residual_bf16 ? r16 + start : NULL,
+                           residual_bf16 ? NULL : r32 + start, out_codes + start, out_scales + b,
+                           m, factor, nesterov, residual_bf16, mu, u))
+            return -1;
     }
     return 0;
 }

@@ -5,7 +5,9 @@ decode of a push is a dozen, the INT8 update chain another dozen (`docs/performa
 kernels in `native.c` do each of those in one pass: every held push of a round decoded and
 weighted into its sums together (`accumulate`), the sums divided into the merged delta while its
 range is taken (`merge`), and the Nesterov step, the INT8 encoding of the update with its
-residual, and the parameters' add, block by block (`chain_int8`).
+residual, and the parameters' add, block by block (`chain_int8`). Where a round is still all
+encoded pushes when its step comes, `step_int8` does all of it in one pass, each block of the
+merged delta made in cache and stepped at once, with the same numbers and no FP32 sums.
 
 They are optional: nothing but a C compiler is needed (no torch headers, no build step at
 install), the shared object is cached per source, compiler and machine, and where none can be
@@ -46,6 +48,7 @@ _built: dict[str, Kernels | str] = {}  # one build per process: the kernels, or 
 
 _f32p = ctypes.POINTER(ctypes.c_float)
 _i64 = ctypes.c_int64
+RUN_ELEMS = 4096  # native.c's RUN: the largest block `step_int8` takes
 
 
 class NativeUnavailable(RuntimeError):
@@ -164,6 +167,27 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         vp,
     ]
     lib.diloco_chain_int8.restype = ctypes.c_int
+    lib.diloco_step_int8.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(vp),
+        ctypes.POINTER(ctypes.c_int),
+        ctypes.POINTER(vp),
+        ctypes.c_float,
+        vp,
+        vp,
+        vp,
+        ctypes.c_int,
+        vp,
+        vp,
+        _i64,
+        _i64,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_float,
+        vp,
+    ]
+    lib.diloco_step_int8.restype = ctypes.c_int
     return lib
 
 
@@ -226,6 +250,14 @@ def accumulate(
     A push is (codes: uint8, INT8 or packed INT4; whether INT4; FP32 scales, weighted)."""
     lib = load().lib
     _check_f32("out", out, n)
+    codes, int4, scales = _pushes(pushes, n, block_size)
+    lib.diloco_accumulate(
+        len(pushes), codes, int4, scales, n, block_size, _ptr(out), int(overwrite)
+    )
+
+
+def _pushes(pushes: list[tuple[torch.Tensor, bool, torch.Tensor]], n: int, block_size: int):
+    """The kernels' arrays of pushes' codes, INT4 flags and scales (each push checked)."""
     k = len(pushes)
     codes = (ctypes.c_void_p * k)()
     scales = (ctypes.c_void_p * k)()
@@ -236,7 +268,7 @@ def accumulate(
             raise ValueError("codes must be uint8 covering every element")
         _check_f32("scales", s, blocks)
         codes[i], scales[i], int4[i] = _ptr(c), _ptr(s), int(is_int4)
-    lib.diloco_accumulate(k, codes, int4, scales, n, block_size, _ptr(out), int(overwrite))
+    return codes, int4, scales
 
 
 def merge(sums: torch.Tensor, total: float) -> float:
@@ -260,15 +292,8 @@ def chain_int8(
     """One outer step through the INT8 update chain (`native.c`, `diloco_chain_int8`);
     Nesterov with `momentum`, SGD without. False if the update was not finite."""
     n = params.numel()
-    for name, t in (("params", params), ("grad", grad)):
-        _check_f32(name, t, n)
-    if momentum is not None:
-        _check_f32("momentum", momentum, n)
-    if residual.dtype not in (torch.bfloat16, torch.float32) or residual.numel() < n:
-        raise ValueError("residual must be BF16 or FP32 covering every element")
-    if codes.dtype != torch.uint8 or codes.numel() < n:
-        raise ValueError("codes must be uint8 of at least n bytes")
-    _check_f32("scales", scales, -(-n // block_size))
+    _check_f32("grad", grad, n)
+    _check_chain(params, momentum, residual, codes, scales, block_size)
     scratch = torch.empty(block_size)
     status = load().lib.diloco_chain_int8(
         _ptr(params),
@@ -286,3 +311,69 @@ def chain_int8(
         _ptr(scratch),
     )
     return status == 0
+
+
+def step_int8(
+    pushes: list[tuple[torch.Tensor, bool, torch.Tensor]],
+    summed: int,
+    total: float,
+    params: torch.Tensor,
+    momentum: torch.Tensor | None,
+    residual: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    factor: float,
+    mu: float,
+) -> bool:
+    """A round's whole outer step from its encoded pushes (`native.c`, `diloco_step_int8`):
+    the same numbers as `accumulate` of the first `summed` pushes (the first written), `merge`
+    by `total`, `accumulate` of the rest added, then `chain_int8`, with no FP32 sums in memory.
+    Every push has the chain's `block_size` (at most 4096); the caller has shown the merged
+    delta appliable (nothing here checks its range). False if the update was not finite."""
+    n = params.numel()
+    if not 1 <= summed <= len(pushes):
+        raise ValueError(f"summed must be in [1, {len(pushes)}], got {summed}")
+    if not 0 < block_size <= RUN_ELEMS:
+        raise ValueError(f"block_size must be in [1, {RUN_ELEMS}], got {block_size}")
+    _check_chain(params, momentum, residual, codes, scales, block_size)
+    arrays = _pushes(pushes, n, block_size)
+    scratch = torch.empty(2 * block_size)
+    status = load().lib.diloco_step_int8(
+        len(pushes),
+        summed,
+        *arrays,
+        total,
+        _ptr(params),
+        _ptr(momentum) if momentum is not None else None,
+        _ptr(residual),
+        int(residual.dtype == torch.bfloat16),
+        _ptr(codes),
+        _ptr(scales),
+        n,
+        block_size,
+        factor,
+        int(momentum is not None),
+        mu,
+        _ptr(scratch),
+    )
+    return status == 0
+
+
+def _check_chain(
+    params: torch.Tensor,
+    momentum: torch.Tensor | None,
+    residual: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+) -> None:
+    n = params.numel()
+    _check_f32("params", params, n)
+    if momentum is not None:
+        _check_f32("momentum", momentum, n)
+    if residual.dtype not in (torch.bfloat16, torch.float32) or residual.numel() < n:
+        raise ValueError("residual must be BF16 or FP32 covering every element")
+    if codes.dtype != torch.uint8 or codes.numel() < n:
+        raise ValueError("codes must be uint8 of at least n bytes")
+    _check_f32("scales", scales, -(-n // block_size))

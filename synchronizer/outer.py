@@ -117,6 +117,9 @@ class OuterOptimizer(ABC):
     ValueError on a missing or unexpected key, or a wrong shape or dtype.
     """
 
+    # Whether its steps have a `native_form`: known before `begin`, which may advance counters.
+    native = False
+
     def __init__(self, numel: int, lr: float, device: torch.device | str) -> None:
         self.numel = _check_count("numel", numel, 1)
         self.lr = _check_lr(lr)
@@ -183,6 +186,8 @@ class OuterOptimizer(ABC):
 class SGD(OuterOptimizer):
     """Plain outer SGD: params -= lr * g. No state."""
 
+    native = True
+
     def begin(self) -> OuterStep:
         return Plain(-self.lr)
 
@@ -202,6 +207,8 @@ class Nesterov(OuterOptimizer):
     The same operations, in the same order, as torch.optim.SGD(lr, momentum=mu, nesterov=True)
     with dampening 0 and no weight decay, so the two agree bit-for-bit on CPU.
     """
+
+    native = True
 
     def __init__(
         self, numel: int, lr: float = 0.7, momentum: float = 0.9, device: torch.device | str = "cpu"

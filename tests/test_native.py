@@ -16,10 +16,15 @@ import torch
 from protos import blockwise, codec, layout
 from protos import diloco_pb2 as pb
 from synchronizer import journal, native
+from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink
+from synchronizer.fragments import Fragment
 from synchronizer.merge import Accumulator
+from synchronizer.model import bounded_by_scales
 from synchronizer.outer import Nesterov, make_outer
+from tests.core_helpers import CoreClient, make_core
+from tests.helpers import small_spec
 
 BS = layout.DEFAULT_BLOCK_SIZE
 N = 7 * BS + 77  # a partial last block, and an odd element count (an INT4 half byte)
@@ -154,6 +159,133 @@ def test_nesterov_chain_is_the_separate_operations_bit_for_bit_and_a_learner_rep
         assert down.residual is not None and torch.equal(down.residual, ref_residual)
         learner.add_(codec.decode(encoded, header, torch.empty(N)))  # what a delta pull does
         assert torch.equal(learner, params)
+
+
+def _weighted(payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]]):
+    return [
+        (
+            buf,
+            h.codec == pb.CODEC_INT4,
+            blockwise.checked_scales(buf, h.codec, N, h.scale_dtype) * w,
+        )
+        for buf, h, w in payloads
+    ]
+
+
+@pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_step_from_encoded_pushes_is_accumulate_merge_reanchor_and_chain_bit_for_bit(
+    residual_dtype: torch.dtype, nesterov: bool
+) -> None:
+    summed = _weighted(
+        [
+            (*_push(pb.CODEC_INT8, 21), 1.0),
+            (*_push(pb.CODEC_INT4, 22), 2.0),
+            (*_push(pb.CODEC_INT8, 23), 0.5),
+        ]
+    )
+    links = _weighted([(*_push(pb.CODEC_INT8, 24), 0.25)])  # added after the division
+    gen = torch.Generator().manual_seed(25)
+    start = torch.randn(N, generator=gen)
+    momentum = torch.randn(N, generator=gen) * 1e-3
+    residual = (torch.randn(N, generator=gen) * 1e-4).to(residual_dtype)
+    mu = 0.9 if nesterov else 0.0
+    got = []
+    for fused in (True, False):
+        p, m, r = start.clone(), momentum.clone(), residual.clone()
+        codes, scales = torch.empty(N, dtype=torch.uint8), torch.empty(-(-N // BS))
+        if fused:
+            finite = native.step_int8(
+                summed + links, 3, 3.5, p, m if nesterov else None, r, codes, scales, BS, -0.7, mu
+            )
+        else:
+            merged = torch.empty(N)
+            native.accumulate(summed, N, BS, merged, overwrite=True)
+            native.merge(merged, 3.5)
+            native.accumulate(links, N, BS, merged, overwrite=False)
+            finite = native.chain_int8(
+                p, m if nesterov else None, merged, r, codes, scales, BS, -0.7, mu
+            )
+        assert finite
+        got.append((p, m, r, codes, scales))
+    for fused, separate in zip(*got, strict=True):
+        assert torch.equal(fused, separate)
+    assert not torch.equal(got[0][0], start)
+
+
+@pytest.mark.parametrize("quorum", [1, 2])
+def test_rounds_step_from_their_encoded_pushes_with_no_fp32_sums_and_the_same_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quorum: int
+) -> None:
+    # Three learners push INT8 and INT4 deltas from stale bases, so anchor 'current' re-anchors
+    # them through the kept links: a core whose rounds step from their encoded pushes and one
+    # that decodes them into FP32 sums first end with the same parameters and links, bit for
+    # bit, and the first never took FP32 sums.
+    spec = small_spec()
+    n = spec.fragments[0].numel
+    ends = []
+    for fused in (True, False):
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(Fragment, "_steps_from_pushes", lambda self, rnd: False)
+            core = make_core(
+                tmp_path / str(fused), ManualClock(), quorum=quorum, grace="none", anchor="current"
+            )
+            try:
+                learners = [CoreClient(core, spec, name) for name in "abc"]
+                for learner in learners:
+                    learner.join()
+                gen = torch.Generator().manual_seed(3)
+                learners[0].init([torch.randn(f.numel, generator=gen) for f in spec.fragments])
+                frag = core.model.fragment(0)
+                for _ in range(4):
+                    for i, learner in enumerate(learners):
+                        delta = torch.randn(n, generator=gen) * 1e-2
+                        codec_id = pb.CODEC_INT8 if i % 2 == 0 else pb.CODEC_INT4
+                        base = max(0, frag.version - i)
+                        reply = learner.push(0, delta, codec_id, base=base, tokens=100 + 10 * i)
+                        assert reply.outcome == pb.PUSH_ACCEPTED
+                assert frag.model.params is not None
+                links = [encoded.clone() for _, _, encoded in frag.model.downlink.chain]
+                ends.append((frag.version, frag.model.params.clone(), links, frag.fp32.live))
+            finally:
+                core.close()
+    (version, params, links, live), (version2, params2, links2, live2) = ends
+    assert version == version2 >= 12 // quorum - 1
+    assert torch.equal(params, params2)
+    assert len(links) == len(links2) and all(map(torch.equal, links, links2))
+    assert (live, live2 > 0) == (0, True)
+
+
+def test_a_round_its_scales_cannot_show_appliable_is_judged_on_its_merged_delta(
+    tmp_path: Path,
+) -> None:
+    # An INT8 push whose scales bound the merged delta beyond MAX_MERGED_ABS is decoded and
+    # judged as before: refused, nothing changed but the version; one within is stepped from.
+    small = _weighted([(*_push(pb.CODEC_INT8, 26), 1.0)])
+    assert bounded_by_scales(small, 1, 1.0)
+    assert not bounded_by_scales(small, 1, 1e-40)  # divided by a tiny total weight
+    huge = codec.encode(torch.full((N,), 1e31), pb.CODEC_INT8)
+    assert not bounded_by_scales(
+        _weighted([(huge, layout.make_header(pb.CODEC_INT8, N), 1.0)]), 1, 1.0
+    )
+    spec = small_spec()
+    n = spec.fragments[0].numel
+    core = make_core(tmp_path, ManualClock(), quorum=1, grace="none")
+    try:
+        learner = CoreClient(core, spec, "a")
+        learner.join()
+        learner.init([torch.zeros(f.numel) for f in spec.fragments])
+        frag = core.model.fragment(0)
+        huge = torch.full((n,), 1e31)
+        assert learner.push(0, huge, pb.CODEC_INT8).outcome == pb.PUSH_ACCEPTED
+        refused = core.metrics.registry.get_sample_value("diloco_rounds_refused_total")
+        assert refused == 1 and frag.version == 1 and frag.fp32.live == 1
+        assert frag.model.params is not None and not frag.model.params.any()
+        assert learner.push(0, torch.ones(n), pb.CODEC_INT8, base=1).outcome == pb.PUSH_ACCEPTED
+        assert frag.version == 2 and frag.model.params.any()
+    finally:
+        core.close()
 
 
 def test_the_chain_stays_within_the_int8_bound_of_the_exact_update() -> None:
