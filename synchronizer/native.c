@@ -24,15 +24,23 @@
 #define KERNEL
 #endif
 
+/* Helpers are inlined into each kernel, so each kernel's AVX2 copy has their loops in AVX2 too
+ * (a helper left out of line is compiled once, for the baseline target). */
+#if defined(__GNUC__) || defined(__clang__)
+#define INLINE static inline __attribute__((always_inline))
+#else
+#define INLINE static inline
+#endif
+
 /* Round to nearest, ties to even, for |x| < 2^22 (codes are at most 127 in magnitude): adding
  * and subtracting 1.5 * 2^23 leaves x rounded in the current rounding mode (nearest even), as
  * torch.round does. */
-static inline float round_even(float x) {
+INLINE float round_even(float x) {
     const float magic = 12582912.0f; /* 1.5 * 2^23 */
     return (x + magic) - magic;
 }
 
-static inline float bf16_to_f32(uint16_t h) {
+INLINE float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -40,7 +48,7 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* Round to nearest even into bfloat16, as torch's conversion does for finite values. */
-static inline uint16_t f32_to_bf16(float f) {
+INLINE uint16_t f32_to_bf16(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
     bits += 0x7FFFu + ((bits >> 16) & 1u);
@@ -50,8 +58,8 @@ static inline uint16_t f32_to_bf16(float f) {
 /* The code values of elements [start, stop) of a blockwise payload's codes into q: int8, or
  * int4 two per byte, low nibble first, stored as code + 8 (nibble 0 is never written and reads
  * as -7). `start` is even. */
-static void codes_of(const uint8_t *codes, int int4, int64_t start, int64_t stop,
-                     int8_t *restrict q) {
+INLINE void codes_of(const uint8_t *codes, int int4, int64_t start, int64_t stop,
+                    int8_t *restrict q) {
     int64_t m = stop - start;
     if (!int4) {
         memcpy(q, codes + start, (size_t)m);
@@ -128,10 +136,10 @@ KERNEL float diloco_merge(float *s, int64_t n, float total) {
  * (`residual_bf16`) or FP32; `codes` (n bytes) and `scales` (ceil(n / bs)) are the link's
  * encoding. `scratch` holds one block of u (bs floats). Returns 0, or -1 if some block of u is
  * not finite (parameters and state are then partly written, as the torch path leaves them). */
-static inline int chain_block(float *params, float *momentum, const float *grad,
-                              uint16_t *r16, float *r32, int8_t *codes, float *scale_out,
-                              int64_t m, float factor, int nesterov, int bf16, float mu,
-                              float *restrict u) {
+INLINE int chain_block(float *params, float *momentum, const float *grad,
+                       uint16_t *r16, float *r32, int8_t *codes, float *scale_out,
+                       int64_t m, float factor, int nesterov, int bf16, float mu,
+                       float *restrict u) {
     if (nesterov)
         for (int64_t j = 0; j < m; j++) {
             float g = grad[j];
@@ -175,10 +183,10 @@ static inline int chain_block(float *params, float *momentum, const float *grad,
 
 /* chain_block with its branches resolved: one call per combination, so each inlined copy has
  * no branch in its loops. */
-static inline int chain_dispatch(float *params, float *momentum, const float *grad, uint16_t *r16,
-                                 float *r32, int8_t *codes, float *scale_out, int64_t m,
-                                 float factor, int nesterov, int bf16, float mu,
-                                 float *restrict u) {
+INLINE int chain_dispatch(float *params, float *momentum, const float *grad, uint16_t *r16,
+                          float *r32, int8_t *codes, float *scale_out, int64_t m,
+                          float factor, int nesterov, int bf16, float mu,
+                          float *restrict u) {
     if (nesterov && bf16)
         return chain_block(params, momentum, grad, r16, NULL, codes, scale_out, m, factor, 1, 1,
                            mu, u);
