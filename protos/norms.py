@@ -8,6 +8,7 @@ push bounds judge pushes by them. Both take a payload that passed ``protos.codec
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -93,12 +94,13 @@ def norm_estimate(
         return exact, exact
     bs = int(header.block_size)
     scales = blockwise.checked_scales(buf, codec, n, header.scale_dtype).double()
-    lengths = torch.full_like(scales, float(bs))
-    if n % bs:
-        lengths[-1] = float(n % bs)
-    top = 128.0 if codec == pb.CODEC_INT8 else blockwise.MAX_CODE[codec]  # int8 codes may hold -128
-    upper = top * math.sqrt(float((lengths * scales.square()).sum()))
+    squares = scales.square()
     whole = n // bs
+    tail = n - whole * bs
+    # sum over blocks of (elements in the block) x scale^2: every block whole but the last
+    total = bs * float(squares[:whole].sum()) + (tail * float(squares[whole]) if tail else 0.0)
+    top = 128.0 if codec == pb.CODEC_INT8 else blockwise.MAX_CODE[codec]  # int8 codes may hold -128
+    upper = top * math.sqrt(total)
     if whole == 0:
         return l2_norm(buf, header), upper
     k = min(whole, sample_blocks)
@@ -106,15 +108,21 @@ def norm_estimate(
     offset = float(torch.rand(()))
     idx = ((torch.arange(k, dtype=torch.float64) + offset) * step).long().clamp(max=whole - 1)
     per_byte = 1 if codec == pb.CODEC_INT8 else 2
-    blocks = buf[: whole * bs // per_byte].view(whole, bs // per_byte)[idx]
+    blocks = buf[: whole * bs // per_byte].view(whole, bs // per_byte).index_select(0, idx)
     if codec == pb.CODEC_INT8:
-        values = blocks.view(torch.int8).float()
-    else:
-        values = blockwise.pair_table(codec, buf.device)[blocks.long()].reshape(k, bs)
-    sampled = float((values.square().sum(1).double() * scales[idx].square()).sum())
-    total = float((lengths * scales.square()).sum())
-    reached = float((lengths[idx] * scales[idx].square()).sum())
+        code_squares = blocks.view(torch.int8).float().square().sum(1)
+    else:  # each byte's two values' squares, summed, from a 256-entry table
+        table = _byte_squares(codec, buf.device)
+        code_squares = table.index_select(0, blocks.reshape(-1).int()).view(k, -1).sum(1)
+    sampled = float((code_squares.double() * squares[idx]).sum())
+    reached = bs * float(squares[idx].sum())
     # Scaled by the sampled blocks' share of the scale mass, so blocks of larger scale
     # (tensors of larger values) weigh as they do in the whole.
     estimate = math.sqrt(sampled * total / reached) if reached > 0 else 0.0
     return min(estimate, upper), upper
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_squares(codec: int, device: torch.device) -> torch.Tensor:
+    """256 FP32: for each byte of 4-bit `codec` codes, the sum of its two values' squares."""
+    return blockwise.pair_table(codec, device).square().sum(1)
