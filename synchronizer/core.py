@@ -37,10 +37,11 @@ from synchronizer.goodput import Goodput
 from synchronizer.grace import GraceWindow
 from synchronizer.initialize import Initializer
 from synchronizer.journal import Journal, load_epoch
-from synchronizer.leases import DLU_RATIO, LearnerRecord, Registry
+from synchronizer.leases import DLU_RATIO, Registry
 from synchronizer.metrics import Metrics
 from synchronizer.pulls import PullPath
 from synchronizer.pushes import PushMessages, PushPath
+from synchronizer.records import LearnerRecord
 from synchronizer.served import ServedModel
 from synchronizer.streams import Call, Streams
 

@@ -37,9 +37,10 @@ from synchronizer.admission import Verdict
 from synchronizer.config import SynchronizerConfig
 from synchronizer.disk import Disk
 from synchronizer.errors import Code, Rejected
-from synchronizer.leases import LearnerRecord, Registry
+from synchronizer.leases import Registry
 from synchronizer.metrics import Metrics
 from synchronizer.outer import FUSED_SGD
+from synchronizer.records import LearnerRecord
 from synchronizer.wal import ABANDON, JOIN, PART, PUSH, ROUND, Record, Wal, WalError
 
 if TYPE_CHECKING:

@@ -20,125 +20,36 @@ computes the Dynamic Local Updates directive from measured step times.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 import math
 import secrets
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from protos import diloco_pb2 as pb
 from synchronizer.clock import Clock, SystemClock
 from synchronizer.errors import Code, Rejected
+from synchronizer.records import (
+    MAX_NAME_CHARS,
+    LearnerRecord,
+    check_credential,
+    check_id,
+    check_session,
+    checkpoint_fields,
+    from_checkpoint,
+    join_fields,
+    session_hash,
+)
 
 logger = logging.getLogger(__name__)
 
 REPLIES_KEPT = 256  # push replies remembered per learner for duplicate detection
-MAX_NAME_CHARS = 128  # a learner's name: logged, stored in checkpoints, listed by Status
-MAX_ID_CHARS = 64  # ids handed out are 12 hex digits
 RECORDS_PER_SLOT = 4  # learner records kept (alive, dead or left) per max_learners slot
 RENEW_EVERY_S = 0.25  # a transfer renews its learner's lease at most this often
 DLU_RATIO = 0.5  # Dynamic Local Updates with no H set: scale only learners below this speed ratio
-# Sanity bounds of self-reported counts: no learner has done more than this since it first
-# joined (time counters at most the wall time itself), give or take COUNTS_SLACK_S.
-MAX_TOKENS_PER_S = 1e9
-MAX_STEPS_PER_S = 1e5
-COUNTS_SLACK_S = 60.0
 MAX_EVALUATORS = 4  # live evaluators at once (they hold no max_learners slot)
-
-
-@dataclass
-class LearnerRecord:
-    learner_id: str
-    name: str
-    state: str  # "alive", "dead" or "left"
-    lease_deadline: float
-    joined_at: float
-    died_at: float | None = None
-    steps: int = 0
-    tokens: int = 0
-    compute_s: float = 0.0
-    blocked_s: float = 0.0
-    step_time_s: float = 0.0
-    max_seq: int = 0
-    session_hash: str = ""  # SHA-256 of the session secret Join gave; "" = unbound (old checkpoint)
-    spec_hash: str = ""  # of the model spec it joined with
-    credential: str = ""  # the credential it joined under ("" in shared mode)
-    first_joined: float = 0.0  # wall clock, kept across restarts
-    evaluator: bool = False  # joined as an evaluator: reports eval loss, never trains
-    # Tokens consumed under this id across its processes: a process restarted under the id
-    # (re-joined, counters from zero) reports less than its predecessor's last count, which is
-    # then banked in earlier_tokens (`tokens` keeps the most any process reported)
-    reported_tokens: int = 0  # the current process's last report
-    earlier_tokens: int = 0  # its earlier processes' last reports, summed
-
-    @property
-    def consumed_tokens(self) -> int:
-        return max(self.tokens, self.earlier_tokens + self.reported_tokens)
-
-    forgotten_up_to: int = 0  # replies up to this seq are no longer remembered
-    replies: dict[int, pb.PushReply] = field(default_factory=dict)
-    tickets: dict[int, int] = field(default_factory=dict)  # seq -> write-ahead log ticket
-    push_lock: threading.Lock = field(default_factory=threading.Lock)  # judge one seq at a time
-
-    def check_counts(
-        self, what: str, tokens: float, steps: float, seconds: float, wall_now: float
-    ) -> None:
-        """Refuses counts no learner could have reached since it first joined (wall clock
-        `wall_now`): more tokens or steps than MAX_*_PER_S, or more compute or blocked seconds
-        than wall-clock seconds."""
-        age = max(0.0, wall_now - self.first_joined) + COUNTS_SLACK_S
-        if tokens > age * MAX_TOKENS_PER_S or steps > age * MAX_STEPS_PER_S or seconds > age:
-            raise Rejected(
-                Code.INVALID_ARGUMENT,
-                "bad_counters",
-                f"{what} of learner {self.learner_id!r} (tokens={tokens:g}, steps={steps:g}, seconds={seconds:g}) are more than it can have done in the {age:.0f} s since it joined",
-            )
-
-    def counters(self) -> pb.LearnerCounters:
-        return pb.LearnerCounters(
-            steps=self.steps, tokens=self.tokens, compute_s=self.compute_s, blocked_s=self.blocked_s
-        )
-
-
-def session_hash(session: str) -> str:
-    return hashlib.sha256(session.encode()).hexdigest()
-
-
-def check_session(rec: LearnerRecord, session: str) -> None:
-    """Refuses a call whose session is not the one Join gave this learner."""
-    if rec.session_hash and not hmac.compare_digest(
-        session_hash(session) if session else "", rec.session_hash
-    ):
-        raise Rejected(
-            Code.PERMISSION_DENIED,
-            "wrong_session",
-            f"this call's session is not learner {rec.learner_id!r}'s: only the learner that joined under an id may act as it (join without learner_id to get an id of your own)",
-        )
-
-
-def check_credential(rec: LearnerRecord, credential: str) -> None:
-    """Refuses a call under another credential than the one this learner id joined under."""
-    if not hmac.compare_digest(rec.credential.encode(), credential.encode()):
-        raise Rejected(
-            Code.PERMISSION_DENIED,
-            "wrong_credential",
-            f"learner {rec.learner_id!r} joined under another credential; each credential acts only as its own learners (join without learner_id to get an id of your own)",
-        )
-
-
-def check_id(learner_id: str) -> None:
-    """Refuses an id longer than any the Synchronizer hands out (it is logged and stored)."""
-    if len(learner_id) > MAX_ID_CHARS:
-        raise Rejected(
-            Code.INVALID_ARGUMENT,
-            "bad_learner_id",
-            f"learner_id is {len(learner_id)} characters; the ids Join hands out have at most {MAX_ID_CHARS}",
-        )
 
 
 class Registry:
@@ -499,15 +410,7 @@ class Registry:
     def journal_of(self, rec: LearnerRecord) -> dict[str, Any]:
         """What a JOIN record keeps of a learner."""
         with self.lock:
-            return {
-                "learner_id": rec.learner_id,
-                "name": rec.name,
-                "session_hash": rec.session_hash,
-                "first_joined": rec.first_joined,
-                "spec_hash": rec.spec_hash,
-                "credential": rec.credential,
-                "evaluator": rec.evaluator,
-            }
+            return join_fields(rec)
 
     # Dynamic Local Updates -------------------------------------------------------------------
 
@@ -531,27 +434,7 @@ class Registry:
 
     def snapshot(self) -> list[dict[str, Any]]:
         with self.lock:
-            return [
-                {
-                    "learner_id": r.learner_id,
-                    "name": r.name,
-                    "left": r.state == "left",
-                    "alive": r.state == "alive",
-                    "max_seq": r.max_seq,
-                    "session_hash": r.session_hash,
-                    "spec_hash": r.spec_hash,
-                    "credential": r.credential,
-                    "evaluator": r.evaluator,
-                    "first_joined": r.first_joined,
-                    "steps": r.steps,
-                    "tokens": r.tokens,
-                    "compute_s": r.compute_s,
-                    "blocked_s": r.blocked_s,
-                    "reported_tokens": r.reported_tokens,
-                    "earlier_tokens": r.earlier_tokens,
-                }
-                for r in self.learners.values()
-            ]
+            return [checkpoint_fields(r) for r in self.learners.values()]
 
     def restore(self, records: list[dict[str, Any]]) -> None:
         """Learners from a checkpoint: those alive when it was written come back alive with a
@@ -563,20 +446,5 @@ class Registry:
             for d in records:
                 if d.get("left"):
                     continue
-                if d.get("alive"):
-                    rec = LearnerRecord(
-                        d["learner_id"], d["name"], "alive", now + self.lease_s, now
-                    )
-                else:
-                    rec = LearnerRecord(d["learner_id"], d["name"], "dead", now, now, died_at=now)
-                rec.max_seq = rec.forgotten_up_to = int(d["max_seq"])
-                rec.session_hash = str(d.get("session_hash", ""))
-                rec.spec_hash = str(d.get("spec_hash", ""))
-                rec.credential = str(d.get("credential", ""))
-                rec.evaluator = bool(d.get("evaluator", False))
-                rec.first_joined = float(d.get("first_joined", self.clock.wall()))
-                rec.steps, rec.tokens = int(d["steps"]), int(d["tokens"])
-                rec.compute_s, rec.blocked_s = float(d["compute_s"]), float(d["blocked_s"])
-                rec.reported_tokens = int(d.get("reported_tokens", rec.tokens))
-                rec.earlier_tokens = int(d.get("earlier_tokens", 0))
+                rec = from_checkpoint(d, now, self.lease_s, self.clock.wall())
                 self.learners[rec.learner_id] = rec

@@ -28,9 +28,10 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Link
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
-from synchronizer.leases import Registry, check_credential
+from synchronizer.leases import Registry
 from synchronizer.metrics import Metrics
 from synchronizer.model import FragmentFailed
+from synchronizer.records import check_credential
 from synchronizer.served import ServedModel
 from synchronizer.streams import SLOT_PATIENCE_S, Call, Streams
 

@@ -32,8 +32,9 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
 from synchronizer.journal import Journal, PushStream
-from synchronizer.leases import LearnerRecord, Registry, check_credential
+from synchronizer.leases import Registry
 from synchronizer.metrics import Metrics
+from synchronizer.records import LearnerRecord, check_credential
 from synchronizer.served import ServedModel
 from synchronizer.streams import Call, Streams
 

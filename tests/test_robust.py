@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import diloco_pb2 as pb
 from protos import layout
-from synchronizer.leases import MAX_ID_CHARS, MAX_NAME_CHARS
+from synchronizer.records import MAX_ID_CHARS, MAX_NAME_CHARS
 from tests.helpers import TIMEOUT, Client, push_messages, small_spec
 
 SPEC = small_spec(fragments=1)
