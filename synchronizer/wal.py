@@ -65,6 +65,7 @@ _HEAD = struct.Struct("<IIB")  # body length, crc32 of payload + kind + JSON par
 _META = struct.Struct("<I")  # JSON length, at the start of the body
 NAME = re.compile(r"^wal-(\d{10})\.log$")
 RETRY_S = 1.0  # a failed write is retried this often
+IDLE_SYNC_S = 0.05  # parts written and nothing queued since for this long are fsynced
 
 
 class WalError(Exception):
@@ -175,6 +176,8 @@ class Wal:
         self.last_number = 0  # the highest segment number replayed or opened
         self.fd: int | None = None
         self.size = 0
+        self.synced_size = 0  # of the open segment, fsynced
+        self.unsynced = 0  # records at the head of the queue written and not yet fsynced
         self.seal_wanted = False
         self.sealed_upto = 0
         self.writer: threading.Thread | None = None
@@ -218,7 +221,7 @@ class Wal:
         except OSError:
             self._close_quietly(fd)
             raise
-        self.fd, self.size, self.last_number = fd, 0, number
+        self.fd, self.size, self.synced_size, self.last_number = fd, 0, 0, number
         with self.lock:
             self.segments.append(_Segment(number, path))
 
@@ -268,21 +271,36 @@ class Wal:
     # Writing -------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
-        """The writer: every file operation happens on this thread."""
+        """The writer: every file operation happens on this thread. A batch is written, its
+        writeback started, and fsynced, unless it holds only PART records: a push's parts go
+        to the disk as they land, and the fsync for the record that ends them (its PUSH, or an
+        ABANDON) covers them all, or IDLE_SYNC_S after the last one where nothing follows.
+        Records written and not yet fsynced stay at the head of the queue (`unsynced`): a
+        failed write or fsync cuts the file back to its last fsync and writes them again."""
         while True:
             with self.cv:
-                while not self.queue and not self.closing and not self.seal_wanted:
-                    self.cv.wait()
+                while (
+                    len(self.queue) == self.unsynced and not self.closing and not self.seal_wanted
+                ):
+                    if not self.unsynced:
+                        self.cv.wait()
+                    elif not self.cv.wait(IDLE_SYNC_S):
+                        break  # parts written and nothing since (a stalled push): fsynced now
                 if not self.queue and self.closing:
                     return
-                batch = list(self.queue)
-            if not batch:  # a seal asked for while nothing is queued
+                batch = self.queue[self.unsynced :]
+            if not batch and not self.unsynced:  # a seal asked for while nothing is queued
                 self._seal_now()
                 continue
             try:
-                self._write(batch)
+                if batch:
+                    self._write(batch)
+                synced = not batch or any(record.kind != PART for _, record in batch)
+                if synced:
+                    self._sync()
             except OSError as e:
                 with self.cv:
+                    self.unsynced = 0  # cut back to the last fsync: written again from the queue
                     if self.failure is None:
                         logger.error(
                             "write-ahead log write failed (%s); pushes are refused until it can be written again, nothing acknowledged is lost",
@@ -296,17 +314,26 @@ class Wal:
                     self.cv.wait(RETRY_S)
                 continue
             with self.cv:
-                del self.queue[: len(batch)]
-                self.durable = batch[-1][0]
+                if not synced:
+                    self.unsynced += len(batch)
+                    continue
+                done = self.queue[: self.unsynced + len(batch)]
+                del self.queue[: len(done)]
+                self.unsynced = 0
+                self.durable = done[-1][0]
                 if self.failure is not None:
                     logger.warning("write-ahead log writable again (was: %s)", self.failure)
                 self.failure = None
                 self.disk_full = False
                 self.cv.notify_all()
+            with self.lock:
+                for _, record in done:
+                    self._noted(self.segments[-1], record)
             if self.size >= self.segment_bytes:
                 self._rotate()
 
     def _write(self, batch: list[tuple[int, Record]]) -> None:
+        """Writes a batch after what is written, and starts its writeback."""
         if self.fd is None:  # rotated: the next segment is opened by the write that needs it
             self._open_segment()
         assert self.fd is not None
@@ -319,22 +346,34 @@ class Wal:
                         n = self.disk.write(self.fd, view)
                         view = view[n:]
                         self.size += n
+            self.disk.start_writeback(self.fd, start, self.size - start)
+        except OSError:
+            self._cut()
+            raise
+
+    def _sync(self) -> None:
+        """fdatasync of everything written: durable now, and read again only by a replay, so
+        its pages go back to be reused by the next writes rather than fresh ones taken
+        (`Disk.forget`)."""
+        assert self.fd is not None
+        try:
             t0 = time.perf_counter()
             self.disk.fsync(self.fd)  # fdatasync: the data and the file's new length
             self.on_fsync(time.perf_counter() - t0)
-            # Durable now, and read again only by a replay: its pages go back to be reused by
-            # the next batch rather than fresh ones taken (`Disk.forget`).
-            self.disk.forget(self.fd, start, self.size - start)
         except OSError:
-            try:  # cut what this batch wrote, so the retry appends to an intact log
-                self.disk.truncate(self.fd, start)
-                self.size = start
-            except OSError:  # cannot even truncate: go on in a fresh segment
-                self._rotate()
+            self._cut()
             raise
-        with self.lock:
-            for _, record in batch:
-                self._noted(self.segments[-1], record)
+        self.disk.forget(self.fd, self.synced_size, self.size - self.synced_size)
+        self.synced_size = self.size
+
+    def _cut(self) -> None:
+        """Cuts what was written since the last fsync, so the retry appends to an intact log."""
+        assert self.fd is not None
+        try:
+            self.disk.truncate(self.fd, self.synced_size)
+            self.size = self.synced_size
+        except OSError:  # cannot even truncate: go on in a fresh segment
+            self._rotate()
 
     def _noted(self, seg: _Segment, record: Record, replayed: bool = False) -> None:
         """What a record written to (or replayed from) `seg` tells the segments: the versions
@@ -364,7 +403,7 @@ class Wal:
         if self.fd is None:
             return
         self._close_quietly(self.fd)
-        self.fd, self.size = None, 0
+        self.fd, self.size, self.synced_size = None, 0, 0
         with self.lock:
             self.segments[-1].sealed = True
 

@@ -187,6 +187,85 @@ def test_segment_numbers_keep_growing_after_every_segment_is_released(tmp_path):
     assert numbers and min(numbers) > sealed  # replay order is number order
 
 
+class CountingDisk(Disk):
+    """Counts bytes written and fsyncs; fails the next `fail_fsyncs` fsyncs with EIO."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.fsyncs = 0
+        self.fail_fsyncs = 0
+        self.cv = threading.Condition()
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        n = super().write(fd, data)
+        with self.cv:
+            self.written += n
+            self.cv.notify_all()
+        return n
+
+    def wait_written(self, more_than: int) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: self.written > more_than, TIMEOUT)
+
+    def fsync(self, fd: int) -> None:
+        if self.fail_fsyncs:
+            self.fail_fsyncs -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        self.fsyncs += 1
+        super().fsync(fd)
+
+
+def _parts(wal: Wal, disk: CountingDisk, count: int) -> tuple[int, list[int]]:
+    """`count` parts of one stream, each appended once the previous one is written."""
+    stream, tickets = wal.stream(), []
+    for i in range(count):
+        before = disk.written
+        tickets.append(wal.append(Record(PART, {"stream": stream, "at": i * 1000}, b"p" * 1000)))
+        disk.wait_written(before)
+    return stream, tickets
+
+
+def test_a_streams_parts_are_written_as_they_land_and_fsynced_by_the_record_ending_them(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(wal_module, "IDLE_SYNC_S", 60.0)  # no idle fsync within the test
+    disk = CountingDisk()
+    wal = Wal(tmp_path / "wal", 1 << 20, disk)
+    wal.start()
+    stream, tickets = _parts(wal, disk, 5)
+    assert disk.fsyncs == 0 and not any(wal.is_durable(t) for t in tickets)
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 1, "stream": stream})), TIMEOUT)
+    assert disk.fsyncs == 1 and all(wal.is_durable(t) for t in tickets)
+    wal.close()
+    assert [r.kind for r in Wal(tmp_path / "wal", 1 << 20).replay()] == [PART] * 5 + [PUSH]
+
+
+def test_parts_nothing_follows_are_fsynced_once_the_writer_is_idle(tmp_path):
+    disk = CountingDisk()
+    wal = Wal(tmp_path / "wal", 1 << 20, disk)
+    wal.start()
+    _, tickets = _parts(wal, disk, 2)  # a push that stalls after two parts
+    wal.wait(tickets[-1], TIMEOUT)
+    assert disk.fsyncs >= 1 and wal.seal(TIMEOUT) > 0  # a checkpoint can seal meanwhile
+    wal.close()
+
+
+def test_a_failed_fsync_writes_the_unsynced_parts_again_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(wal_module, "IDLE_SYNC_S", 60.0)
+    monkeypatch.setattr(wal_module, "RETRY_S", 0.01)
+    disk = CountingDisk()
+    wal = Wal(tmp_path / "wal", 1 << 20, disk)
+    wal.start()
+    stream, _ = _parts(wal, disk, 3)
+    disk.fail_fsyncs = 1  # the PUSH's fsync fails: the file is cut back to before the parts
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 1, "stream": stream})), TIMEOUT)
+    wal.close()
+    again = list(Wal(tmp_path / "wal", 1 << 20).replay())
+    assert [r.kind for r in again] == [PART] * 3 + [PUSH]
+    assert [r.meta["at"] for r in again[:3]] == [0, 1000, 2000]
+    assert all(bytes(r.payload) == b"p" * 1000 for r in again[:3])
+
+
 def test_a_streams_parts_keep_their_segments_until_its_push_whose_version_they_then_carry(
     tmp_path,
 ):
