@@ -26,7 +26,7 @@ from typing import Any
 
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec
-from synchronizer import checkpoint, memory, shards, state
+from synchronizer import checkpoint, memory, shards, state, wire
 from synchronizer.clock import Clock, SystemClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.credentials import Credentials, load_tokens
@@ -328,7 +328,9 @@ class Synchronizer:
     def push(self, messages: PushMessages, call: Call | None = None) -> pb.PushReply:
         return self.pushes.push(messages, call)
 
-    def pull(self, request: pb.PullRequest, call: Call | None = None) -> Iterator[pb.PullReply]:
+    def pull(
+        self, request: pb.PullRequest, call: Call | None = None
+    ) -> Iterator[pb.PullReply | wire.PullChunk]:
         return self.pulls.pull(request, call)
 
     # Housekeeping and shutdown ---------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 
 from protos import codec, framing, layout, slicing
 from protos import diloco_pb2 as pb
-from synchronizer import slices
+from synchronizer import slices, wire
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Link
 from synchronizer.errors import Code, Rejected, invalid
@@ -92,7 +92,9 @@ class PullPath:
     def close(self) -> None:
         self.waker.close()
 
-    def pull(self, request: pb.PullRequest, call: Call | None = None) -> Iterator[pb.PullReply]:
+    def pull(
+        self, request: pb.PullRequest, call: Call | None = None
+    ) -> Iterator[pb.PullReply | wire.PullChunk]:
         """The fragment's parameters (or the updates since `have_version`), judged at one
         version, after waiting (bounded, in a waiting slot) for `min_version`."""
         call = call or Call()
@@ -239,7 +241,7 @@ class PullPath:
         links: list[Link] | None,
         version: int,
         checksum: int,
-    ) -> Iterator[pb.PullReply]:
+    ) -> Iterator[pb.PullReply | wire.PullChunk]:
         if links is not None:
             yield pb.PullReply(
                 header=pb.PullHeader(
@@ -253,8 +255,7 @@ class PullPath:
             )
             for v, link_header, link_buf in links:
                 yield pb.PullReply(link=pb.DeltaLink(version=v, payload=link_header))
-                for chunk in framing.iter_chunks(link_buf):
-                    yield pb.PullReply(chunk=chunk)
+                yield from wire.pull_chunks(link_buf)
                 self.metrics.bytes_out.labels(layout.codec_name(link_header.codec)).inc(
                     link_header.total_bytes
                 )
@@ -270,6 +271,5 @@ class PullPath:
                 checksum=checksum,
             )
         )
-        for chunk in framing.iter_chunks(buf):
-            yield pb.PullReply(chunk=chunk)
+        yield from wire.pull_chunks(buf)
         self.metrics.bytes_out.labels(layout.codec_name(header.codec)).inc(header.total_bytes)

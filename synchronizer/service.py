@@ -160,7 +160,7 @@ class SynchronizerService:
             "PullFragment": grpc.unary_stream_rpc_method_handler(
                 self.streaming("PullFragment", core.pull),
                 pb.PullRequest.FromString,
-                pb.PullReply.SerializeToString,
+                wire.serialize_pull_reply,
             ),
             "Leave": grpc.unary_unary_rpc_method_handler(
                 self.unary("Leave", core.leave),

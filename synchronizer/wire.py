@@ -1,4 +1,4 @@
-"""Reading PushFragment's chunk messages without copying their bytes.
+"""PushFragment's and PullFragment's chunk messages without copies of their bytes.
 
 A 2 MiB chunk parsed as `pb.PushRequest` is copied twice before it reaches the push buffer:
 into the message, and again on every read of `chunk.data`. `parse_push_request` reads the
@@ -7,13 +7,23 @@ data), and returns a `RawChunk` that points into the bytes gRPC received; the As
 them once, into the push buffer. Any other shape (the header, unknown or repeated fields,
 anything malformed) goes through the real parser, so the service sees the same messages and
 the same errors as without this module.
+
+The other way, a PullReply holding a chunk was copied four times on its way out (the tensor's
+bytes into the Chunk, the Chunk into the reply, the reply into its serialization, and that into
+gRPC). `pull_chunks` writes each such reply's wire format at once, the chunk's bytes copied
+once from the tensor, as a `PullChunk` that reads as the message in process and that
+`serialize_pull_reply` hands to gRPC as it is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from protos import diloco_pb2 as pb
+from protos import framing
 
 _CHUNK_TAG = 0x12  # PushRequest.chunk: field 2, length-delimited
 _OFFSET_TAG = 0x08  # Chunk.offset: field 1, varint
@@ -83,3 +93,56 @@ def parse_push_request(raw: bytes) -> pb.PushRequest | RawChunk:
     except ValueError:
         chunk = None
     return chunk if chunk is not None else pb.PushRequest.FromString(raw)
+
+
+@dataclass(frozen=True)
+class PullChunk:
+    """A PullReply holding one chunk, already serialized (`wire`, byte for byte what
+    `pb.PullReply(chunk=pb.Chunk(offset=..., data=...)).SerializeToString()` gives); in
+    process it reads as that message (`WhichOneof`, `chunk.offset`, `chunk.data`)."""
+
+    wire: bytes
+    offset: int
+    start: int  # where the chunk's bytes start in `wire`
+    size: int
+
+    def WhichOneof(self, name: str) -> str:  # noqa: N802 - the protobuf message's method name
+        return "chunk"
+
+    @property
+    def chunk(self) -> PullChunk:
+        return self
+
+    @property
+    def data(self) -> bytes:
+        return self.wire[self.start : self.start + self.size]
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def pull_chunks(buf: torch.Tensor, chunk_bytes: int = framing.CHUNK_BYTES) -> Iterator[PullChunk]:
+    """`buf` (1-D uint8, CPU) as the PullReplies of its chunks (`framing.iter_chunks`'s
+    offsets and sizes), each serialized once. Do not overwrite `buf` before they are sent."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
+        raise ValueError(f"pull_chunks takes a 1-D uint8 CPU tensor, got {buf.dtype}")
+    view = buf.contiguous().numpy().data  # a memoryview of the tensor's bytes
+    for offset in range(0, buf.numel(), chunk_bytes):
+        size = min(chunk_bytes, buf.numel() - offset)
+        data_head = bytes([_DATA_TAG]) + _encode_varint(size)
+        field = (bytes([_OFFSET_TAG]) + _encode_varint(offset) if offset else b"") + data_head
+        head = bytes([_CHUNK_TAG]) + _encode_varint(len(field) + size) + field
+        yield PullChunk(b"".join((head, view[offset : offset + size])), offset, len(head), size)
+
+
+def serialize_pull_reply(reply: pb.PullReply | PullChunk) -> bytes:
+    """PullFragment's response serializer: a `PullChunk` as it is, any other reply by protobuf."""
+    if isinstance(reply, PullChunk):
+        return reply.wire
+    return reply.SerializeToString()

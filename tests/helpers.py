@@ -27,6 +27,7 @@ from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec, TensorInfo, plan_fragments
 from synchronizer.disk import Disk
+from synchronizer.wire import PullChunk
 
 TIMEOUT = 20.0
 
@@ -45,12 +46,14 @@ def push_messages(
         yield pb.PushRequest(chunk=chunk)
 
 
-def pulled(replies: Iterator[pb.PullReply]) -> tuple[int, torch.Tensor]:
+def pulled(replies: Iterator[pb.PullReply | PullChunk]) -> tuple[int, torch.Tensor]:
     """The version and the FP32 values of a full pull's replies."""
-    header = next(replies).header
+    first = next(replies)
+    assert isinstance(first, pb.PullReply)
+    header = first.header
     asm = framing.Assembler(header.payload)
     for r in replies:
-        asm.add(r.chunk)
+        asm.add_data(r.chunk.offset, r.chunk.data)
     out = torch.empty(header.payload.numel, dtype=torch.float32)
     return header.version, codec.decode(asm.finish(), header.payload, out)
 

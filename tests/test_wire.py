@@ -1,14 +1,22 @@
-"""PushFragment's copy-free chunk reader: the same messages as the protobuf parser, or its errors."""
+"""PushFragment's copy-free chunk reader: the same messages as the protobuf parser, or its
+errors; PullFragment's chunk replies serialized once: the bytes protobuf would send."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 from google.protobuf.message import DecodeError
 
 from protos import diloco_pb2 as pb
-from synchronizer.wire import RawChunk, parse_push_request
+from synchronizer.wire import (
+    PullChunk,
+    RawChunk,
+    parse_push_request,
+    pull_chunks,
+    serialize_pull_reply,
+)
 
 
 def _chunk_bytes(raw: RawChunk) -> bytes:
@@ -68,3 +76,21 @@ def test_random_and_truncated_bytes_parse_as_protobuf_would():
             ), raw
         else:
             assert got == expected, raw
+
+
+@pytest.mark.parametrize("nbytes, chunk_bytes", [(1, 4), (127, 64), (70_000, 1 << 14), (300, 300)])
+def test_pull_chunks_are_the_bytes_protobuf_serializes_and_read_as_the_message(nbytes, chunk_bytes):
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    data = bytes(buf.numpy())
+    chunks = list(pull_chunks(buf, chunk_bytes))
+    offsets = list(range(0, nbytes, chunk_bytes))
+    assert [c.offset for c in chunks] == offsets
+    for c, offset in zip(chunks, offsets, strict=True):
+        piece = data[offset : offset + chunk_bytes]
+        expected = pb.PullReply(chunk=pb.Chunk(offset=offset, data=piece))
+        assert serialize_pull_reply(c) == expected.SerializeToString()
+        assert pb.PullReply.FromString(c.wire) == expected
+        assert c.WhichOneof("kind") == "chunk" and c.chunk.data == piece
+    header = pb.PullReply(header=pb.PullHeader(version=3))
+    assert serialize_pull_reply(header) == header.SerializeToString()
+    assert all(isinstance(c, PullChunk) for c in chunks)
