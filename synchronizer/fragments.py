@@ -182,9 +182,8 @@ class Fragment:
             t_decode = 0.0 if held else self._decode(rnd)
 
             def merge() -> torch.Tensor:  # in place over the round's sums; zero weights: no change
-                nonlocal t_decode
-                if held:  # the step did not take the pushes as they are: decoded now
-                    t_decode = self._decode(rnd)
+                if held:  # the step did not take the pushes as they are: decoded now (timed
+                    self._decode(rnd)  # as part of the step)
                 acc = rnd.acc
                 assert acc is not None
                 return acc.merged() if acc.total_weight > 0 else acc.cleared()
