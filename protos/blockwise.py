@@ -21,6 +21,8 @@ from protos import layout
 _QMAX: dict[int, int] = {pb.CODEC_INT8: 127, pb.CODEC_INT4: 7}  # FP4's scale is absmax itself
 # Largest |code| the encoder writes; decode requires scale * MAX_CODE to be finite.
 MAX_CODE: dict[int, float] = {pb.CODEC_INT8: 127.0, pb.CODEC_INT4: 7.0, pb.CODEC_FP4_E3M0: 1.0}
+# Largest |code| a checked payload may hold and decode: INT8's -128 is never written but decodes.
+LARGEST_CODE: dict[int, float] = {**MAX_CODE, pb.CODEC_INT8: 128.0}
 RUN_ELEMS = 1 << 20  # elements per run of whole blocks in encode/decode
 _FP4_FLUSH = 2.0**-7  # |x| / scale below this encodes as zero
 

@@ -99,8 +99,7 @@ def norm_estimate(
     tail = n - whole * bs
     # sum over blocks of (elements in the block) x scale^2: every block whole but the last
     total = bs * float(squares[:whole].sum()) + (tail * float(squares[whole]) if tail else 0.0)
-    top = 128.0 if codec == pb.CODEC_INT8 else blockwise.MAX_CODE[codec]  # int8 codes may hold -128
-    upper = top * math.sqrt(total)
+    upper = blockwise.LARGEST_CODE[codec] * math.sqrt(total)
     if whole == 0:
         return l2_norm(buf, header), upper
     k = min(whole, sample_blocks)

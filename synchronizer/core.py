@@ -330,7 +330,7 @@ class Synchronizer:
 
     def pull(
         self, request: pb.PullRequest, call: Call | None = None
-    ) -> Iterator[pb.PullReply | wire.PullChunk]:
+    ) -> Iterator[pb.PullReply | wire.RawChunk]:
         return self.pulls.pull(request, call)
 
     # Housekeeping and shutdown ---------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from protos import codec, layout
+from protos import blockwise, codec, layout
 from protos import diloco_pb2 as pb
 from synchronizer import native, slices
 from synchronizer.buffers import Snapshots
@@ -45,9 +45,6 @@ logger = logging.getLogger(__name__)
 MAX_MERGED_ABS = 1e30
 
 
-# Largest |code| the native kernels decode, per codec: INT8's -128 is never written but decodes
-# (`blockwise`); INT4 nibbles are clamped to [-7, 7].
-_LARGEST_CODE = {False: 128.0, True: 7.0}
 # Room in the bound below for the rounding of the sums it bounds (each operation is rounded
 # to FP32: relative 2^-24 per push added).
 _BOUND_SLACK = 1.001
@@ -63,7 +60,9 @@ def bounded_by_scales(
     rounding) proves what `unappliable` would find without reading a code."""
     bound: torch.Tensor | None = None
     for i, (_, int4, scales) in enumerate(pushes):
-        term = scales.double().abs() * _LARGEST_CODE[int4]
+        term = (
+            scales.double().abs() * blockwise.LARGEST_CODE[pb.CODEC_INT4 if int4 else pb.CODEC_INT8]
+        )
         if i < summed:
             term /= total
         bound = term if bound is None else bound + term

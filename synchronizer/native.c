@@ -200,7 +200,7 @@ INLINE int chain_dispatch(float *params, float *momentum, const float *grad, uin
                        u);
 }
 
-KERNEL int diloco_chain_int8(float *params, float *momentum, const float *grad, void *residual,
+KERNEL int diloco_chain_int8(const float *grad, float *params, float *momentum, void *residual,
                       int residual_bf16, int8_t *codes, float *scales, int64_t n, int64_t bs,
                       float factor, int nesterov, float mu, float *scratch) {
     uint16_t *r16 = (uint16_t *)residual;

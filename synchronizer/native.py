@@ -32,6 +32,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -291,26 +292,10 @@ def chain_int8(
 ) -> bool:
     """One outer step through the INT8 update chain (`native.c`, `diloco_chain_int8`);
     Nesterov with `momentum`, SGD without. False if the update was not finite."""
-    n = params.numel()
-    _check_f32("grad", grad, n)
-    _check_chain(params, momentum, residual, codes, scales, block_size)
+    _check_f32("grad", grad, params.numel())
     scratch = torch.empty(block_size)
-    status = load().lib.diloco_chain_int8(
-        _ptr(params),
-        _ptr(momentum) if momentum is not None else None,
-        _ptr(grad),
-        _ptr(residual),
-        int(residual.dtype == torch.bfloat16),
-        _ptr(codes),
-        _ptr(scales),
-        n,
-        block_size,
-        factor,
-        int(momentum is not None),
-        mu,
-        _ptr(scratch),
-    )
-    return status == 0
+    chain = _chain(params, momentum, residual, codes, scales, block_size, factor, mu, scratch)
+    return load().lib.diloco_chain_int8(_ptr(grad), *chain) == 0
 
 
 def step_int8(
@@ -331,19 +316,39 @@ def step_int8(
     by `total`, `accumulate` of the rest added, then `chain_int8`, with no FP32 sums in memory.
     Every push has the chain's `block_size` (at most 4096); the caller has shown the merged
     delta appliable (nothing here checks its range). False if the update was not finite."""
-    n = params.numel()
     if not 1 <= summed <= len(pushes):
         raise ValueError(f"summed must be in [1, {len(pushes)}], got {summed}")
     if not 0 < block_size <= RUN_ELEMS:
         raise ValueError(f"block_size must be in [1, {RUN_ELEMS}], got {block_size}")
-    _check_chain(params, momentum, residual, codes, scales, block_size)
-    arrays = _pushes(pushes, n, block_size)
     scratch = torch.empty(2 * block_size)
-    status = load().lib.diloco_step_int8(
-        len(pushes),
-        summed,
-        *arrays,
-        total,
+    chain = _chain(params, momentum, residual, codes, scales, block_size, factor, mu, scratch)
+    arrays = _pushes(pushes, params.numel(), block_size)
+    return load().lib.diloco_step_int8(len(pushes), summed, *arrays, total, *chain) == 0
+
+
+def _chain(
+    params: torch.Tensor,
+    momentum: torch.Tensor | None,
+    residual: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    factor: float,
+    mu: float,
+    scratch: torch.Tensor,
+) -> tuple[Any, ...]:
+    """The arguments both chain kernels end with, checked (`scratch`: the caller's, alive
+    until the call returns)."""
+    n = params.numel()
+    _check_f32("params", params, n)
+    if momentum is not None:
+        _check_f32("momentum", momentum, n)
+    if residual.dtype not in (torch.bfloat16, torch.float32) or residual.numel() < n:
+        raise ValueError("residual must be BF16 or FP32 covering every element")
+    if codes.dtype != torch.uint8 or codes.numel() < n:
+        raise ValueError("codes must be uint8 of at least n bytes")
+    _check_f32("scales", scales, -(-n // block_size))
+    return (
         _ptr(params),
         _ptr(momentum) if momentum is not None else None,
         _ptr(residual),
@@ -357,23 +362,3 @@ def step_int8(
         mu,
         _ptr(scratch),
     )
-    return status == 0
-
-
-def _check_chain(
-    params: torch.Tensor,
-    momentum: torch.Tensor | None,
-    residual: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    block_size: int,
-) -> None:
-    n = params.numel()
-    _check_f32("params", params, n)
-    if momentum is not None:
-        _check_f32("momentum", momentum, n)
-    if residual.dtype not in (torch.bfloat16, torch.float32) or residual.numel() < n:
-        raise ValueError("residual must be BF16 or FP32 covering every element")
-    if codes.dtype != torch.uint8 or codes.numel() < n:
-        raise ValueError("codes must be uint8 of at least n bytes")
-    _check_f32("scales", scales, -(-n // block_size))

@@ -94,7 +94,7 @@ class PullPath:
 
     def pull(
         self, request: pb.PullRequest, call: Call | None = None
-    ) -> Iterator[pb.PullReply | wire.PullChunk]:
+    ) -> Iterator[pb.PullReply | wire.RawChunk]:
         """The fragment's parameters (or the updates since `have_version`), judged at one
         version, after waiting (bounded, in a waiting slot) for `min_version`."""
         call = call or Call()
@@ -241,7 +241,7 @@ class PullPath:
         links: list[Link] | None,
         version: int,
         checksum: int,
-    ) -> Iterator[pb.PullReply | wire.PullChunk]:
+    ) -> Iterator[pb.PullReply | wire.RawChunk]:
         if links is not None:
             yield pb.PullReply(
                 header=pb.PullHeader(

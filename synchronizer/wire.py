@@ -11,7 +11,7 @@ the same errors as without this module.
 The other way, a PullReply holding a chunk was copied four times on its way out (the tensor's
 bytes into the Chunk, the Chunk into the reply, the reply into its serialization, and that into
 gRPC). `pull_chunks` writes each such reply's wire format at once, the chunk's bytes copied
-once from the tensor, as a `PullChunk` that reads as the message in process and that
+once from the tensor, as a `RawChunk` that reads as the message in process and that
 `serialize_pull_reply` hands to gRPC as it is.
 """
 
@@ -25,14 +25,16 @@ import torch
 from protos import diloco_pb2 as pb
 from protos import framing
 
-_CHUNK_TAG = 0x12  # PushRequest.chunk: field 2, length-delimited
+_CHUNK_TAG = 0x12  # PushRequest.chunk and PullReply.chunk: field 2, length-delimited
 _OFFSET_TAG = 0x08  # Chunk.offset: field 1, varint
 _DATA_TAG = 0x12  # Chunk.data: field 2, length-delimited
 
 
 @dataclass(frozen=True)
 class RawChunk:
-    """A chunk whose `size` bytes start at `start` in `source` (the received message)."""
+    """A message holding one chunk (a PushRequest received, or a PullReply to send), kept as its
+    serialized bytes `source`, the chunk's `size` bytes at `start` in them; in process it reads
+    as the message (`WhichOneof`, `chunk.offset`, `chunk.data`)."""
 
     offset: int
     source: bytes
@@ -45,6 +47,10 @@ class RawChunk:
     @property
     def chunk(self) -> RawChunk:
         return self
+
+    @property
+    def data(self) -> bytes:
+        return self.source[self.start : self.start + self.size]
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -95,29 +101,6 @@ def parse_push_request(raw: bytes) -> pb.PushRequest | RawChunk:
     return chunk if chunk is not None else pb.PushRequest.FromString(raw)
 
 
-@dataclass(frozen=True)
-class PullChunk:
-    """A PullReply holding one chunk, already serialized (`wire`, byte for byte what
-    `pb.PullReply(chunk=pb.Chunk(offset=..., data=...)).SerializeToString()` gives); in
-    process it reads as that message (`WhichOneof`, `chunk.offset`, `chunk.data`)."""
-
-    wire: bytes
-    offset: int
-    start: int  # where the chunk's bytes start in `wire`
-    size: int
-
-    def WhichOneof(self, name: str) -> str:  # noqa: N802 - the protobuf message's method name
-        return "chunk"
-
-    @property
-    def chunk(self) -> PullChunk:
-        return self
-
-    @property
-    def data(self) -> bytes:
-        return self.wire[self.start : self.start + self.size]
-
-
 def _encode_varint(value: int) -> bytes:
     out = bytearray()
     while value >= 0x80:
@@ -127,7 +110,7 @@ def _encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def pull_chunks(buf: torch.Tensor, chunk_bytes: int = framing.CHUNK_BYTES) -> Iterator[PullChunk]:
+def pull_chunks(buf: torch.Tensor, chunk_bytes: int = framing.CHUNK_BYTES) -> Iterator[RawChunk]:
     """`buf` (1-D uint8, CPU) as the PullReplies of its chunks (`framing.iter_chunks`'s
     offsets and sizes), each serialized once. Do not overwrite `buf` before they are sent."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
@@ -138,11 +121,11 @@ def pull_chunks(buf: torch.Tensor, chunk_bytes: int = framing.CHUNK_BYTES) -> It
         data_head = bytes([_DATA_TAG]) + _encode_varint(size)
         field = (bytes([_OFFSET_TAG]) + _encode_varint(offset) if offset else b"") + data_head
         head = bytes([_CHUNK_TAG]) + _encode_varint(len(field) + size) + field
-        yield PullChunk(b"".join((head, view[offset : offset + size])), offset, len(head), size)
+        yield RawChunk(offset, b"".join((head, view[offset : offset + size])), len(head), size)
 
 
-def serialize_pull_reply(reply: pb.PullReply | PullChunk) -> bytes:
-    """PullFragment's response serializer: a `PullChunk` as it is, any other reply by protobuf."""
-    if isinstance(reply, PullChunk):
-        return reply.wire
+def serialize_pull_reply(reply: pb.PullReply | RawChunk) -> bytes:
+    """PullFragment's response serializer: a `RawChunk` as it is, any other reply by protobuf."""
+    if isinstance(reply, RawChunk):
+        return reply.source
     return reply.SerializeToString()

@@ -19,7 +19,7 @@ from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
 from synchronizer.metrics import Metrics
-from synchronizer.wire import PullChunk
+from synchronizer.wire import RawChunk
 from tests.helpers import pulled, push_header, push_messages
 
 
@@ -81,7 +81,7 @@ class CoreClient:
     def pull(
         self, fragment: int, min_version: int = 0, wait_s: float = 0.0
     ) -> tuple[int, torch.Tensor]:
-        replies: Iterator[pb.PullReply | PullChunk] = self.core.pull(
+        replies: Iterator[pb.PullReply | RawChunk] = self.core.pull(
             pb.PullRequest(
                 learner_id=self.learner_id,
                 session=self.session,

@@ -27,7 +27,7 @@ from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec, TensorInfo, plan_fragments
 from synchronizer.disk import Disk
-from synchronizer.wire import PullChunk
+from synchronizer.wire import RawChunk
 
 TIMEOUT = 20.0
 
@@ -46,7 +46,7 @@ def push_messages(
         yield pb.PushRequest(chunk=chunk)
 
 
-def pulled(replies: Iterator[pb.PullReply | PullChunk]) -> tuple[int, torch.Tensor]:
+def pulled(replies: Iterator[pb.PullReply | RawChunk]) -> tuple[int, torch.Tensor]:
     """The version and the FP32 values of a full pull's replies."""
     first = next(replies)
     assert isinstance(first, pb.PullReply)

@@ -22,7 +22,7 @@ from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink
 from synchronizer.fragments import Fragment
-from synchronizer.merge import Accumulator
+from synchronizer.merge import Accumulator, weighted_codes
 from synchronizer.model import bounded_by_scales
 from synchronizer.outer import Nesterov, make_outer
 from tests.core_helpers import CoreClient, make_core
@@ -163,30 +163,20 @@ def test_nesterov_chain_is_the_separate_operations_bit_for_bit_and_a_learner_rep
         assert torch.equal(learner, params)
 
 
-def _weighted(payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]]):
-    return [
-        (
-            buf,
-            h.codec == pb.CODEC_INT4,
-            blockwise.checked_scales(buf, h.codec, N, h.scale_dtype) * w,
-        )
-        for buf, h, w in payloads
-    ]
-
-
 @pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_a_step_from_encoded_pushes_is_accumulate_merge_reanchor_and_chain_bit_for_bit(
     residual_dtype: torch.dtype, nesterov: bool
 ) -> None:
-    summed = _weighted(
+    summed = weighted_codes(
         [
             (*_push(pb.CODEC_INT8, 21), 1.0),
             (*_push(pb.CODEC_INT4, 22), 2.0),
             (*_push(pb.CODEC_INT8, 23), 0.5),
-        ]
+        ],
+        N,
     )
-    links = _weighted([(*_push(pb.CODEC_INT8, 24), 0.25)])  # added after the division
+    links = weighted_codes([(*_push(pb.CODEC_INT8, 24), 0.25)], N)  # added after the division
     gen = torch.Generator().manual_seed(25)
     start = torch.randn(N, generator=gen)
     momentum = torch.randn(N, generator=gen) * 1e-3
@@ -264,12 +254,12 @@ def test_a_round_its_scales_cannot_show_appliable_is_judged_on_its_merged_delta(
 ) -> None:
     # An INT8 push whose scales bound the merged delta beyond MAX_MERGED_ABS is decoded and
     # judged as before: refused, nothing changed but the version; one within is stepped from.
-    small = _weighted([(*_push(pb.CODEC_INT8, 26), 1.0)])
+    small = weighted_codes([(*_push(pb.CODEC_INT8, 26), 1.0)], N)
     assert bounded_by_scales(small, 1, 1.0)
     assert not bounded_by_scales(small, 1, 1e-40)  # divided by a tiny total weight
     huge = codec.encode(torch.full((N,), 1e31), pb.CODEC_INT8)
     assert not bounded_by_scales(
-        _weighted([(huge, layout.make_header(pb.CODEC_INT8, N), 1.0)]), 1, 1.0
+        weighted_codes([(huge, layout.make_header(pb.CODEC_INT8, N), 1.0)], N), 1, 1.0
     )
     spec = small_spec()
     n = spec.fragments[0].numel

@@ -11,7 +11,6 @@ from google.protobuf.message import DecodeError
 
 from protos import diloco_pb2 as pb
 from synchronizer.wire import (
-    PullChunk,
     RawChunk,
     parse_push_request,
     pull_chunks,
@@ -89,8 +88,8 @@ def test_pull_chunks_are_the_bytes_protobuf_serializes_and_read_as_the_message(n
         piece = data[offset : offset + chunk_bytes]
         expected = pb.PullReply(chunk=pb.Chunk(offset=offset, data=piece))
         assert serialize_pull_reply(c) == expected.SerializeToString()
-        assert pb.PullReply.FromString(c.wire) == expected
+        assert pb.PullReply.FromString(c.source) == expected
         assert c.WhichOneof("kind") == "chunk" and c.chunk.data == piece
     header = pb.PullReply(header=pb.PullHeader(version=3))
     assert serialize_pull_reply(header) == header.SerializeToString()
-    assert all(isinstance(c, PullChunk) for c in chunks)
+    assert all(isinstance(c, RawChunk) for c in chunks)
