@@ -21,6 +21,8 @@ Arms (each a Synchronizer and M learner processes on their own links, see bench/
   weight_uniform    the defaults with `--token-weight uniform` (every push weighs the same)
   weight_tokens     the defaults with `--token-weight tokens` (a push weighs its tokens)
   anchor_base       the defaults with `--anchor base` (a stale delta applied to its own base)
+  share_full        the defaults with `--round-share full` (every round a whole outer step, however
+                    few learners it holds: the defaults before 2026-12-04)
   merge_overwrite   the defaults, learners `--merge overwrite` (a fresh fragment replaces local)
   merge_rebase      the defaults, learners `--merge rebase`
   alpha_0.25        the defaults, learners `--alpha 0.25` (mix: the fresh fragment weighs 0.25)
@@ -100,6 +102,7 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
     "weight_uniform": _defaults("weight_uniform", "--token-weight", "uniform"),
     "weight_tokens": _defaults("weight_tokens", "--token-weight", "tokens"),
     "anchor_base": _defaults("anchor_base", "--anchor", "base"),
+    "share_full": _defaults("share_full", "--round-share", "full"),
     "merge_overwrite": _learner("merge_overwrite", "--merge", "overwrite"),
     "merge_rebase": _learner("merge_rebase", "--merge", "rebase"),
     "alpha_0.25": _learner("alpha_0.25", "--alpha", "0.25"),

@@ -30,7 +30,7 @@ class SynchronizerConfig(BaseModel):
         "sharding": "shards shard_index",
         "rounds": "quorum grace grace_max_s grace_gamma overlap_steps max_staleness token_weight "
         "staleness_weight staleness_alpha staleness_hinge max_norm_ratio max_weight_ratio anchor "
-        "update_history update_history_bytes update_codec update_residual_dtype merge",
+        "round_share update_history update_history_bytes update_codec update_residual_dtype merge",
         "outer optimizer": "outer outer_lr outer_momentum outer_delay",
         "learners": "lease_s forget_after_s max_learners dynamic_local_updates inner_steps",
         "limits": "init_stall_s max_pull_wait_s max_waiting_pulls stream_idle_s slice_wait_s "
@@ -131,6 +131,10 @@ class SynchronizerConfig(BaseModel):
     anchor: Literal["current", "base"] = Field(
         "current",
         description="Re-anchor a stale delta at the current global fragment (Decoupled DiLoCo), or apply it relative to its base",
+    )
+    round_share: Literal["work", "full"] = Field(
+        "work",
+        description="How far a round's outer step goes. work: by the round's share of a whole step, its contributions' weight over one contribution from every recent contributor (a lone push of one learner in four steps about a quarter, its momentum too, so rounds that split and a last learner pushing alone after the others left move the model as far per unit of work as rounds of everyone); full: every round a whole step, whatever it holds",
     )
     update_history: int = Field(
         16,

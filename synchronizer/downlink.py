@@ -118,8 +118,8 @@ class Downlink:
             params,
             outer,
             version,
-            lambda momentum, mu, codes, scales, bs: native.chain_int8(
-                params, momentum, merged, residual, codes, scales, bs, outer.factor, mu
+            lambda momentum, mu, nu, codes, scales, bs: native.chain_int8(
+                params, momentum, merged, residual, codes, scales, bs, outer.factor, mu, nu
             ),
         ):
             return
@@ -169,7 +169,7 @@ class Downlink:
             params,
             outer,
             version,
-            lambda momentum, mu, codes, scales, bs: native.step_int8(
+            lambda momentum, mu, nu, codes, scales, bs: native.step_int8(
                 pushes,
                 summed,
                 total,
@@ -181,6 +181,7 @@ class Downlink:
                 bs,
                 outer.factor,
                 mu,
+                nu,
             ),
         )
 
@@ -189,21 +190,23 @@ class Downlink:
         params: torch.Tensor,
         outer: OuterStep,
         version: int,
-        kernel: Callable[[torch.Tensor | None, float, torch.Tensor, torch.Tensor, int], bool],
+        kernel: Callable[
+            [torch.Tensor | None, float, float, torch.Tensor, torch.Tensor, int], bool
+        ],
     ) -> bool:
         """`step` by a native kernel, where one computes this one (an INT8 chain of a Nesterov
-        or plain step, on CPU); False where none does. `kernel(momentum, mu, codes, scales,
-        block size)` writes the link's codes and scales and says whether the update was
-        finite."""
+        or plain step, on CPU); False where none does. `kernel(momentum, mu, nu, codes, scales,
+        block size)`, with `OuterStep.native_form`'s momentum, decay and look-ahead, writes the
+        link's codes and scales and says whether the update was finite."""
         form = outer.native_form() if self.native_chain(params) else None
         if form is None:
             return False
-        momentum, mu = form
+        momentum, mu, nu = form
         header = layout.make_header(self.codec, self.numel)
         out = self._link_bytes(int(header.total_bytes))
         code_bytes = layout.code_bytes(self.codec, self.numel)
         scales = torch.empty(-(-self.numel // int(header.block_size)))
-        if not kernel(momentum, mu, out[:code_bytes], scales, int(header.block_size)):
+        if not kernel(momentum, mu, nu, out[:code_bytes], scales, int(header.block_size)):
             raise layout.CodecError("the outer update is not finite: it cannot be encoded")
         out[code_bytes:] = scales.view(torch.uint8)  # the scales follow the codes, unaligned
         self._append((version, header, out))

@@ -169,9 +169,10 @@ class Fragment:
         """The part of a push's tokens and compute seconds this fragment accounts for."""
         return Share(tokens * self.share, compute_s * self.share)
 
-    def apply(self, rnd: Round) -> tuple[float, str | None]:
+    def apply(self, rnd: Round) -> tuple[float, str | None, float]:
         """Decodes a taken round's held pushes, merges them and applies the outer step, in
-        version order; returns the seconds it took and, if the round was refused, why. The
+        version order; returns the seconds it took, if the round was refused why, and its share
+        of a whole step (`FragmentModel.step`). The
         round's sums are taken from the shared FP32 buffers (unless it added on arrival and has
         them already) and given back when the step ends, whatever happens."""
         try:
@@ -181,14 +182,14 @@ class Fragment:
             held = rnd.ordered_held() if self._steps_from_pushes(rnd) else []
             t_decode = 0.0 if held else self._decode(rnd)
 
-            def merge() -> torch.Tensor:  # in place over the round's sums; zero weights: no change
+            def merge(share: float) -> torch.Tensor:  # over the round's sums; 0 weight: no change
                 if held:  # the step did not take the pushes as they are: decoded now (timed
                     self._decode(rnd)  # as part of the step)
                 acc = rnd.acc
                 assert acc is not None
-                return acc.merged() if acc.total_weight > 0 else acc.cleared()
+                return acc.merged(share=share) if acc.total_weight > 0 else acc.cleared()
 
-            seconds, refused = self.model.step(
+            seconds, refused, share = self.model.step(
                 rnd.start_version,
                 merge,
                 rnd.contributions,
@@ -197,7 +198,7 @@ class Fragment:
             )
         finally:
             self.discard(rnd)
-        return seconds + t_decode, refused
+        return seconds + t_decode, refused, share
 
     def _steps_from_pushes(self, rnd: Round) -> bool:
         """Whether the round may go to the outer step as encoded pushes: nothing added on

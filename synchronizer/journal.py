@@ -60,6 +60,7 @@ REPLAY_SETTINGS = (
     "compute_threads",
     "merge",
     "anchor",
+    "round_share",
     "outer",
     "outer_lr",
     "outer_momentum",

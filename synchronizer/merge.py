@@ -298,16 +298,20 @@ class Accumulator:
         self._sum.add_(vec)
         self._total_weight += weight_sum
 
-    def merged(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Write the merged delta into `out` (flat FP32, numel) and return it. Without `out` it
-        is written over the sums themselves (no buffer of its own): the accumulator then holds
-        nothing until `reset`, and the caller may write over the result."""
+    def merged(self, out: torch.Tensor | None = None, share: float = 1.0) -> torch.Tensor:
+        """Write the merged delta times `share` (in (0, 1]: the round's part of a whole outer
+        step, `synchronizer.shares`; folded into the divisor, sum / (W / share)) into `out`
+        (flat FP32, numel) and return it. Without `out` it is written over the sums themselves
+        (no buffer of its own): the accumulator then holds nothing until `reset`, and the
+        caller may write over the result."""
         if out is None:
             out = self._sum
         self._check_vector("out", out)
-        total = self._total_weight
-        if total == 0.0:
+        if not (math.isfinite(share) and 0.0 < share <= 1.0):
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        if self._total_weight == 0.0:
             raise ValueError("cannot merge a round whose total weight is 0")
+        total = self._total_weight / share
         self.merged_max_abs = None
         if self.native_kernels and out is self._sum and not self._fresh:
             self.merged_max_abs = native.merge(self._sum, total)

@@ -189,6 +189,12 @@ class Metrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             registry=r,
         )
+        self.round_share = Histogram(
+            "diloco_round_share",
+            "Part of a whole outer step each applied round stood for: its contributions' weight over one contribution from every recent contributor (round_share work; 1 with full). Many small shares: rounds split.",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0),
+            registry=r,
+        )
         self.round_wait = Histogram(
             "diloco_round_wait_seconds",
             "Seconds from a round's first contribution to its close.",

@@ -36,6 +36,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink, Link, kept_links
 from synchronizer.merge import add_native, native_codec, weighted_codes
 from synchronizer.outer import make_outer
+from synchronizer.shares import RoundShares
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def unappliable(merged: torch.Tensor, max_abs: float | None = None) -> str | Non
 
 
 class Contributor(Protocol):
+    learner_id: str
     base_version: int
     weight: float
 
@@ -105,6 +107,7 @@ class FragmentModel:
         self.params: torch.Tensor | None = None
         self.version = 0
         self.merged = 0  # contributions merged into applied rounds, ever (checkpointed)
+        self.shares = RoundShares()  # each round's share of a whole step (checkpointed)
         self.failure: str | None = None
         self.stopping = False  # shutting down: pulls stop waiting for new versions
         self.frozen = False  # a checkpoint is writing the live state: outer steps wait
@@ -129,20 +132,23 @@ class FragmentModel:
             owned = adopt and params.dtype == torch.float32 and params.is_contiguous()
             self.params = params if owned else params.to(torch.float32).clone()
             self.version = version
+            self.shares = RoundShares()
             self.downlink.changed()
             self.cv.notify_all()
 
     def step(
         self,
         start_version: int,
-        merge: Callable[[], torch.Tensor],
+        merge: Callable[[float], torch.Tensor],
         contributions: Sequence[Contributor],
         max_abs: Callable[[], float | None] = lambda: None,
         held: Sequence[tuple[torch.Tensor, pb.PayloadHeader, float]] = (),
-    ) -> tuple[float, str | None]:
+    ) -> tuple[float, str | None, float]:
         """Applies one round's outer step once the fragment is at `start_version`; returns the
-        seconds it took and, for a refused round, why. `merge()` returns the round's merged
-        delta in a buffer the outer step may write over (the round's own sums); `max_abs()`,
+        seconds it took, for a refused round why, and the round's share of a whole step
+        (`synchronizer.shares`; 1 with `round_share` full). `merge(share)` returns the round's
+        merged delta times its share in a buffer the outer step may write over (the round's own
+        sums); `max_abs()`,
         its largest magnitude where the merge took it (None: measured here). `held`: the whole
         round as encoded pushes (buf, header, weight), in order, where `merge()` would only
         decode and merge them: the native chain may then step from them directly
@@ -158,29 +164,36 @@ class FragmentModel:
             t0 = time.perf_counter()
             assert self.params is not None
             refused = None
-            if not (held and self._step_held(start_version, held, contributions)):
-                merged = merge()
+            share = (
+                self.shares.share(start_version, contributions)
+                if self.cfg.round_share == "work"
+                else 1.0
+            )
+            if not (held and self._step_held(start_version, held, contributions, share)):
+                merged = merge(share)
                 if self.cfg.anchor == "current":
-                    self._reanchor(start_version, contributions, merged)
+                    self._reanchor(start_version, contributions, merged, share)
                 refused = unappliable(merged, None if self.cfg.anchor == "current" else max_abs())
                 if refused is not None:
                     self.downlink.skip(start_version + 1)
                 elif self.downlink.history > 0:
-                    self.downlink.step(self.params, merged, self.outer.begin(), start_version + 1)
+                    step = self.outer.begin(share)
+                    self.downlink.step(self.params, merged, step, start_version + 1)
                 else:
-                    self.outer.step(self.params, merged)
+                    self.outer.step(self.params, merged, share)
             self.version = start_version + 1
             if refused is None:
                 self.merged += len(contributions)
             self.downlink.changed()
             self.cv.notify_all()
-            return time.perf_counter() - t0, refused
+            return time.perf_counter() - t0, refused, share
 
     def _step_held(
         self,
         start_version: int,
         held: Sequence[tuple[torch.Tensor, pb.PayloadHeader, float]],
         contributions: Sequence[Contributor],
+        share: float,
     ) -> bool:
         """The outer step made straight from the round's encoded pushes and re-anchoring links
         (`Downlink.step_pushes`: no FP32 sums, no pass to merge or to check them), where the
@@ -192,7 +205,7 @@ class FragmentModel:
         if not (self.outer.native and self.downlink.native_chain(self.params)):
             return False
         weighted = [p for p in held if p[2] > 0.0]
-        links = self._stale_links(start_version, contributions)
+        links = self._stale_links(start_version, contributions, share)
         payloads = [*weighted, *links]
         block = layout.DEFAULT_BLOCK_SIZE  # the chain's
         if not weighted or not all(
@@ -200,11 +213,11 @@ class FragmentModel:
             for _, h, _ in payloads
         ):
             return False
-        total = sum(w for _, _, w in weighted)
+        total = sum(w for _, _, w in weighted) / share  # the merge's divisor (`Accumulator`)
         pushes = weighted_codes(payloads, self.numel)
         if not bounded_by_scales(pushes, len(weighted), total):
             return False
-        step = self.outer.begin()
+        step = self.outer.begin(share)
         taken = self.downlink.step_pushes(
             self.params, pushes, len(weighted), total, step, start_version + 1
         )
@@ -212,11 +225,11 @@ class FragmentModel:
         return True
 
     def _stale_links(
-        self, start_version: int, contributions: Sequence[Contributor]
+        self, start_version: int, contributions: Sequence[Contributor], share: float
     ) -> list[tuple[torch.Tensor, pb.PayloadHeader, float]]:
         """What re-anchoring adds to the merged delta (anchor 'current'): the kept links since
-        each stale contribution's base, as (encoded, header, weight); empty where nothing is
-        re-anchored."""
+        each stale contribution's base, as (encoded, header, weight times the round's share);
+        empty where nothing is re-anchored."""
         if self.cfg.anchor != "current":
             return []
         total = sum(c.weight for c in contributions)
@@ -229,21 +242,25 @@ class FragmentModel:
         if total <= 0 or not stale:
             return []
         return [
-            (encoded, header, behind / total)
+            (encoded, header, behind / total * share)
             for v, header, encoded in self.downlink.chain
             if (behind := sum(c.weight for c in stale if c.base_version < v)) > 0
         ]
 
     def _reanchor(
-        self, start_version: int, contributions: Sequence[Contributor], merged: torch.Tensor
+        self,
+        start_version: int,
+        contributions: Sequence[Contributor],
+        merged: torch.Tensor,
+        share: float,
     ) -> None:
-        """Adds sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current
+        """Adds share * sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current
         fragment. A contribution staler than the kept links is left as it is (anchored at its
         base, as with anchor 'base'). Each link is decoded in runs of about 1M elements, with
         the same arithmetic, element for element, as adding the whole decoded link; with the
         native kernels every link is added in one pass, its weight folded into its block
         scales (the kernels' own numbers: the kernel in use is a replay setting)."""
-        links = self._stale_links(start_version, contributions)
+        links = self._stale_links(start_version, contributions, share)
         if not links:
             return
         if (
@@ -365,6 +382,7 @@ class FragmentModel:
                 "outer": self.cfg.outer,
                 "chain": chain,
                 "merged": self.merged,
+                "shares": self.shares.state(),
             }
             self.frozen = True
         try:
@@ -393,4 +411,5 @@ class FragmentModel:
             )
         with self.cv:
             self.merged = int(meta.get("merged", 0))
+            self.shares.restore(meta.get("shares", {}))
             self.downlink.restore(tensors, meta.get("chain", []), p)

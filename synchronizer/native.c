@@ -127,25 +127,27 @@ KERNEL float diloco_merge(float *s, int64_t n, float total) {
 
 /* One Nesterov outer step taken through an INT8 update chain, block by block:
  *
- *     m <- mu * m + g;  d <- g + mu * m          (Nesterov; d <- g without: SGD)
+ *     m <- mu * m + g;  d <- g + nu * m          (Nesterov; d <- g without: SGD)
  *     u <- r + factor * d                        (the update, with the carried residual r)
  *     codes, scale <- INT8 absmax encoding of u  (scale = max|u| / 127 per block)
  *     p <- p + codes * scale;  r <- u - codes * scale
  *
  * `params`, `momentum` (unused without `nesterov`) and `grad` are FP32; the residual is bfloat16
  * (`residual_bf16`) or FP32; `codes` (n bytes) and `scales` (ceil(n / bs)) are the link's
- * encoding. `scratch` holds one block of u (bs floats). Returns 0, or -1 if some block of u is
+ * encoding. nu is mu for a whole outer step; a partial one (`synchronizer.shares`) decays the
+ * momentum less and looks ahead less (mu = mu0^s, nu = s * mu0). `scratch` holds one block of u
+ * (bs floats). Returns 0, or -1 if some block of u is
  * not finite (parameters and state are then partly written, as the torch path leaves them). */
 INLINE int chain_block(float *params, float *momentum, const float *grad,
                        uint16_t *r16, float *r32, int8_t *codes, float *scale_out,
                        int64_t m, float factor, int nesterov, int bf16, float mu,
-                       float *restrict u) {
+                       float nu, float *restrict u) {
     if (nesterov)
         for (int64_t j = 0; j < m; j++) {
             float g = grad[j];
             float mom = mu * momentum[j] + g;
             momentum[j] = mom;
-            u[j] = g + mu * mom;
+            u[j] = g + nu * mom;
         }
     else
         for (int64_t j = 0; j < m; j++) u[j] = grad[j];
@@ -186,23 +188,23 @@ INLINE int chain_block(float *params, float *momentum, const float *grad,
 INLINE int chain_dispatch(float *params, float *momentum, const float *grad, uint16_t *r16,
                           float *r32, int8_t *codes, float *scale_out, int64_t m,
                           float factor, int nesterov, int bf16, float mu,
-                          float *restrict u) {
+                          float nu, float *restrict u) {
     if (nesterov && bf16)
         return chain_block(params, momentum, grad, r16, NULL, codes, scale_out, m, factor, 1, 1,
-                           mu, u);
+                           mu, nu, u);
     if (nesterov)
         return chain_block(params, momentum, grad, NULL, r32, codes, scale_out, m, factor, 1, 0,
-                           mu, u);
+                           mu, nu, u);
     if (bf16)
         return chain_block(params, momentum, grad, r16, NULL, codes, scale_out, m, factor, 0, 1,
-                           mu, u);
+                           mu, nu, u);
     return chain_block(params, momentum, grad, NULL, r32, codes, scale_out, m, factor, 0, 0, mu,
-                       u);
+                       nu, u);
 }
 
 KERNEL int diloco_chain_int8(const float *grad, float *params, float *momentum, void *residual,
                       int residual_bf16, int8_t *codes, float *scales, int64_t n, int64_t bs,
-                      float factor, int nesterov, float mu, float *scratch) {
+                      float factor, int nesterov, float mu, float nu, float *scratch) {
     uint16_t *r16 = (uint16_t *)residual;
     float *r32 = (float *)residual;
     for (int64_t start = 0, b = 0; start < n; start += bs, b++) {
@@ -211,7 +213,7 @@ KERNEL int diloco_chain_int8(const float *grad, float *params, float *momentum, 
         if (chain_dispatch(params + start, mom, grad + start,
                            residual_bf16 ? r16 + start : NULL, residual_bf16 ? NULL : r32 + start,
                            codes + start, scales + b, m, factor, nesterov, residual_bf16, mu,
-                           scratch))
+                           nu, scratch))
             return -1;
     }
     return 0;
@@ -229,7 +231,7 @@ KERNEL int diloco_step_int8(int npush, int nsum, const uint8_t *const *codes, co
                      const float *const *scales, float total, float *params, float *momentum,
                      void *residual, int residual_bf16, int8_t *out_codes, float *out_scales,
                      int64_t n, int64_t bs, float factor, int nesterov, float mu,
-                     float *scratch) {
+                     float nu, float *scratch) {
     uint16_t *r16 = (uint16_t *)residual;
     float *r32 = (float *)residual;
     float *g = scratch, *u = scratch + bs;
@@ -250,7 +252,7 @@ KERNEL int diloco_step_int8(int npush, int nsum, const uint8_t *const *codes, co
         float *mom = nesterov ? momentum + start : momentum;
         if (chain_dispatch(params + start, mom, g, residual_bf16 ? r16 + start : NULL,
                            residual_bf16 ? NULL : r32 + start, out_codes + start, out_scales + b,
-                           m, factor, nesterov, residual_bf16, mu, u))
+                           m, factor, nesterov, residual_bf16, mu, nu, u))
             return -1;
     }
     return 0;

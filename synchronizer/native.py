@@ -165,6 +165,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_float,
         ctypes.c_int,
         ctypes.c_float,
+        ctypes.c_float,
         vp,
     ]
     lib.diloco_chain_int8.restype = ctypes.c_int
@@ -185,6 +186,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         _i64,
         ctypes.c_float,
         ctypes.c_int,
+        ctypes.c_float,
         ctypes.c_float,
         vp,
     ]
@@ -289,12 +291,14 @@ def chain_int8(
     block_size: int,
     factor: float,
     mu: float,
+    nu: float | None = None,
 ) -> bool:
     """One outer step through the INT8 update chain (`native.c`, `diloco_chain_int8`);
-    Nesterov with `momentum`, SGD without. False if the update was not finite."""
+    Nesterov with `momentum` (decayed by `mu`, looked ahead by `nu`: mu's unless the step is a
+    partial one), SGD without. False if the update was not finite."""
     _check_f32("grad", grad, params.numel())
     scratch = torch.empty(block_size)
-    chain = _chain(params, momentum, residual, codes, scales, block_size, factor, mu, scratch)
+    chain = _chain(params, momentum, residual, codes, scales, block_size, factor, mu, nu, scratch)
     return load().lib.diloco_chain_int8(_ptr(grad), *chain) == 0
 
 
@@ -310,6 +314,7 @@ def step_int8(
     block_size: int,
     factor: float,
     mu: float,
+    nu: float | None = None,
 ) -> bool:
     """A round's whole outer step from its encoded pushes (`native.c`, `diloco_step_int8`):
     the same numbers as `accumulate` of the first `summed` pushes (the first written), `merge`
@@ -321,7 +326,7 @@ def step_int8(
     if not 0 < block_size <= RUN_ELEMS:
         raise ValueError(f"block_size must be in [1, {RUN_ELEMS}], got {block_size}")
     scratch = torch.empty(2 * block_size)
-    chain = _chain(params, momentum, residual, codes, scales, block_size, factor, mu, scratch)
+    chain = _chain(params, momentum, residual, codes, scales, block_size, factor, mu, nu, scratch)
     arrays = _pushes(pushes, params.numel(), block_size)
     return load().lib.diloco_step_int8(len(pushes), summed, *arrays, total, *chain) == 0
 
@@ -335,6 +340,7 @@ def _chain(
     block_size: int,
     factor: float,
     mu: float,
+    nu: float | None,
     scratch: torch.Tensor,
 ) -> tuple[Any, ...]:
     """The arguments both chain kernels end with, checked (`scratch`: the caller's, alive
@@ -360,5 +366,6 @@ def _chain(
         factor,
         int(momentum is not None),
         mu,
+        mu if nu is None else nu,
         _ptr(scratch),
     )

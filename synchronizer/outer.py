@@ -60,9 +60,10 @@ class OuterStep(ABC):
         d = self.direction(start, stop, grad, scratch[: stop - start])
         target.add_(d, alpha=self.factor)
 
-    def native_form(self) -> tuple[torch.Tensor | None, float] | None:
-        """(momentum buffer, momentum) where the native update chain computes this step
-        (`native.chain_int8`: Nesterov; (None, 0.0) for a plain step), else None."""
+    def native_form(self) -> tuple[torch.Tensor | None, float, float] | None:
+        """(momentum buffer, its decay, its look-ahead) where the native update chain computes
+        this step (`native.chain_int8`: Nesterov; (None, 0.0, 0.0) for a plain step), else
+        None."""
         return None
 
 
@@ -77,8 +78,8 @@ class Plain(OuterStep):
     ) -> torch.Tensor:
         return grad if out is grad else out.copy_(grad)
 
-    def native_form(self) -> tuple[torch.Tensor | None, float] | None:
-        return None, 0.0
+    def native_form(self) -> tuple[torch.Tensor | None, float, float] | None:
+        return None, 0.0, 0.0
 
 
 def _check_range(name: str, value: float, low: float, high: float, high_open: bool) -> float:
@@ -125,9 +126,9 @@ class OuterOptimizer(ABC):
         self.lr = _check_lr(lr)
         self.device = torch.device(device)
 
-    def step(self, params: torch.Tensor, grad: torch.Tensor) -> None:
+    def step(self, params: torch.Tensor, grad: torch.Tensor, share: float = 1.0) -> None:
         """params <- params + factor * direction, run by run (`runs`, `OuterStep.add_to`: one
-        fused kernel where torch has one); `grad` is only read."""
+        fused kernel where torch has one); `grad` is only read. `share`: as for `begin`."""
         if params.dtype != torch.float32:
             raise TypeError(f"params must be float32, got {params.dtype}")
         if params.shape != (self.numel,):
@@ -135,16 +136,19 @@ class OuterOptimizer(ABC):
                 f"params must be flat with {self.numel} elements, got {tuple(params.shape)}"
             )
         self._check_grad(grad)  # before begin() changes any state
-        step = self.begin()
+        step = self.begin(share)
         scratch = torch.empty(min(RUN_ELEMS, self.numel), device=params.device)
         for start, stop in runs(self.numel):
             step.add_to(start, stop, grad[start:stop], params[start:stop], scratch)
 
     @abstractmethod
-    def begin(self) -> OuterStep:
+    def begin(self, share: float = 1.0) -> OuterStep:
         """Advance the optimizer's counters by one pseudo-gradient; the returned step advances
         the per-element state range by range (`OuterStep.direction`), so a caller can fuse the
-        update with its own passes (the update chain quantizes f * d with its residual)."""
+        update with its own passes (the update chain quantizes f * d with its residual).
+        `share` in (0, 1]: the part of a whole outer step the round stands for
+        (`synchronizer.shares`), its pseudo-gradient already scaled by it; Nesterov's momentum
+        then decays and looks ahead by that part too, the other optimizers take it as it is."""
 
     @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]: ...
@@ -188,7 +192,7 @@ class SGD(OuterOptimizer):
 
     native = True
 
-    def begin(self) -> OuterStep:
+    def begin(self, share: float = 1.0) -> OuterStep:
         return Plain(-self.lr)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -205,7 +209,14 @@ class Nesterov(OuterOptimizer):
         params <- params - lr * (g + mu * buf)
 
     The same operations, in the same order, as torch.optim.SGD(lr, momentum=mu, nesterov=True)
-    with dampening 0 and no weight decay, so the two agree bit-for-bit on CPU.
+    with dampening 0 and no weight decay, so the two agree bit-for-bit on CPU. A partial step of
+    share s (g already scaled by s) decays by mu**s and looks ahead by s * mu:
+
+        buf    <- mu**s * buf + g
+        params <- params - lr * (g + s * mu * buf)
+
+    so that k rounds of share 1/k move the parameters and the momentum about as one whole step
+    of their mean does (a whole step is s = 1: the update above).
     """
 
     native = True
@@ -217,8 +228,8 @@ class Nesterov(OuterOptimizer):
         self.momentum = _check_range("momentum", momentum, 0.0, 1.0, high_open=True)
         self.momentum_buffer = self._zeros()
 
-    def begin(self) -> OuterStep:
-        return _NesterovStep(self)
+    def begin(self, share: float = 1.0) -> OuterStep:
+        return _NesterovStep(self, share)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"momentum_buffer": self.momentum_buffer}
@@ -228,8 +239,12 @@ class Nesterov(OuterOptimizer):
 
 
 class _NesterovStep(OuterStep):
-    def __init__(self, opt: Nesterov) -> None:
-        self.opt, self.factor = opt, -opt.lr
+    def __init__(self, opt: Nesterov, share: float) -> None:
+        if not (math.isfinite(share) and 0.0 < share <= 1.0):
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self.opt, self.factor, self.whole = opt, -opt.lr, share == 1.0
+        self.decay = opt.momentum if self.whole else opt.momentum**share
+        self.look = opt.momentum if self.whole else share * opt.momentum
 
     def add_to(
         self,
@@ -242,7 +257,7 @@ class _NesterovStep(OuterStep):
         """torch's fused SGD kernel (one vectorised pass: momentum, the Nesterov direction and
         the add, as `torch.optim.SGD(fused=True)` runs it), where this torch has one for the
         device; the same numbers as the separate operations (tests/test_outer.py)."""
-        if FUSED_SGD is None or target.device.type not in FUSED_DEVICES:
+        if FUSED_SGD is None or target.device.type not in FUSED_DEVICES or not self.whole:
             super().add_to(start, stop, grad, target, scratch)
             return
         FUSED_SGD(
@@ -258,15 +273,15 @@ class _NesterovStep(OuterStep):
             is_first_step=False,
         )
 
-    def native_form(self) -> tuple[torch.Tensor | None, float] | None:
-        return self.opt.momentum_buffer, self.opt.momentum
+    def native_form(self) -> tuple[torch.Tensor | None, float, float] | None:
+        return self.opt.momentum_buffer, self.decay, self.look
 
     def direction(
         self, start: int, stop: int, grad: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
-        mu, buf = self.opt.momentum, self.opt.momentum_buffer[start:stop]
-        buf.mul_(mu).add_(grad)
-        return torch.add(grad, buf, alpha=mu, out=out)
+        buf = self.opt.momentum_buffer[start:stop]
+        buf.mul_(self.decay).add_(grad)
+        return torch.add(grad, buf, alpha=self.look, out=out)
 
 
 class DelayedNesterov(OuterOptimizer):
@@ -314,7 +329,7 @@ class DelayedNesterov(OuterOptimizer):
         self.grad_buffer = self._zeros()  # Delta: sum of the g since the last m update
         self.steps = 0  # t: arrivals so far
 
-    def begin(self) -> OuterStep:
+    def begin(self, share: float = 1.0) -> OuterStep:
         self.steps += 1
         return _DelayedStep(self, update_momentum=self.steps % self.delay == 0)
 

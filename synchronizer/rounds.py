@@ -110,7 +110,7 @@ class Rounds:
         try:
             if rnd.ticket:  # nothing is served that a restart could not repeat
                 self.durable(rnd.ticket)
-            seconds, refused = frag.apply(rnd)
+            seconds, refused, share = frag.apply(rnd)
         except Exception as e:  # noqa: BLE001 - the failure becomes the fragment's state
             frag.discard(rnd)  # what the round holds goes back to the shared budgets
             if frag.model.failure is None:
@@ -137,6 +137,7 @@ class Rounds:
         self.grace.observe(apply_time=seconds)
         self.metrics.round_apply.observe(seconds)
         self.metrics.contributors.observe(len(rnd.contributions))
+        self.metrics.round_share.observe(share)
         self.metrics.outer_steps.inc()
         self.goodput.merged([c.share for c in rnd.contributions])
         logger.debug(

@@ -29,7 +29,14 @@ SPEC = small_spec(fragments=1)
 N = SPEC.fragments[0].numel
 CODECS = [pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_FP4_E3M0]
 # Exact served parameters and a plain outer step: the served model is old - merged delta.
-EXACT = {"anchor": "base", "update_history": 0, "outer": "sgd", "outer_lr": 1.0}
+# A round's step is exactly params - merged delta: each round a whole step, whatever it holds.
+EXACT = {
+    "anchor": "base",
+    "update_history": 0,
+    "outer": "sgd",
+    "outer_lr": 1.0,
+    "round_share": "full",
+}
 
 
 def _delta(seed: int, scale: float = 1.0) -> torch.Tensor:

@@ -125,8 +125,8 @@ def _model(**settings: object) -> FragmentModel:
     return model
 
 
-def _merge(d: torch.Tensor) -> Callable[[], torch.Tensor]:
-    return lambda: d.clone()
+def _merge(d: torch.Tensor) -> Callable[[float], torch.Tensor]:
+    return lambda share: d * share
 
 
 def _params(model: FragmentModel) -> torch.Tensor:
@@ -135,8 +135,8 @@ def _params(model: FragmentModel) -> torch.Tensor:
 
 
 class _Push:
-    def __init__(self, base_version: int, weight: float) -> None:
-        self.base_version, self.weight = base_version, weight
+    def __init__(self, base_version: int, weight: float, learner_id: str = "l0") -> None:
+        self.base_version, self.weight, self.learner_id = base_version, weight, learner_id
 
 
 def test_push_staler_than_the_kept_links_is_merged_as_anchor_base_does() -> None:
@@ -183,7 +183,7 @@ def test_reanchor_adds_each_link_as_the_whole_decoded_link_would(kernels: str) -
         scales = blockwise.checked_scales(encoded, header.codec, n, header.scale_dtype)
         folded = (scales * (behind / 4.0)).repeat_interleave(bs)[:n]
         expected = expected + encoded[:n].view(torch.int8).float() * folded
-    model._reanchor(2, pushes, merged)
+    model._reanchor(2, pushes, merged, 1.0)
     assert torch.equal(merged, expected)
 
 

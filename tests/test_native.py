@@ -120,12 +120,14 @@ def _reference_chain(
     residual: torch.Tensor,
     lr: float,
     mu: float,
+    nu: float,
 ) -> torch.Tensor:
-    """The chain's Nesterov step, one IEEE operation per torch call (no fused multiply-add);
-    updates its arguments in place and returns the link's bytes."""
+    """The chain's Nesterov step (momentum decayed by mu, looked ahead by nu), one IEEE
+    operation per torch call (no fused multiply-add); updates its arguments in place and
+    returns the link's bytes."""
     n = params.numel()
     momentum.copy_(torch.add(torch.mul(momentum, mu), grad))
-    d = torch.add(grad, torch.mul(momentum, mu))
+    d = torch.add(grad, torch.mul(momentum, nu))
     u = torch.add(residual.float(), torch.mul(d, -lr))
     nb = -(-n // BS)
     padded = torch.zeros(nb * BS)
@@ -139,10 +141,13 @@ def _reference_chain(
     return torch.cat([q.to(torch.int8).view(torch.uint8), scales.view(torch.uint8)])
 
 
+@pytest.mark.parametrize("share", [1.0, 0.3])
 @pytest.mark.parametrize("residual_dtype", ["bf16", "fp32"])
 def test_nesterov_chain_is_the_separate_operations_bit_for_bit_and_a_learner_replays_it(
-    residual_dtype: str,
+    residual_dtype: str, share: float
 ) -> None:
+    # share < 1: a partial step (`synchronizer.shares`) decays by 0.9**share, looks ahead by
+    # share * 0.9; the torch path (no native kernels) computes the same operations.
     gen = torch.Generator().manual_seed(9)
     start = torch.randn(N, generator=gen)
     params, outer = start.clone(), Nesterov(N, lr=0.7, momentum=0.9)
@@ -150,10 +155,14 @@ def test_nesterov_chain_is_the_separate_operations_bit_for_bit_and_a_learner_rep
     ref_params, ref_momentum = start.clone(), torch.zeros(N)
     ref_residual = torch.zeros(N, dtype=down.residual_dtype)
     learner = start.clone()
+    decay, look = (0.9, 0.9) if share == 1.0 else (0.9**share, share * 0.9)
+    torch_params, torch_outer = start.clone(), Nesterov(N, lr=0.7, momentum=0.9)
+    torch_down = Downlink(N, "int8", 8, residual_dtype, native_kernels=False)
     for version in range(1, 5):
         merged = torch.randn(N, generator=gen) * 1e-2
-        down.step(params, merged, outer.begin(), version)
-        link = _reference_chain(ref_params, ref_momentum, merged, ref_residual, 0.7, 0.9)
+        down.step(params, merged, outer.begin(share), version)
+        torch_down.step(torch_params, merged, torch_outer.begin(share), version)
+        link = _reference_chain(ref_params, ref_momentum, merged, ref_residual, 0.7, decay, look)
         v, header, encoded = down.chain[-1]
         assert v == version and torch.equal(encoded, link)
         assert torch.equal(params, ref_params)
@@ -161,6 +170,7 @@ def test_nesterov_chain_is_the_separate_operations_bit_for_bit_and_a_learner_rep
         assert down.residual is not None and torch.equal(down.residual, ref_residual)
         learner.add_(codec.decode(encoded, header, torch.empty(N)))  # what a delta pull does
         assert torch.equal(learner, params)
+        assert torch.allclose(torch_params, params, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float32])

@@ -193,6 +193,7 @@ def test_current_anchor_adds_the_updates_a_stale_learner_missed(tmp_path, clock)
         update_codec="fp32",
         outer="sgd",
         outer_lr=1.0,
+        round_share="full",  # each lone round a whole step: the anchoring arithmetic alone
     )
     fast, slow = clients
     u = _vec(1)
@@ -268,10 +269,10 @@ def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(ma
     release, entered = threading.Event(), threading.Event()
     step = frag.model.outer.step
 
-    def slow_step(params, grad):
+    def slow_step(params, grad, share=1.0):
         entered.set()
         release.wait(10)
-        step(params, grad)
+        step(params, grad, share)
 
     frag.model.outer.step = slow_step
     assert c.push(0, _vec(1)).round_version == 1
