@@ -66,7 +66,9 @@ BEST = DECOUPLED.with_(name="streaming_int4", fragments=4)  # what wan and goodp
 
 def configs(base: Decoupled) -> dict[str, Decoupled]:
     return {
-        "diloco_sync": base.with_(name="diloco_sync", quorum=0, codec="fp32", strict_overlap=True),
+        "diloco_sync": base.with_(
+            name="diloco_sync", quorum=0, codec="fp32", strict_overlap=True, round_share="full"
+        ),
         "default": Decoupled.with_defaults("default", base.sync_every),
         "decoupled_fp32": base.with_(name="decoupled_fp32", codec="fp32"),
         "decoupled_int4": base.with_(name="decoupled_int4"),

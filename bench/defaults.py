@@ -6,7 +6,8 @@ Arms (each a Synchronizer and M learner processes on their own links, see bench/
   sync              synchronous FP32 DiLoCo, the baseline a default must never lose to: quorum =
                     every live learner, P = 1, FP32 pushes, overwrite merge, outer Nesterov
                     (0.7, 0.9), no Dynamic Local Updates, each learner blocking one step after a
-                    push until the round is back (what torchft's DiLoCo does with an all-reduce)
+                    push until the round is back, each round a whole step (`--round-share full`:
+                    what torchft's DiLoCo does with an all-reduce, also once a learner has left)
   default           no flags at all but H: whatever the installed defaults are
   default_grace5    the defaults with `--grace-max-s 5` (rounds may wait longer for more pushes)
   delayed_nesterov  the defaults with `--outer delayed_nesterov --no-dynamic-local-updates`
@@ -33,7 +34,8 @@ slower and trains steps/3 steps, what it reaches while the others train theirs).
 every arm trains the same steps of the same data shards, so tokens are equal.
 
 For each cell: every arm's eval loss of the global model (pulled after the last learner
-finished), its ratio to the best arm of the cell (`vs_best`) and to `sync` (`vs_sync`). The
+finished; the mean over `--repeats` runs, with their `spread`: max - min over the mean), its
+ratio to the best arm of the cell (`vs_best`) and to `sync` (`vs_sync`). The
 summary names, per arm, the worst `vs_best` and `vs_sync` over the cells; an arm qualifies as a
 default when it is within 1% of the best in every cell and never above `sync`. Top-level keys
 `default_worst_vs_best` and `default_worst_vs_sync` are the `default` arm's.
@@ -83,6 +85,7 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
         outer="nesterov",
         outer_lr=0.7,
         outer_momentum=0.9,
+        round_share="full",
         synchronizer_args=["--no-dynamic-local-updates"],
     ),
     "default": _defaults("default"),
@@ -136,6 +139,7 @@ def summarize(cells: list[dict]) -> dict[str, dict[str, Any]]:
             "worst_vs_best": max(vs_best),
             "mean_vs_best": statistics.mean(vs_best),
             "worst_vs_sync": max(vs_sync) if vs_sync else None,
+            "worst_spread": max(c["spread"][arm] for c in cells),
             "qualifies": max(vs_best) <= 1 + WITHIN and (not vs_sync or max(vs_sync) <= 1.0),
         }
     return out
@@ -204,6 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
                         best = min(loss.values())
                         cell["loss"] = loss
                         cell["runs"] = losses
+                        # how far runs of one arm end apart: (max - min) / mean
+                        cell["spread"] = {a: (max(v) - min(v)) / loss[a] for a, v in losses.items()}
                         cell["best"] = min(loss, key=loss.__getitem__)
                         cell["vs_best"] = {a: v / best for a, v in loss.items()}
                         if "sync" in loss:
@@ -224,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         table(
             [{"arm": a, **s} for a, s in summary.items()],
-            ["arm", "worst_vs_best", "mean_vs_best", "worst_vs_sync", "qualifies"],
+            ["arm", "worst_vs_best", "mean_vs_best", "worst_vs_sync", "worst_spread", "qualifies"],
         )
     )
     result: dict[str, Any] = {}

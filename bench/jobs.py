@@ -160,6 +160,9 @@ class Decoupled:
     outer: str = "nesterov"
     outer_lr: float = 1.0
     outer_momentum: float = 0.9
+    # work: a round steps by its share of the learners' work; full: every round a whole step
+    # (what synchronous DiLoCo, torchft's included, does when a learner has left)
+    round_share: str = "work"
     lease_s: float = 10.0
     # True: the Synchronizer and the learners get none of the settings above but H (what a user
     # who passes no flags gets, at the benchmark's H); see `with_defaults`
@@ -190,6 +193,7 @@ class Decoupled:
             outer=s["outer"].default,
             outer_lr=s["outer_lr"].default,
             outer_momentum=s["outer_momentum"].default,
+            round_share=s["round_share"].default,
             lease_s=s["lease_s"].default,
             **changes,
         )
@@ -209,6 +213,7 @@ class Decoupled:
                 if self.grace == "adaptive"
                 else f"({self.grace_max_s:g}s)"
             )
+        s += " share=full" if self.round_share == "full" else ""
         return s + (" strict" if self.strict_overlap else "")
 
     def with_(self, **changes: Any) -> Decoupled:
@@ -252,6 +257,8 @@ class Decoupled:
             str(self.outer_lr),
             "--outer-momentum",
             str(self.outer_momentum),
+            "--round-share",
+            self.round_share,
             *self.synchronizer_args,
         ]
 

@@ -48,7 +48,9 @@ def workload(args: argparse.Namespace) -> tuple[Workload, Decoupled]:
 
 def synchronous(cfg: Decoupled) -> Decoupled:
     """Synchronous DiLoCo, bench/convergence.py's (b): FP32, P = 1, every learner each round."""
-    return cfg.with_(name="sync", quorum=0, strict_overlap=True, fragments=1, codec="fp32")
+    return cfg.with_(
+        name="sync", quorum=0, strict_overlap=True, fragments=1, codec="fp32", round_share="full"
+    )
 
 
 def consumed_tokens(run: dict[str, Any]) -> int:
