@@ -22,6 +22,7 @@ state is a pure function of the rounds applied, in order (checkpointed; a log re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -49,8 +50,9 @@ class RoundShares:
         self.recent = {
             k: (w, v) for k, (w, v) in self.recent.items() if start_version - v <= horizon
         }
-        full = sum(w for w, _ in self.recent.values())
-        held = sum(c.weight for c in contributions)
+        # exactly rounded sums: the same share whatever order a replay meets them in
+        full = math.fsum(w for w, _ in self.recent.values())
+        held = math.fsum(c.weight for c in contributions)
         if not full > 0.0 or not held > 0.0:
             return 1.0
         return min(1.0, held / full)

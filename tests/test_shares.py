@@ -138,3 +138,13 @@ def test_a_last_learner_pushing_alone_after_the_others_left_steps_by_its_share(
     finally:
         core.close()
     assert journal.replay_settings(core.cfg)["round_share"] == round_share
+
+
+def test_the_share_is_the_same_whatever_order_the_contributions_come_in() -> None:
+    # A replay meets a round's contributions in its log's order: sums exactly rounded.
+    weights = {"a": 0.1, "b": 0.2, "c": 0.3, "d": 1e-17}
+    one, other = RoundShares(), RoundShares()
+    one.share(0, [_C(k, w) for k, w in weights.items()])
+    other.share(0, [_C(k, w) for k, w in reversed(weights.items())])
+    round_ = [_C("a", 0.1), _C("c", 0.3), _C("d", 1e-17)]
+    assert one.share(1, round_) == other.share(1, list(reversed(round_)))
