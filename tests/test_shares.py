@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from protos import diloco_pb2 as pb
 from synchronizer import journal
 from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
@@ -17,6 +18,7 @@ from synchronizer.outer import Nesterov
 from synchronizer.shares import HORIZON_ROUNDS, RoundShares
 from tests.core_helpers import CoreClient, make_core
 from tests.helpers import small_spec
+from tests.test_core import initialised, killed, make, params, version
 
 
 @dataclass
@@ -148,3 +150,26 @@ def test_the_share_is_the_same_whatever_order_the_contributions_come_in() -> Non
     other.share(0, [_C(k, w) for k, w in reversed(weights.items())])
     round_ = [_C("a", 0.1), _C("c", 0.3), _C("d", 1e-17)]
     assert one.share(1, round_) == other.share(1, list(reversed(round_)))
+
+
+def test_a_log_replay_steps_each_round_by_the_share_it_stepped_by(tmp_path: Path) -> None:
+    settings = {"quorum": 1, "grace": "none", "wal": True, "lease_s": 600.0}
+    core, spec = make(tmp_path, ManualClock(), **settings)
+    learners = initialised(core, spec, ["a", "b", "c"])
+    n = spec.fragments[0].numel
+    gen = torch.Generator().manual_seed(8)
+    # lone rounds of learners whose work differs: shares of a third, a half, ... of a step
+    for i, who in enumerate([0, 1, 2, 0, 0, 1, 0]):
+        delta = torch.randn(n, generator=gen) * 1e-2
+        reply = learners[who].push(0, delta, base=version(core), tokens=100 + 37 * i)
+        assert reply.outcome == pb.PUSH_ACCEPTED
+    assert version(core) == 7 and len(core.model.fragment(0).model.shares.recent) == 3
+    served, recent = params(core).clone(), dict(core.model.fragment(0).model.shares.recent)
+    killed(core)  # the log holds every round; the only checkpoint is the initial model's
+
+    again, _ = make(tmp_path, ManualClock(), **settings)
+    try:
+        assert version(again) == 7 and torch.equal(params(again), served)
+        assert again.model.fragment(0).model.shares.recent == recent
+    finally:
+        again.close()

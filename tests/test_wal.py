@@ -598,8 +598,9 @@ def test_the_epoch_survives_a_restart_only_with_the_log(make_server, wal):
         {"outer_lr": 0.5},
         {"compute_threads": 2},
         {"merge": "radial", "anchor": "base"},
+        {"round_share": "full"},
     ],
-    ids=["outer", "outer_lr", "compute_threads", "merge"],
+    ids=["outer", "outer_lr", "compute_threads", "merge", "round_share"],
 )
 def test_a_restart_under_other_outer_step_arithmetic_starts_a_new_epoch(make_server, changed):
     """Logged rounds replayed under another outer optimizer (a new default after an upgrade
