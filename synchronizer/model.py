@@ -148,11 +148,10 @@ class FragmentModel:
         seconds it took, for a refused round why, and the round's share of a whole step
         (`synchronizer.shares`; 1 with `round_share` full). `merge(share)` returns the round's
         merged delta times its share in a buffer the outer step may write over (the round's own
-        sums); `max_abs()`,
-        its largest magnitude where the merge took it (None: measured here). `held`: the whole
-        round as encoded pushes (buf, header, weight), in order, where `merge()` would only
-        decode and merge them: the native chain may then step from them directly
-        (`_step_held`), and `merge` is not called. A merged delta that is not finite or beyond
+        sums); `max_abs()`, its largest magnitude where the merge took it (None: measured
+        here). `held`: the whole round as encoded pushes (buf, header, weight), in order, where
+        `merge` would only decode and merge them: the native chain may then step from them
+        directly (`_step_held`), and `merge` is not called. A merged delta that is not finite or beyond
         `MAX_MERGED_ABS` is refused before it touches any state: the version still advances
         (by an empty update, so rounds and delta pulls keep their order) and the fragment stays
         healthy. Waits while a checkpoint writes the fragment (`frozen`). Raises
