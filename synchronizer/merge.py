@@ -16,7 +16,7 @@ import torch
 
 from protos import blockwise, codec
 from protos import diloco_pb2 as pb
-from synchronizer import native
+from synchronizer import native, shares
 
 TOKEN_WEIGHTS = ("uniform", "tokens", "tokens2_per_step")
 STALENESS_FACTORS = ("none", "poly", "hinge", "exp")
@@ -307,11 +307,9 @@ class Accumulator:
         if out is None:
             out = self._sum
         self._check_vector("out", out)
-        if not (math.isfinite(share) and 0.0 < share <= 1.0):
-            raise ValueError(f"share must be in (0, 1], got {share}")
         if self._total_weight == 0.0:
             raise ValueError("cannot merge a round whose total weight is 0")
-        total = self._total_weight / share
+        total = self._total_weight / shares.checked(share)
         self.merged_max_abs = None
         if self.native_kernels and out is self._sum and not self._fresh:
             self.merged_max_abs = native.merge(self._sum, total)

@@ -36,7 +36,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink, Link, kept_links
 from synchronizer.merge import add_native, native_codec, weighted_codes
 from synchronizer.outer import make_outer
-from synchronizer.shares import RoundShares
+from synchronizer.shares import RoundShares, Weighed
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +92,8 @@ def unappliable(merged: torch.Tensor, max_abs: float | None = None) -> str | Non
     return None
 
 
-class Contributor(Protocol):
-    learner_id: str
+class Contributor(Weighed, Protocol):
     base_version: int
-    weight: float
 
 
 class FragmentModel:
@@ -151,8 +149,8 @@ class FragmentModel:
         sums); `max_abs()`, its largest magnitude where the merge took it (None: measured
         here). `held`: the whole round as encoded pushes (buf, header, weight), in order, where
         `merge` would only decode and merge them: the native chain may then step from them
-        directly (`_step_held`), and `merge` is not called. A merged delta that is not finite or beyond
-        `MAX_MERGED_ABS` is refused before it touches any state: the version still advances
+        directly (`_step_held`), and `merge` is not called. A merged delta that is not finite
+        or beyond `MAX_MERGED_ABS` is refused before it touches any state: the version still advances
         (by an empty update, so rounds and delta pulls keep their order) and the fragment stays
         healthy. Waits while a checkpoint writes the fragment (`frozen`). Raises
         `FragmentFailed` if the fragment failed while this round waited."""
@@ -253,8 +251,8 @@ class FragmentModel:
         merged: torch.Tensor,
         share: float,
     ) -> None:
-        """Adds share * sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the current
-        fragment. A contribution staler than the kept links is left as it is (anchored at its
+        """Adds share * sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the
+        current fragment. A contribution staler than the kept links is left as it is (anchored at its
         base, as with anchor 'base'). Each link is decoded in runs of about 1M elements, with
         the same arithmetic, element for element, as adding the whole decoded link; with the
         native kernels every link is added in one pass, its weight folded into its block

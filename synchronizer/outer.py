@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
+from synchronizer import shares
+
 OUTER_KINDS = ("nesterov", "delayed_nesterov", "sgd")
 # Elements per run of a fused outer step: every array a run touches (parameters, state, the
 # merged delta, scratch) stays in cache between the run's operations, so memory is read and
@@ -240,11 +242,9 @@ class Nesterov(OuterOptimizer):
 
 class _NesterovStep(OuterStep):
     def __init__(self, opt: Nesterov, share: float) -> None:
-        if not (math.isfinite(share) and 0.0 < share <= 1.0):
-            raise ValueError(f"share must be in (0, 1], got {share}")
-        self.opt, self.factor, self.whole = opt, -opt.lr, share == 1.0
-        self.decay = opt.momentum if self.whole else opt.momentum**share
-        self.look = opt.momentum if self.whole else share * opt.momentum
+        self.opt, self.factor, self.whole = opt, -opt.lr, shares.checked(share) == 1.0
+        # mu**1.0 and 1.0 * mu are mu exactly: a whole step's numbers are unchanged
+        self.decay, self.look = opt.momentum**share, share * opt.momentum
 
     def add_to(
         self,

@@ -35,6 +35,13 @@ class Weighed(Protocol):
     weight: float
 
 
+def checked(share: float) -> float:
+    """`share` if it is one a round can have (in (0, 1]), else ValueError."""
+    if not (math.isfinite(share) and 0.0 < share <= 1.0):
+        raise ValueError(f"share must be in (0, 1], got {share}")
+    return share
+
+
 class RoundShares:
     """One fragment's recent contributors (their last weight and the round it came in)."""
 
