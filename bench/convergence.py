@@ -31,10 +31,12 @@ Headline, for the best Decoupled configuration (the lowest eval loss among (c) a
 reach 500x fewer bytes than data parallel, or the lowest eval loss if none does):
 `bandwidth_ratio` = (a)'s steady bytes per step over its; `loss_gap` = its eval loss over (a)'s,
 minus 1; `m1_gain` = (e)'s eval loss over its, minus 1. For the defaults: `default_vs_sync` =
-the default arm's eval loss over (b)'s, `default_vs_best` = over the lowest of the DiLoCo arms'.
+the default arm's eval loss over (b)'s, `default_vs_dp` = over (a)'s (target <= 1.03),
+`default_vs_best` = over the lowest of the DiLoCo arms'.
 
     python -m bench.convergence [--quick | --smoke] [--json PATH] [--steps S] [--sync-every H]
         [--only dp,streaming_int4,...] [--set field=value ...] [--net auto|netns|proxy]
+        [--default-args FLAGS] [--default-train-args FLAGS]
 Modes: --smoke a tiny model, 2 learners, 40 steps, without (c); --quick 300 steps (under 4 minutes here); full
 3000 steps (18 minutes in the recorded run; up to about 27 when the machine is busier).
 """
@@ -64,12 +66,20 @@ DECOUPLED = Decoupled(
 BEST = DECOUPLED.with_(name="streaming_int4", fragments=4)  # what wan and goodput run
 
 
-def configs(base: Decoupled) -> dict[str, Decoupled]:
+def configs(
+    base: Decoupled, default_args: list[str] | None = None, default_train: list[str] | None = None
+) -> dict[str, Decoupled]:
+    """The DiLoCo arms over `base`; the default arm takes only the flags given for it."""
     return {
         "diloco_sync": base.with_(
             name="diloco_sync", quorum=0, codec="fp32", strict_overlap=True, round_share="full"
         ),
-        "default": Decoupled.with_defaults("default", base.sync_every),
+        "default": Decoupled.with_defaults(
+            "default",
+            base.sync_every,
+            synchronizer_args=list(default_args or []),
+            train_args=list(default_train or []),
+        ),
         "decoupled_fp32": base.with_(name="decoupled_fp32", codec="fp32"),
         "decoupled_int4": base.with_(name="decoupled_int4"),
         "streaming_int4": base.with_(name="streaming_int4", fragments=4),
@@ -130,6 +140,8 @@ def headline(rows: dict[str, dict]) -> dict[str, Any]:
         best_arm = min(diloco, key=lambda r: r["eval_loss"])
         if "diloco_sync" in rows:
             out["default_vs_sync"] = rows["default"]["eval_loss"] / rows["diloco_sync"]["eval_loss"]
+        if dp:
+            out["default_vs_dp"] = rows["default"]["eval_loss"] / dp["eval_loss"]
         out["default_vs_best"] = rows["default"]["eval_loss"] / best_arm["eval_loss"]
         out["default_best_arm"] = best_arm["name"]
     candidates = [rows[n] for n in CANDIDATES if n in rows]
@@ -162,6 +174,19 @@ def main(argv: list[str] | None = None) -> dict:
         help="override a Decoupled setting for every DiLoCo configuration (e.g. alpha=0.7, grace=fixed)",
     )
     p.add_argument(
+        "--default-args",
+        default="",
+        metavar="FLAGS",
+        help="Synchronizer flags for the default arm only (--set does not reach it), e.g. "
+        "'--outer-lr 1.0': how a candidate default is measured",
+    )
+    p.add_argument(
+        "--default-train-args",
+        default="",
+        metavar="FLAGS",
+        help="learner flags for the default arm only, e.g. '--alpha 0.25'",
+    )
+    p.add_argument(
         "--net",
         choices=("auto", "netns", "proxy"),
         default="auto",
@@ -185,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(names) - set(ORDER)
     if unknown:
         raise SystemExit(f"--only: unknown {sorted(unknown)}; choose from {ORDER}")
-    decoupled = configs(base)
+    decoupled = configs(base, args.default_args.split(), args.default_train_args.split())
 
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as tmp:

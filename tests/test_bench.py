@@ -47,7 +47,14 @@ SMOKES = [
     (
         "convergence",
         [],
-        ["bandwidth_ratio", "loss_gap", "m1_gain", "default_vs_sync", "default_vs_best"],
+        [
+            "bandwidth_ratio",
+            "loss_gap",
+            "m1_gain",
+            "default_vs_sync",
+            "default_vs_dp",
+            "default_vs_best",
+        ],
     ),
     (
         "goodput",
