@@ -67,7 +67,7 @@ BEST = DECOUPLED.with_(name="streaming_int4", fragments=4)  # what wan and goodp
 
 
 def configs(
-    base: Decoupled, default_args: list[str] | None = None, default_train: list[str] | None = None
+    base: Decoupled, default_args: list[str], default_train: list[str]
 ) -> dict[str, Decoupled]:
     """The DiLoCo arms over `base`; the default arm takes only the flags given for it."""
     return {
@@ -77,8 +77,8 @@ def configs(
         "default": Decoupled.with_defaults(
             "default",
             base.sync_every,
-            synchronizer_args=list(default_args or []),
-            train_args=list(default_train or []),
+            synchronizer_args=default_args,
+            train_args=default_train,
         ),
         "decoupled_fp32": base.with_(name="decoupled_fp32", codec="fp32"),
         "decoupled_int4": base.with_(name="decoupled_int4"),

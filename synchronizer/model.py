@@ -150,10 +150,10 @@ class FragmentModel:
         here). `held`: the whole round as encoded pushes (buf, header, weight), in order, where
         `merge` would only decode and merge them: the native chain may then step from them
         directly (`_step_held`), and `merge` is not called. A merged delta that is not finite
-        or beyond `MAX_MERGED_ABS` is refused before it touches any state: the version still advances
-        (by an empty update, so rounds and delta pulls keep their order) and the fragment stays
-        healthy. Waits while a checkpoint writes the fragment (`frozen`). Raises
-        `FragmentFailed` if the fragment failed while this round waited."""
+        or beyond `MAX_MERGED_ABS` is refused before it touches any state: the version still
+        advances (by an empty update, so rounds and delta pulls keep their order) and the
+        fragment stays healthy. Waits while a checkpoint writes the fragment (`frozen`).
+        Raises `FragmentFailed` if the fragment failed while this round waited."""
         with self.cv:
             while (self.version != start_version or self.frozen) and self.failure is None:
                 self.cv.wait()
@@ -252,11 +252,11 @@ class FragmentModel:
         share: float,
     ) -> None:
         """Adds share * sum_i w_i (Theta_now - Theta_{b_i}) / W: each delta anchored at the
-        current fragment. A contribution staler than the kept links is left as it is (anchored at its
-        base, as with anchor 'base'). Each link is decoded in runs of about 1M elements, with
-        the same arithmetic, element for element, as adding the whole decoded link; with the
-        native kernels every link is added in one pass, its weight folded into its block
-        scales (the kernels' own numbers: the kernel in use is a replay setting)."""
+        current fragment. A contribution staler than the kept links is left as it is
+        (anchored at its base, as with anchor 'base'). Each link is decoded in runs of about 1M
+        elements, with the same arithmetic, element for element, as adding the whole decoded
+        link; with the native kernels every link is added in one pass, its weight folded into
+        its block scales (the kernels' own numbers: the kernel in use is a replay setting)."""
         links = self._stale_links(start_version, contributions, share)
         if not links:
             return
