@@ -31,7 +31,7 @@ class SynchronizerConfig(BaseModel):
         "rounds": "quorum grace grace_max_s grace_gamma overlap_steps max_staleness token_weight "
         "staleness_weight staleness_alpha staleness_hinge max_norm_ratio max_weight_ratio anchor "
         "round_share update_history update_history_bytes update_codec update_residual_dtype merge",
-        "outer optimizer": "outer outer_lr outer_momentum outer_delay",
+        "outer optimizer": "outer outer_lr outer_momentum outer_delay outer_warmup",
         "learners": "lease_s forget_after_s max_learners dynamic_local_updates inner_steps",
         "limits": "init_stall_s max_pull_wait_s max_waiting_pulls stream_idle_s slice_wait_s "
         "max_streams_per_learner max_model_params memory_limit_bytes payload_budget_bytes "
@@ -171,6 +171,12 @@ class SynchronizerConfig(BaseModel):
         4,
         ge=1,
         description="Delayed Nesterov: momentum is updated every this many rounds (about the number of learners)",
+    )
+    outer_warmup: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Warm-up of the outer step: each fragment's outer learning rate rises linearly over its first this many outer steps (outer_lr/N, 2*outer_lr/N, ... outer_lr); 0: none",
     )
 
     # Learners

@@ -65,6 +65,7 @@ REPLAY_SETTINGS = (
     "outer_lr",
     "outer_momentum",
     "outer_delay",
+    "outer_warmup",
     "update_codec",
     "update_history",
     "update_history_bytes",

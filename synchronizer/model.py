@@ -35,7 +35,7 @@ from synchronizer.buffers import Snapshots
 from synchronizer.config import SynchronizerConfig
 from synchronizer.downlink import Downlink, Link, kept_links
 from synchronizer.merge import add_native, native_codec, weighted_codes
-from synchronizer.outer import make_outer
+from synchronizer.outer import make_outer, warm_up
 from synchronizer.shares import RoundShares, Weighed
 
 logger = logging.getLogger(__name__)
@@ -174,10 +174,10 @@ class FragmentModel:
                 if refused is not None:
                     self.downlink.skip(start_version + 1)
                 elif self.downlink.history > 0:
-                    step = self.outer.begin(share)
+                    step = self.outer.begin(share, self._warm(start_version))
                     self.downlink.step(self.params, merged, step, start_version + 1)
                 else:
-                    self.outer.step(self.params, merged, share)
+                    self.outer.step(self.params, merged, share, self._warm(start_version))
             self.version = start_version + 1
             if refused is None:
                 self.merged += len(contributions)
@@ -214,7 +214,7 @@ class FragmentModel:
         pushes = weighted_codes(payloads, self.numel)
         if not bounded_by_scales(pushes, len(weighted), total):
             return False
-        step = self.outer.begin(share)
+        step = self.outer.begin(share, self._warm(start_version))
         taken = self.downlink.step_pushes(
             self.params, pushes, len(weighted), total, step, start_version + 1
         )
@@ -291,6 +291,10 @@ class FragmentModel:
         with self.cv:
             self.stopping = True
             self.cv.notify_all()
+
+    def _warm(self, start_version: int) -> float:
+        """The outer learning rate of the step from `start_version`, over `outer_lr`."""
+        return warm_up(start_version, self.cfg.outer_warmup)
 
     def _check_healthy(self) -> None:
         if self.failure is not None:

@@ -100,6 +100,23 @@ def _check_lr(lr: float) -> float:
     return lr
 
 
+def _check_warm(warm: float) -> float:
+    warm = float(warm)
+    if not 0.0 < warm <= 1.0:
+        raise ValueError(f"warm must be in (0, 1], got {warm}")
+    return warm
+
+
+def warm_up(version: int, rounds: int) -> float:
+    """The learning rate of the outer step that makes `version + 1`, over the full one, when
+    it rises linearly over a fragment's first `rounds` outer steps (`--outer-warmup`): 1/rounds
+    for the first, 1 from step `rounds` on; 1 with no warm-up (`rounds` 0). A function of the
+    version alone, so a replay of the log steps by the same rates."""
+    if rounds <= 0 or version + 1 >= rounds:
+        return 1.0
+    return (version + 1) / rounds
+
+
 def _check_count(name: str, value: int, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -128,9 +145,12 @@ class OuterOptimizer(ABC):
         self.lr = _check_lr(lr)
         self.device = torch.device(device)
 
-    def step(self, params: torch.Tensor, grad: torch.Tensor, share: float = 1.0) -> None:
+    def step(
+        self, params: torch.Tensor, grad: torch.Tensor, share: float = 1.0, warm: float = 1.0
+    ) -> None:
         """params <- params + factor * direction, run by run (`runs`, `OuterStep.add_to`: one
-        fused kernel where torch has one); `grad` is only read. `share`: as for `begin`."""
+        fused kernel where torch has one); `grad` is only read. `share`, `warm`: as for
+        `begin`."""
         if params.dtype != torch.float32:
             raise TypeError(f"params must be float32, got {params.dtype}")
         if params.shape != (self.numel,):
@@ -138,19 +158,21 @@ class OuterOptimizer(ABC):
                 f"params must be flat with {self.numel} elements, got {tuple(params.shape)}"
             )
         self._check_grad(grad)  # before begin() changes any state
-        step = self.begin(share)
+        step = self.begin(share, warm)
         scratch = torch.empty(min(RUN_ELEMS, self.numel), device=params.device)
         for start, stop in runs(self.numel):
             step.add_to(start, stop, grad[start:stop], params[start:stop], scratch)
 
     @abstractmethod
-    def begin(self, share: float = 1.0) -> OuterStep:
+    def begin(self, share: float = 1.0, warm: float = 1.0) -> OuterStep:
         """Advance the optimizer's counters by one pseudo-gradient; the returned step advances
         the per-element state range by range (`OuterStep.direction`), so a caller can fuse the
         update with its own passes (the update chain quantizes f * d with its residual).
         `share` in (0, 1]: the part of a whole outer step the round stands for
         (`synchronizer.shares`), its pseudo-gradient already scaled by it; Nesterov's momentum
-        then decays and looks ahead by that part too, the other optimizers take it as it is."""
+        then decays and looks ahead by that part too, the other optimizers take it as it is.
+        `warm` in (0, 1]: this step's learning rate over `lr` (`warm_up`); the state advances
+        as it would at any learning rate."""
 
     @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]: ...
@@ -194,8 +216,8 @@ class SGD(OuterOptimizer):
 
     native = True
 
-    def begin(self, share: float = 1.0) -> OuterStep:
-        return Plain(-self.lr)
+    def begin(self, share: float = 1.0, warm: float = 1.0) -> OuterStep:
+        return Plain(-self.lr * _check_warm(warm))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -230,8 +252,8 @@ class Nesterov(OuterOptimizer):
         self.momentum = _check_range("momentum", momentum, 0.0, 1.0, high_open=True)
         self.momentum_buffer = self._zeros()
 
-    def begin(self, share: float = 1.0) -> OuterStep:
-        return _NesterovStep(self, share)
+    def begin(self, share: float = 1.0, warm: float = 1.0) -> OuterStep:
+        return _NesterovStep(self, share, _check_warm(warm))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"momentum_buffer": self.momentum_buffer}
@@ -241,8 +263,10 @@ class Nesterov(OuterOptimizer):
 
 
 class _NesterovStep(OuterStep):
-    def __init__(self, opt: Nesterov, share: float) -> None:
-        self.opt, self.factor, self.whole = opt, -opt.lr, shares.checked(share) == 1.0
+    def __init__(self, opt: Nesterov, share: float, warm: float) -> None:
+        # lr * 1.0 is lr exactly: out of warm-up the numbers are torch's SGD's
+        self.opt, self.lr, self.whole = opt, opt.lr * warm, shares.checked(share) == 1.0
+        self.factor = -self.lr
         # mu**1.0 and 1.0 * mu are mu exactly: a whole step's numbers are unchanged
         self.decay, self.look = opt.momentum**share, share * opt.momentum
 
@@ -266,7 +290,7 @@ class _NesterovStep(OuterStep):
             [self.opt.momentum_buffer[start:stop]],
             weight_decay=0.0,
             momentum=self.opt.momentum,
-            lr=self.opt.lr,
+            lr=self.lr,
             dampening=0.0,
             nesterov=True,
             maximize=False,
@@ -329,9 +353,10 @@ class DelayedNesterov(OuterOptimizer):
         self.grad_buffer = self._zeros()  # Delta: sum of the g since the last m update
         self.steps = 0  # t: arrivals so far
 
-    def begin(self, share: float = 1.0) -> OuterStep:
+    def begin(self, share: float = 1.0, warm: float = 1.0) -> OuterStep:
+        warm = _check_warm(warm)
         self.steps += 1
-        return _DelayedStep(self, update_momentum=self.steps % self.delay == 0)
+        return _DelayedStep(self, self.steps % self.delay == 0, warm)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {
@@ -354,9 +379,9 @@ class DelayedNesterov(OuterOptimizer):
 
 
 class _DelayedStep(OuterStep):
-    def __init__(self, opt: DelayedNesterov, update_momentum: bool) -> None:
+    def __init__(self, opt: DelayedNesterov, update_momentum: bool, warm: float) -> None:
         n, beta, c = opt.delay, opt.momentum, opt.momentum_activation
-        self.opt, self.update_momentum, self.factor = opt, update_momentum, -opt.lr / n
+        self.opt, self.update_momentum, self.factor = opt, update_momentum, -opt.lr * warm / n
         # the paper's (1 - cN + c) beta on a momentum update, c beta in between
         self.coeff = (1.0 - c * (n - 1)) * beta if update_momentum else c * beta
 

@@ -275,3 +275,48 @@ def test_run_encoder_writes_the_bytes_of_encode_and_returns_the_values_of_decode
     bad = codec.RunEncoder(codec_id, n, run, scale_dtype=scale)
     with pytest.raises(layout.CodecError):
         bad.encode(torch.full((run,), float("nan")), scratch)
+
+
+def test_warm_up_rises_linearly_over_the_first_rounds_then_stays_whole() -> None:
+    assert [outer_module.warm_up(v, 4) for v in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert [outer_module.warm_up(v, 0) for v in range(3)] == [1.0, 1.0, 1.0]
+    assert outer_module.warm_up(0, 1) == 1.0
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernel", "separate-ops"])
+def test_a_warmed_up_nesterov_step_is_torch_sgd_at_the_scheduled_lr_bit_for_bit(
+    fused: bool, monkeypatch
+) -> None:
+    # The warm-up scales the learning rate only: the momentum advances as at any rate, as
+    # torch's SGD does when a schedule changes its lr between steps.
+    if fused and outer_module.FUSED_SGD is None:
+        pytest.skip("this torch has no fused SGD kernel")
+    if not fused:
+        monkeypatch.setattr(outer_module, "FUSED_SGD", None)
+    init = torch.randn(NUMEL, generator=torch.Generator().manual_seed(2))
+    ref = torch.nn.Parameter(init.clone())
+    torch_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True, fused=fused)
+    params, outer = init.clone(), make_outer("nesterov", NUMEL, lr=0.7, momentum=0.9)
+    for v, g in enumerate(_grads(6, seed=3)):
+        warm = outer_module.warm_up(v, 4)
+        torch_opt.param_groups[0]["lr"] = 0.7 * warm
+        ref.grad = g.clone()
+        torch_opt.step()
+        outer.step(params, g.clone(), warm=warm)
+        assert torch.equal(params, ref.detach())
+
+
+@pytest.mark.parametrize("kind", OUTER_KINDS)
+def test_warm_scales_the_step_factor_and_not_the_state(kind: str) -> None:
+    whole, warmed = make_outer(kind, NUMEL, delay=1), make_outer(kind, NUMEL, delay=1)
+    for g in _grads(3, seed=4):
+        a, b = whole.begin(), warmed.begin(warm=0.25)
+        assert b.factor == pytest.approx(a.factor * 0.25)
+        da = a.direction(0, NUMEL, g.clone(), torch.empty(NUMEL))
+        db = b.direction(0, NUMEL, g.clone(), torch.empty(NUMEL))
+        assert torch.equal(da, db)
+    for key, value in whole.state_dict().items():
+        assert torch.equal(value, warmed.state_dict()[key])
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="warm must be in"):
+            make_outer(kind, NUMEL).begin(warm=bad)

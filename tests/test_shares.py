@@ -173,3 +173,22 @@ def test_a_log_replay_steps_each_round_by_the_share_it_stepped_by(tmp_path: Path
         assert again.model.fragment(0).model.shares.recent == recent
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("history", [False, True], ids=["outer-step", "update-chain"])
+def test_a_fragment_warms_its_outer_lr_up_over_its_first_rounds(
+    tmp_path: Path, history: bool
+) -> None:
+    # SGD at lr 1 moves by lr x warm x the merged delta: a quarter, a half, ... then whole,
+    # whether the step runs alone or through the update chain.
+    chain = {} if history else {"update_history": 0, "anchor": "base"}
+    cfg = SynchronizerConfig(state_dir=tmp_path, outer="sgd", outer_lr=1.0, outer_warmup=4, **chain)
+    model = FragmentModel(0, 8, cfg)
+    model.initialize(torch.zeros(8))
+    moved = []
+    for v in range(5):
+        assert model.params is not None
+        before = model.params.clone()
+        model.step(v, lambda s: torch.full((8,), -1.0), [_C("a", 1.0, v)])
+        moved.append(float((model.params - before).mean()))
+    assert moved == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0], rel=0.02)

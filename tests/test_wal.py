@@ -599,8 +599,9 @@ def test_the_epoch_survives_a_restart_only_with_the_log(make_server, wal):
         {"compute_threads": 2},
         {"merge": "radial", "anchor": "base"},
         {"round_share": "full"},
+        {"outer_warmup": 5},
     ],
-    ids=["outer", "outer_lr", "compute_threads", "merge", "round_share"],
+    ids=["outer", "outer_lr", "compute_threads", "merge", "round_share", "outer_warmup"],
 )
 def test_a_restart_under_other_outer_step_arithmetic_starts_a_new_epoch(make_server, changed):
     """Logged rounds replayed under another outer optimizer (a new default after an upgrade
