@@ -7,6 +7,7 @@ learner.finish()
 """
 
 from learner.config import LearnerConfig
-from learner.learner import Learner, LearnerStats
+from learner.learner import Learner
+from learner.stats import LearnerStats
 
 __all__ = ["Learner", "LearnerConfig", "LearnerStats"]

@@ -5,12 +5,13 @@ learner hooks the inner optimizer (a post-step hook), so each real optimizer ste
 `GradScaler` skipped for inf/NaN gradients is not one) is an inner step, with its tokens from
 the `tokens=` argument (a number per optimizer step, or a callable asked after each step).
 Or the loop calls `learner.step()` after each backward pass instead of `opt.step()`. Either way,
-after the optimizer step the learner merges the fresh global fragments that have arrived (after the optimizer step, so the next
-forward pass sees them and no gradient is applied to parameters it was not computed at), and on
-a fragment's due step (staggered: fragment p at offset p*H//P) encodes its outer gradient on the
-model's device and hands it to the background. Nothing in `step()` waits on the network unless
-`strict_overlap` is set: then a push's result is merged exactly overlap_steps (tau) after it,
-waited for (bounded) when late and held back when early (`learner.overlap`).
+after the optimizer step the learner merges the fresh global fragments that have arrived (after
+the optimizer step, so the next forward pass sees them and no gradient is applied to parameters
+it was not computed at), and on a fragment's due step (staggered: fragment p at offset
+p*H//P) encodes its outer gradient on the model's device and hands it to the background.
+Nothing in `step()` waits on the network unless `strict_overlap` is set: then a push's result
+is merged exactly overlap_steps (tau) after it, waited for (bounded) when late and held back
+when early (`learner.overlap`).
 
 The background side is `learner.sync.SyncEngine` (pushes, pulls, retries, within a
 `learner.session.Session`: joins, re-joins, heartbeats); `Learner` uses only the engine's public
@@ -24,35 +25,35 @@ Multi-GPU islands (torchrun): rank 0 alone talks to the Synchronizer and broadca
 times. Pass each rank's own `tokens`; rank 0 reports them times the world size. A model sharded
 with FSDP2 (`fully_shard`) makes a sharded island instead: every rank pushes and pulls only its
 own slice of each fragment, under rank 0's membership (`learner.sharded`).
+
+This module is the loop's side: settings, the inner step, pushes, the end. The join is
+`learner.joining`; merging what comes back (and strict overlap), `learner.arrivals`; a sharded
+island's join, step, flush and finish, `learner.sharded_island`; the stats, `learner.stats`;
+a restart's state, `learner.resume`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from learner import resume, sharded
-from learner.addresses import client_for
+from learner import arrivals, joining, resume, sharded_island, stats
 from learner.config import LearnerConfig
 from learner.fragments import (
     ErrorFeedback,
     FragmentPlan,
     due_fragments,
-    merge_fragment,
     schedule_offsets,
 )
 from learner.island import Island
 from learner.overlap import StrictOverlap
 from learner.session import Clock, Transport
+from learner.stats import LearnerStats
 from learner.sync import Arrival, PushJob, SyncEngine
 from protos import diloco_pb2 as pb
 from protos import layout
@@ -60,34 +61,6 @@ from protos import layout
 logger = logging.getLogger(__name__)
 
 SCALE_DTYPES = {"fp32": pb.SCALE_FP32, "fp16": pb.SCALE_FP16}
-
-
-@dataclass(frozen=True)
-class LearnerStats:
-    """A snapshot of a learner's progress and sync traffic (`Learner.stats`)."""
-
-    learner_id: str
-    step: int
-    tokens: int
-    tokens_per_s: float
-    loss: float | None
-    compute_s: float
-    blocked_s: float
-    bytes_sent: int
-    bytes_received: int
-    pushes: dict[
-        str, int
-    ]  # by outcome: accepted, duplicate, dropped_stale, refused_norm, superseded, rejected
-    pulls: int
-    merges: int
-    errors: int
-    fragment_versions: tuple[int, ...]
-    sync_every: int
-    sync_state: str  # "idle", "syncing 2/4", "reconnecting"
-    versions_checked: int = 0  # (epoch, fragment, version)s pulled, with their checksums
-    version_conflicts: int = 0  # of those, served again with another checksum (a server bug)
-    step_time_s: float | None = None  # moving average of an inner step's compute seconds
-    bytes_sent_joining: int = 0  # of bytes_sent, those sent by the time it had joined (an upload of the initial model included)
 
 
 class Learner:
@@ -102,9 +75,10 @@ class Learner:
     `state` (from `state_dict()`, saved with the model and optimizer, whose saved states the
     caller loads first) resumes a restarted learner as itself; see `state_dict`.
     `transport` replaces the client the settings would build (tests pass an in-memory fake); the
-    learner closes it when it stops. The constructor joins the Synchronizer and loads the global model (initialising it from this
-    model's parameters if there is none yet); it raises if that is impossible within
-    `join_timeout_s`. After that, network trouble is logged and counted, never raised.
+    learner closes it when it stops. The constructor joins the Synchronizer and loads the global
+    model (initialising it from this model's parameters if there is none yet); it raises if that
+    is impossible within `join_timeout_s`. After that, network trouble is logged and counted,
+    never raised.
     `metrics_registry`: a Prometheus registry to add the `diloco_learner_*` metrics to (served on
     `metrics_port` when that is set, else by the caller's own exporter); by default they get a
     registry of their own, served only with `metrics_port`.
@@ -171,7 +145,7 @@ class Learner:
             resume.check_state(state, numels, self.leader)
             resume.restore_clock(self, state)
         if self.talks:
-            self._connect(transport, state)
+            joining.connect(self, transport, state)
             if self.leader and (cfg.metrics_port >= 0 or metrics_registry is not None):
                 self._serve_metrics(metrics_registry)
         elif transport is not None:
@@ -197,131 +171,6 @@ class Learner:
                 raise ValueError("device='cuda' but CUDA is not available here")
             return self.param_device if self.param_device.type == "cuda" else torch.device("cuda")
         return torch.device("cpu")
-
-    def _connect(self, transport: Transport | None, state: dict[str, Any] | None) -> None:
-        cfg = self.cfg
-        self.client = transport if transport is not None else client_for(cfg)
-        name = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
-        if self.sharded and not hasattr(self.client, "slices"):
-            self.client.close()
-            raise ValueError(
-                "a sharded (FSDP2) island talks to a single Synchronizer address, not to shards"
-            )
-        self.engine = SyncEngine(
-            self.client,
-            cfg,
-            self.plan.spec,
-            name,
-            self.clock,
-            global_params=None if self.sharded else lambda: [b.detach().cpu() for b in self.base],
-            pin=self.device.type == "cuda",
-            numels=[self.plan.numel(p) for p in range(self.num_fragments)]
-            if self.sharded
-            else None,
-            follower=self.sharded and not self.leader,
-        )
-        try:
-            # empty: the Synchronizer assigns one; a resumed learner comes back as itself
-            self.client.learner_id = state["learner_id"] if state else cfg.learner_id
-            self.client.session = state["session"] if state else cfg.learner_session
-            if self.sharded:
-                versions, fetched = self._connect_sharded()
-            else:
-                versions, fetched = self.engine.connect(
-                    cfg.join_timeout_s,
-                    lambda: [self.plan.gather(p, "cpu") for p in range(self.num_fragments)],
-                )
-        except BaseException:
-            self.client.close()
-            raise
-        if state is not None and resume.resumable(self, state, versions, fetched is None):
-            resume.restore_sync(self, state)
-        else:
-            self.versions = versions
-            for p in range(self.num_fragments):
-                if fetched is not None:
-                    self.plan.scatter(p, fetched[p])
-                self.base.append(
-                    fetched[p].to(self.device)
-                    if fetched is not None
-                    else self.plan.gather(p, self.device)
-                )
-        self.joining_bytes = self.client.bytes_sent
-        self.engine.start()
-        logger.info(
-            "learner=%s joined %s: %d fragments of %s parameters, versions %s",
-            self.client.learner_id,
-            cfg.synchronizer,
-            self.num_fragments,
-            f"{self.plan.spec.numel:,}",
-            self.versions,
-        )
-
-    def _connect_sharded(self) -> tuple[list[int], list[torch.Tensor] | None]:
-        """A sharded island's join: rank 0 joins (the island gathers the model, one fragment at
-        a time, if it must initialise it) and tells the other ranks its membership; every rank
-        pulls its slices, and a rank that got an older version than another re-pulls."""
-        assert self.engine is not None and self.client is not None
-        engine, client, n = self.engine, self.client, self.num_fragments
-        client.slices = self.plan.slices  # type: ignore[attr-defined]
-        client.fragment_numels = [f.numel for f in self.plan.fragments]  # type: ignore[attr-defined]
-        whole = [self.plan.params[p] for p in range(n)]
-        if self.leader:
-
-            def gathered() -> list[torch.Tensor]:
-                sharded.Messages.tell(("gather",))
-                return [sharded.gather_full(ps) for ps in whole]
-
-            try:
-                versions, fetched = engine.connect(self.cfg.join_timeout_s, gathered)
-            except BaseException as e:
-                sharded.Messages.tell(("failed", f"{type(e).__name__}: {e}"))
-                raise
-            session = engine.session
-            sharded.Messages.tell(
-                (
-                    "joined",
-                    client.learner_id,
-                    client.session,
-                    client.spec_hash,  # type: ignore[attr-defined]
-                    session.epoch,
-                    session.next_seq,
-                    versions,
-                    fetched is None,
-                )
-            )
-        else:
-            while (message := sharded.Messages.hear())[0] == "gather":
-                for ps in whole:
-                    sharded.gather_full(ps)
-            if message[0] == "failed":
-                raise RuntimeError(f"rank 0 of this island could not join: {message[1]}")
-            _, client.learner_id, client.session, spec_hash, epoch, next_seq, versions, init = (
-                message
-            )
-            client.spec_hash = spec_hash  # type: ignore[attr-defined]
-            engine.session.epoch, engine.session.next_seq = epoch, next_seq
-            fetched = None
-            if not init:
-                fetched = []
-                for p in range(n):
-                    v, _, params = engine.pull(p, versions[p], self.cfg.pull_wait_s, exact=True)
-                    versions[p] = v
-                    fetched.append(params)
-        if fetched is None:  # the island's own model: each rank's slice is where deltas start
-            engine.hold(versions, [self.plan.gather(p, "cpu") for p in range(n)])
-            return versions, None
-        for _ in range(10):  # a round may close between two ranks' pulls
-            agreed = sharded.exchange(n, [False] * n, versions, 0, 0)
-            if all(agreed.ready(p) for p in range(n)):
-                break
-            for p in range(n):
-                top = max(agreed.versions[p])
-                if versions[p] < top:
-                    versions[p], _, fetched[p] = engine.pull(
-                        p, top, self.cfg.pull_wait_s, exact=True
-                    )
-        return versions, fetched
 
     # Resume ----------------------------------------------------------------------------------
 
@@ -423,7 +272,7 @@ class Learner:
             acc[1] += 1
             acc[2] += compute
         if self.sharded:
-            self._sharded_step()
+            sharded_island.step(self)
         else:
             merged: set[int] = set()
             if self.leader:
@@ -439,13 +288,13 @@ class Learner:
     def _sync_step(self) -> set[int]:
         assert self.engine is not None
         self._set_sync_every(self.engine.sync_every())
-        merged = self._apply_arrivals()
+        merged = arrivals.take_all(self)
         for p in sorted(
             set(due_fragments(self.clock.step, self.sync_every, self.offsets)) | self.deferred
         ):
             self._push(p)
         if self.cfg.strict_overlap:
-            merged |= self._wait_overlap()
+            merged |= arrivals.wait_overlap(self)
         return merged
 
     def _set_sync_every(self, h: int) -> None:
@@ -458,81 +307,6 @@ class Learner:
             )
             self.sync_every = h
             self.offsets = schedule_offsets(h, self.num_fragments)
-
-    # A sharded island: every rank syncs its slices; one exchange per step keeps them in step
-
-    def _exchange(self, flag: int = 0) -> sharded.Agreed:
-        assert self.engine is not None
-        engine = self.engine
-        while (a := engine.next_arrival()) is not None:
-            self.ready[a.fragment] = a
-        n = self.num_fragments
-        return sharded.exchange(
-            n,
-            [engine.busy(p) for p in range(n)],
-            [self.ready[p].version if p in self.ready else -1 for p in range(n)],
-            engine.sync_every(),
-            engine.next_seq(),
-            flag,
-        )
-
-    def _sharded_step(self) -> set[int]:
-        assert self.engine is not None
-        agreed = self._exchange()
-        self._set_sync_every(agreed.sync_every)
-        merged = self._merge_agreed(agreed)
-        seq = agreed.next_seq
-        for p in sorted(
-            set(due_fragments(self.clock.step, self.sync_every, self.offsets)) | self.deferred
-        ):
-            if agreed.busy[p]:  # some rank is still syncing it: every rank defers it
-                self.deferred.add(p)
-                continue
-            self._push(p, seq)  # every rank, with the same seq
-            seq += 1
-        self.engine.seq_at_least(seq)
-        return merged
-
-    def _merge_agreed(self, agreed: sharded.Agreed) -> set[int]:
-        """Merges the fragments every rank has back at the same version; a rank behind the
-        others on one re-pulls it at their version (merged at the next exchange)."""
-        assert self.engine is not None
-        merged: set[int] = set()
-        for p in range(self.num_fragments):
-            if agreed.ready(p):
-                self._merge(self.ready.pop(p))
-                merged.add(p)
-                continue
-            target = agreed.behind(p, self.island.rank, self.engine.busy(p) and p not in self.ready)
-            if target is None:
-                continue
-            try:
-                version, _, params = self.engine.pull(p, target, self.cfg.pull_wait_s)
-            except (grpc.RpcError, layout.CodecError) as e:
-                self.engine.failed(f"catching up with the island at version {target}: {e}", p)
-                continue
-            old = self.ready.get(p)
-            if old is None:
-                self.engine.delivering(p)
-            self.ready[p] = Arrival(p, version, params, old.job if old else None)
-        return merged
-
-    def _flush_sharded(self, deadline: float) -> tuple[bool, set[int]]:
-        """Exchanges until no rank has a sync in flight (True) or rank 0 gives up (False)."""
-        assert self.engine is not None
-        merged: set[int] = set()
-        while True:
-            idle = self.engine.in_flight() == 0
-            late = self.leader and time.monotonic() > deadline
-            agreed = self._exchange(int(idle) | 2 * int(late))
-            if all(f & 1 for f in agreed.flags):
-                return True, merged
-            if agreed.flags[0] & 2:
-                return False, merged
-            merged |= self._merge_agreed(agreed)
-            arrival = self.engine.next_arrival(0.05)
-            if arrival is not None:
-                self.ready[arrival.fragment] = arrival
 
     def _push(self, p: int, seq: int = 0) -> None:
         assert self.engine is not None
@@ -582,117 +356,20 @@ class Learner:
         if self.cfg.strict_overlap:
             self.overlap.pushed(p, self.clock.step)
 
-    def _apply_arrivals(self) -> set[int]:
-        assert self.engine is not None
-        merged: set[int] = set()
-        while (arrival := self.engine.next_arrival()) is not None:
-            self._take(arrival, merged)
-        return merged
-
-    def _take(self, a: Arrival, merged: set[int]) -> None:
-        """Merges an arrival, or (strict_overlap) holds a round's result that came back before
-        its tau until `_wait_overlap` merges it at exactly tau."""
-        if not self.flushing and self.overlap.hold(a, self.clock.step):
-            return
-        self._merge_held([a.fragment], merged)  # a re-sync overtook a held result: that first
-        self._merge(a)
-        merged.add(a.fragment)
-
-    def _merge_held(self, fragments: list[int] | None, merged: set[int]) -> None:
-        for a in self.overlap.release(fragments):
-            self._merge(a)
-            merged.add(a.fragment)
-
-    @torch.no_grad()
-    def _merge(self, a: Arrival) -> None:
-        assert self.engine is not None
-        p = a.fragment
-        fresh = a.params.to(self.device, non_blocking=True)
-        theta = self.plan.gather(p, self.device)
-        # A round's result keeps the progress since the push; a re-sync all local progress.
-        anchor = a.job.theta_at_push if a.job is not None else self.base[p]
-        self.plan.scatter(p, merge_fragment(self.cfg.merge, theta, fresh, anchor, self.cfg.alpha))
-        self.base[p] = fresh  # replaced, never modified in place (a re-join may read it)
-        self.versions[p] = a.version
-        if a.job is not None:
-            self.ef.commit(p, a.job.residual)
-        self.merges += 1
-        self.overlap.merged(p)
-        self.engine.merged(p)
-        logger.debug(
-            "learner=%s fragment=%d version=%d merged (%s) at step %d",
-            self.learner_id,
-            p,
-            a.version,
-            "round" if a.job else "re-sync",
-            self.clock.step,
-        )
-
-    def _merge_until(self, done: Callable[[], bool], deadline: float, merged: set[int]) -> bool:
-        """Merges arrivals as they come until `done()` or the monotonic deadline; True if done."""
-        assert self.engine is not None
-        while not done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            arrival = self.engine.next_arrival(min(left, 0.1))
-            if arrival is None:
-                continue
-            self._take(arrival, merged)
-        return True
-
-    def _wait_overlap(self) -> set[int]:
-        """strict_overlap: waits for fragments pushed at least tau steps ago (bounded)."""
-        assert self.engine is not None
-        merged: set[int] = set()
-        late = self.overlap.due(self.clock.step)
-        if not late:
-            return merged
-        self._merge_held(late, merged)
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + self.cfg.pull_wait_s + self.cfg.rpc_timeout_s
-        # Through an outage too (bounded): a Synchronizer restarting keeps what it acknowledged,
-        # and the result lands at the same step as if it had not been down.
-        if not self._merge_until(lambda: not self.overlap.waiting(late), deadline, merged):
-            logger.warning(
-                "learner=%s strict overlap: fragments %s not back in time, carrying on",
-                self.learner_id,
-                self.overlap.waiting(late),
-            )
-        self.overlap.forget(late)  # wait for a push at most once
-        self.clock.blocked_s += time.perf_counter() - t0
-        return merged
-
     # Ending ----------------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Waits (bounded) for every sync in flight and merges the results; True if all came
         back. Pushes that were due but deferred are not sent. Collective under torchrun."""
         done, merged = True, set[int]()
-        if self.sharded and self.engine is not None and not self.closed:
-            deadline = time.monotonic() + (
-                self.cfg.finish_timeout_s if timeout_s is None else timeout_s
-            )
-            done, _ = self._flush_sharded(deadline)
-            return done
-        if self.leader and self.engine is not None and not self.closed:
-            deadline = time.monotonic() + (
-                self.cfg.finish_timeout_s if timeout_s is None else timeout_s
-            )
-            engine = self.engine
-            self.flushing = True
-            try:
-                self._merge_held(None, merged)
-                merged |= self._apply_arrivals()
-                done = self._merge_until(lambda: engine.in_flight() == 0, deadline, merged)
-            finally:
-                self.flushing = False
-            if not done:
-                logger.warning(
-                    "learner=%s flush: %d syncs still in flight, giving up waiting",
-                    self.learner_id,
-                    engine.in_flight(),
-                )
+        talking = self.engine is not None and not self.closed
+        deadline = time.monotonic() + (
+            self.cfg.finish_timeout_s if timeout_s is None else timeout_s
+        )
+        if self.sharded and talking:
+            return sharded_island.flush(self, deadline)
+        if self.leader and talking:
+            done = arrivals.drain(self, deadline, merged)
         self.island.broadcast(merged)
         return done
 
@@ -703,7 +380,7 @@ class Learner:
             return
         self.flush(timeout_s)
         if self.sharded and self.engine is not None:
-            self._finish_sharded()
+            sharded_island.finish(self)
             self.close()
             return
         if self.leader and self.engine is not None:
@@ -719,49 +396,6 @@ class Learner:
             )
         self.island.broadcast(set(range(self.num_fragments)), announce=False)
         self.close()
-
-    def _finish_sharded(self) -> None:
-        """Every rank pulls its slices exactly, the ranks agree on one version of each fragment
-        (a rank behind re-pulls), then rank 0 leaves."""
-        assert self.engine is not None
-        engine, n = self.engine, self.num_fragments
-        fresh = engine.finish(self.versions, leave=False)
-        for _ in range(10):
-            agreed = sharded.exchange(
-                n, [False] * n, [fresh[p][0] if p in fresh else -1 for p in range(n)], 0, 0
-            )
-            behind = [
-                (p, max(agreed.versions[p]))
-                for p in fresh
-                if not agreed.ready(p) and min(agreed.versions[p]) >= 0
-            ]
-            if not behind:
-                break
-            for p, top in behind:
-                if fresh[p][0] < top:
-                    try:
-                        v, _, params = engine.pull(p, top, self.cfg.pull_wait_s, exact=True)
-                    except (grpc.RpcError, layout.CodecError) as e:
-                        engine.failed(f"final pull failed, keeping local parameters: {e}", p)
-                        del fresh[p]
-                        continue
-                    fresh[p] = (v, params)
-        for p in range(n):
-            if p in fresh and agreed.ready(p):
-                version, params = fresh[p]
-                self.plan.scatter(p, params)
-                self.base[p] = params.to(self.device)
-                self.versions[p] = version
-        sharded.exchange(n, [False] * n, [-1] * n, 0, 0)  # every rank has pulled: leave
-        if self.leader:
-            engine.session.leave()
-        logger.info(
-            "learner=%s rank %d finished at step %d with versions %s",
-            self.learner_id,
-            self.island.rank,
-            self.clock.step,
-            self.versions,
-        )
 
     def close(self) -> None:
         """Stops the background threads and closes the channel (no final pull, no Leave)."""
@@ -794,32 +428,4 @@ class Learner:
 
     @property
     def stats(self) -> LearnerStats:
-        c = self.clock
-        rate = 0.0
-        if len(c.recent) >= 2:
-            (t0, n0), (t1, n1) = c.recent[0], c.recent[-1]
-            rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
-        e = self.engine
-        pushes, pulls, errors = e.counts() if e else ({}, 0, 0)
-        return LearnerStats(
-            learner_id=self.learner_id,
-            step=c.step,
-            tokens=c.tokens,
-            tokens_per_s=rate,
-            loss=c.loss,
-            compute_s=c.compute_s,
-            blocked_s=c.blocked_s,
-            bytes_sent=self.client.bytes_sent if self.client else 0,
-            bytes_received=self.client.bytes_received if self.client else 0,
-            pushes=pushes,
-            pulls=pulls,
-            merges=self.merges,
-            errors=errors,
-            fragment_versions=tuple(self.versions),
-            sync_every=self.sync_every,
-            sync_state=("closed" if self.closed else e.sync_state()) if e else "island member",
-            versions_checked=self.client.versions_checked if self.client else 0,
-            version_conflicts=self.client.version_conflicts if self.client else 0,
-            step_time_s=c.step_time_s if c.step else None,
-            bytes_sent_joining=self.joining_bytes,
-        )
+        return stats.of(self)
