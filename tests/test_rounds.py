@@ -269,10 +269,10 @@ def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(ma
     release, entered = threading.Event(), threading.Event()
     step = frag.model.outer.step
 
-    def slow_step(params, grad, share=1.0):
+    def slow_step(params, grad, share=1.0, warm=1.0):
         entered.set()
         release.wait(10)
-        step(params, grad, share)
+        step(params, grad, share, warm)
 
     frag.model.outer.step = slow_step
     assert c.push(0, _vec(1)).round_version == 1
