@@ -8,8 +8,9 @@ received (the serialized size of every message, payload chunks included). It kno
 training: payloads come in already encoded, and pulls decode straight into a preallocated FP32
 tensor, either from the whole fragment or, given the exact parameters of an earlier version, from
 the chain of outer updates since that version (checked by the server's crc32; any mismatch falls
-back to a full pull). A sharded Synchronizer is one `SyncClient` per shard under
-`learner.shards.ShardedClient`; a `SyncClient` alone is the whole (unsharded) Synchronizer.
+back to a full pull; the stream after its header is read by `learner.pull_stream`). A sharded
+Synchronizer is one `SyncClient` per shard under `learner.shards.ShardedClient`; a `SyncClient`
+alone is the whole (unsharded) Synchronizer.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import torch
 
-from protos import codec, framing, layout, slicing
+from learner import pull_stream
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
+from protos import framing, layout
 from protos.channel import bearer, open_channel
 from protos.initmodel import init_model_requests
 from protos.spec import ModelSpec
@@ -181,6 +183,9 @@ class SyncClient:
             return reply
 
         return self._retry(name, call)
+
+    def _received(self, msg: pb.PullReply) -> None:
+        self._count(received=msg.ByteSize())
 
     def _counted(self, messages: Iterator[T]) -> Iterator[T]:
         for m in messages:
@@ -386,92 +391,17 @@ class SyncClient:
         h = first.header
         self._note_served(h)
         n = out.numel() if out is not None else numel
+        received = self._received
         if h.HasField("payload"):  # the whole fragment
-            n = h.payload.numel if n is None else n
-            layout.validate_header(h.payload, n, (pb.CODEC_FP32, pb.CODEC_BF16))
-            whole = framing.Assembler(h.payload)
-            for msg in messages:
-                self._count(received=msg.ByteSize())
-                if msg.WhichOneof("kind") != "chunk":
-                    raise layout.CodecError(
-                        f"unexpected {msg.WhichOneof('kind')!r} in the pull stream of fragment {fragment_id}"
-                    )
-                whole.add(msg.chunk)
-            target = out if out is not None else torch.empty(n, dtype=torch.float32)
-            codec.decode(whole.finish(), h.payload, target)
-            if (
-                h.checksum
-                and h.payload.codec == pb.CODEC_FP32
-                and framing.checksum(target) != h.checksum
-            ):
-                raise layout.CodecError(
-                    f"fragment {fragment_id} version {h.version}: checksum mismatch"
-                )
-            return h.version, h.server_epoch, target
-        # A delta: the updates after have[0], each turning version - 1 into version.
-        if have is None or h.delta_from != have[0]:
+            target = pull_stream.whole(fragment_id, h, messages, n, out, received)
+        elif have is None or h.delta_from != have[0]:
             raise layout.CodecError(
-                f"fragment {fragment_id}: a delta from version {h.delta_from} that was not asked for"
+                f"fragment {fragment_id}: a delta from version {h.delta_from}, not asked for"
             )
-        base = have[1]
-        if out is not None and out.numel() != base.numel():
-            raise layout.CodecError(
-                f"fragment {fragment_id}: held {base.numel()} elements, {out.numel()} expected"
-            )
-        target = out if out is not None else torch.empty(base.numel(), dtype=torch.float32)
-        target.copy_(base)
-        scratch = torch.empty_like(target)
-        ranges: slicing.Ranges = []
-        expected = h.delta_from + 1
-        link: pb.DeltaLink | None = None
-        asm: framing.Assembler | None = None
-        for msg in messages:
-            self._count(received=msg.ByteSize())
-            kind = msg.WhichOneof("kind")
-            if kind == "link" and asm is None:
-                link = msg.link
-                if link.version != expected:
-                    raise layout.CodecError(
-                        f"fragment {fragment_id}: update {link.version} arrived, {expected} expected"
-                    )
-                if runs is None:
-                    layout.validate_header(link.payload, target.numel())
-                else:  # the blocks of the whole update that hold this rank's runs
-                    if not slicing.cuttable(link.payload):
-                        raise layout.CodecError(
-                            f"fragment {fragment_id}: an update whose blocks cannot be cut"
-                        )
-                    update = pb.PayloadHeader(
-                        codec=link.payload.codec,
-                        numel=self.fragment_numels[fragment_id],
-                        block_size=link.payload.block_size,
-                    )
-                    ranges = slicing.covering(runs, update)
-                    layout.validate_header(link.payload, sum(b - a for a, b in ranges))
-                    if scratch.numel() < link.payload.numel:
-                        scratch = torch.empty(int(link.payload.numel))
-                asm = framing.Assembler(link.payload)
-            elif kind == "chunk" and asm is not None:
-                asm.add(msg.chunk)
-            else:
-                raise layout.CodecError(
-                    f"unexpected {kind!r} in the delta pull of fragment {fragment_id}"
-                )
-            if asm is not None and link is not None and asm.complete:
-                if runs is None:
-                    target.add_(codec.decode(asm.finish(), link.payload, scratch))
-                else:
-                    part = scratch[: link.payload.numel]
-                    codec.decode(asm.finish(), link.payload, part)
-                    slicing.add_runs(target, part, runs, ranges)
-                expected, asm = expected + 1, None
-        if asm is not None or expected - 1 != h.version or expected - 1 - h.delta_from != h.links:
-            raise layout.CodecError(
-                f"fragment {fragment_id}: the delta to version {h.version} is incomplete"
-            )
-        if h.checksum and framing.checksum(target) != h.checksum:
-            raise layout.CodecError(
-                f"fragment {fragment_id} version {h.version}: checksum mismatch after the delta"
+        else:
+            update_numel = self.fragment_numels[fragment_id] if runs is not None else 0
+            target = pull_stream.delta(
+                fragment_id, h, messages, have[1], out, runs, update_numel, received
             )
         return h.version, h.server_epoch, target
 
