@@ -28,6 +28,8 @@ Arms (each a Synchronizer and M learner processes on their own links, see bench/
   merge_rebase      the defaults, learners `--merge rebase`
   alpha_0.25        the defaults, learners `--alpha 0.25` (mix: the fresh fragment weighs 0.25)
   alpha_0.75        the defaults, learners `--alpha 0.75` (and 0.75)
+  strict_tau10      the defaults, learners `--strict-overlap --overlap-steps 10` (each result
+                    merged exactly 10 steps after its push: waited for when late)
 
 Cells: M learners (2, 4, 8) x H (50, 100) x speeds: `equal`, or `slow` (the last learner runs 3x
 slower and trains steps/3 steps, what it reaches while the others train theirs). Within a cell
@@ -110,6 +112,7 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
     "merge_rebase": _learner("merge_rebase", "--merge", "rebase"),
     "alpha_0.25": _learner("alpha_0.25", "--alpha", "0.25"),
     "alpha_0.75": _learner("alpha_0.75", "--alpha", "0.75"),
+    "strict_tau10": _learner("strict_tau10", "--strict-overlap", "--overlap-steps", "10"),
     "nesterov_dlu": lambda h: Decoupled.with_defaults(
         "nesterov_dlu",
         h,
