@@ -12,8 +12,8 @@ Synchronizer still keeps the updates), and one thread runs the session's heartbe
 (`learner.session`, which also owns joins and re-joins). Failures are recorded and retried with
 backoff, never raised into the training thread; a lapsed lease, an unknown id or a new server
 epoch goes to `Session.recover` (a new epoch of one shard re-pulls that shard's fragments). The
-training thread (`learner.learner`) uses only the public
-methods: it submits `PushJob`s and takes `Arrival`s.
+training thread (`learner.learner` and the modules it calls: `joining`, `arrivals`,
+`sharded_island`) uses only the public methods: it submits `PushJob`s and takes `Arrival`s.
 """
 
 from __future__ import annotations
