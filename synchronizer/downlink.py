@@ -296,7 +296,7 @@ class Downlink:
         """crc32 of the canonical parameters (cached per version)."""
         crc = self._checksums.get(version)
         if crc is None:
-            crc = framing.checksum(params)
+            crc = framing.checksum(params, native.crc32)
             self._checksums = {version: crc}
         return crc
 

@@ -25,7 +25,6 @@ import base64
 import json
 import logging
 import uuid
-import zlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -231,7 +230,7 @@ class Journal:
         crc = None
         if stream is None:
             data = memoryview(payload.numpy().data)
-            crc = zlib.crc32(data)  # here, on the pushing thread, not on the writer's
+            crc = native.crc32(data)  # here, on the pushing thread, not on the writer's
 
         def log(verdict: Verdict) -> int:
             meta = {

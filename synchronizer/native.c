@@ -257,3 +257,97 @@ KERNEL int diloco_step_int8(int npush, int nsum, const uint8_t *const *codes, co
     }
     return 0;
 }
+
+/* crc32 as zlib computes it (the reflected polynomial 0xEDB88320, `value` the crc of what came
+ * before, 0 to start), by folding 64 bytes at a time with carry-less multiplication where the
+ * CPU has it (x86-64 with PCLMULQDQ and SSE4.1): the checksums of the write-ahead log and of a
+ * version's parameters, several times faster than zlib's tables. The constants are x^(k*32)
+ * mod P for the folding distances (512+32, 512-32, 128+32, 128-32, 64), then the Barrett
+ * constants mu and P, as in Intel's "Fast CRC Computation for Generic Polynomials Using
+ * PCLMULQDQ". `diloco_crc32_fast` says whether the folding path is there; without it the
+ * caller uses zlib (the bitwise loop below only takes the bytes around the folded ones). */
+INLINE uint32_t crc_bits(uint32_t c, const uint8_t *p, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0xEDB88320u & (0u - (c & 1u)));
+    }
+    return c;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define CRC_FOLD 1
+
+#define CRC_FOLD_INTO(x, k, next)                                                             \
+    do {                                                                                      \
+        __m128i lo_ = _mm_clmulepi64_si128((x), (k), 0x00);                                   \
+        (x) = _mm_clmulepi64_si128((x), (k), 0x11);                                           \
+        (x) = _mm_xor_si128(_mm_xor_si128((x), lo_), (next));                                 \
+    } while (0)
+
+/* The crc state (not inverted) after `len` bytes, len >= 64 and a multiple of 16. */
+__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_fold(uint32_t c, const uint8_t *p,
+                                                                   int64_t len) {
+    __m128i x1 = _mm_loadu_si128((const __m128i *)p);
+    __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 16));
+    __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 32));
+    __m128i x4 = _mm_loadu_si128((const __m128i *)(p + 48));
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)c));
+    __m128i k = _mm_set_epi64x(0x00000001c6e41596LL, 0x0000000154442bd4LL);
+    p += 64;
+    len -= 64;
+    while (len >= 64) {
+        CRC_FOLD_INTO(x1, k, _mm_loadu_si128((const __m128i *)p));
+        CRC_FOLD_INTO(x2, k, _mm_loadu_si128((const __m128i *)(p + 16)));
+        CRC_FOLD_INTO(x3, k, _mm_loadu_si128((const __m128i *)(p + 32)));
+        CRC_FOLD_INTO(x4, k, _mm_loadu_si128((const __m128i *)(p + 48)));
+        p += 64;
+        len -= 64;
+    }
+    k = _mm_set_epi64x(0x00000000ccaa009eLL, 0x00000001751997d0LL);
+    CRC_FOLD_INTO(x1, k, x2);
+    CRC_FOLD_INTO(x1, k, x3);
+    CRC_FOLD_INTO(x1, k, x4);
+    while (len >= 16) {
+        CRC_FOLD_INTO(x1, k, _mm_loadu_si128((const __m128i *)p));
+        p += 16;
+        len -= 16;
+    }
+    /* 128 bits to 64 (appending 32 zero bits), then to 32, then Barrett's reduction */
+    const __m128i mask32 = _mm_set_epi32(0, 0, 0, -1);
+    __m128i t = _mm_clmulepi64_si128(x1, k, 0x10);
+    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), t);
+    t = _mm_srli_si128(x1, 4);
+    x1 = _mm_clmulepi64_si128(_mm_and_si128(x1, mask32),
+                              _mm_set_epi64x(0, 0x0000000163cd6124LL), 0x00);
+    x1 = _mm_xor_si128(x1, t);
+    const __m128i poly = _mm_set_epi64x(0x00000001f7011641LL, 0x00000001db710641LL);
+    t = x1;
+    x1 = _mm_clmulepi64_si128(_mm_and_si128(x1, mask32), poly, 0x10);
+    x1 = _mm_clmulepi64_si128(_mm_and_si128(x1, mask32), poly, 0x00);
+    x1 = _mm_xor_si128(x1, t);
+    return (uint32_t)_mm_extract_epi32(x1, 1);
+}
+#endif
+
+int diloco_crc32_fast(void) {
+#ifdef CRC_FOLD
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+#else
+    return 0;
+#endif
+}
+
+uint32_t diloco_crc32(uint32_t value, const uint8_t *p, int64_t len) {
+    uint32_t c = ~value;
+#ifdef CRC_FOLD
+    if (len >= 64 && diloco_crc32_fast()) {
+        int64_t folded = len & ~(int64_t)15;
+        c = crc_fold(c, p, folded);
+        p += folded;
+        len -= folded;
+    }
+#endif
+    return ~crc_bits(c, p, len);
+}
