@@ -30,6 +30,12 @@ Arms (each a Synchronizer and M learner processes on their own links, see bench/
   alpha_0.75        the defaults, learners `--alpha 0.75` (and 0.75)
   strict_tau10      the defaults, learners `--strict-overlap --overlap-steps 10` (each result
                     merged exactly 10 steps after its push: waited for when late)
+  no_dlu            the defaults with `--no-dynamic-local-updates` (every learner's H is H,
+                    however slow: its H no longer follows measured step rates)
+  no_dlu_strict     no_dlu, learners `--strict-overlap --overlap-steps 10` (neither H nor the
+                    step a result is merged at depends on timing)
+  dlu_levels8       the defaults with `--dlu-levels 8` (a slow learner's speed ratio told in
+                    eighths, and changed only once its measured ratio moves 3/4 of one away)
 
 Cells: M learners (2, 4, 8) x H (50, 100) x speeds: `equal`, or `slow` (the last learner runs 3x
 slower and trains steps/3 steps, what it reaches while the others train theirs). Within a cell
@@ -113,6 +119,14 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
     "alpha_0.25": _learner("alpha_0.25", "--alpha", "0.25"),
     "alpha_0.75": _learner("alpha_0.75", "--alpha", "0.75"),
     "strict_tau10": _learner("strict_tau10", "--strict-overlap", "--overlap-steps", "10"),
+    "no_dlu": _defaults("no_dlu", "--no-dynamic-local-updates"),
+    "dlu_levels8": _defaults("dlu_levels8", "--dlu-levels", "8"),
+    "no_dlu_strict": lambda h: Decoupled.with_defaults(
+        "no_dlu_strict",
+        h,
+        synchronizer_args=["--no-dynamic-local-updates"],
+        train_args=["--strict-overlap", "--overlap-steps", "10"],
+    ),
     "nesterov_dlu": lambda h: Decoupled.with_defaults(
         "nesterov_dlu",
         h,

@@ -32,7 +32,7 @@ class SynchronizerConfig(BaseModel):
         "staleness_weight staleness_alpha staleness_hinge max_norm_ratio max_weight_ratio anchor "
         "round_share update_history update_history_bytes update_codec update_residual_dtype merge",
         "outer optimizer": "outer outer_lr outer_momentum outer_delay outer_warmup",
-        "learners": "lease_s forget_after_s max_learners dynamic_local_updates inner_steps",
+        "learners": "lease_s forget_after_s max_learners dynamic_local_updates inner_steps dlu_levels",
         "limits": "init_stall_s max_pull_wait_s max_waiting_pulls stream_idle_s slice_wait_s "
         "max_streams_per_learner max_model_params memory_limit_bytes payload_budget_bytes "
         "snapshot_budget_bytes max_spec_bytes max_message_bytes max_concurrent_streams "
@@ -199,6 +199,12 @@ class SynchronizerConfig(BaseModel):
         0,
         ge=0,
         description="H for the fastest learner under Dynamic Local Updates; 0: every learner's own H (only slow learners' is scaled)",
+    )
+    dlu_levels: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="Dynamic Local Updates: the speed ratio a learner is told is rounded to a multiple of 1/dlu_levels (at least one level) and kept until its measured ratio moves more than 3/4 of a level away, so that jittering step times give the same H; 0: the measured ratio as it is",
     )
 
     # Limits

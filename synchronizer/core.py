@@ -220,9 +220,10 @@ class Synchronizer:
         learners jitter, and each change of H moves that learner's push schedule."""
         if not self.cfg.dynamic_local_updates:
             return {}
+        levels = self.cfg.dlu_levels
         if self.cfg.inner_steps:
-            return {"inner_steps": self.registry.inner_steps_for(rec, self.cfg.inner_steps)}
-        ratio = self.registry.speed_ratio(rec)
+            return {"inner_steps": self.registry.inner_steps_for(rec, self.cfg.inner_steps, levels)}
+        ratio = self.registry.settled_ratio(rec, levels)
         return {"inner_steps_scale": ratio} if ratio < DLU_RATIO else {}
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:

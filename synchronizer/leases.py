@@ -426,9 +426,26 @@ class Registry:
                 return 1.0
             return min(1.0, min(times) / rec.step_time_s)
 
-    def inner_steps_for(self, rec: LearnerRecord, inner_steps: int) -> int:
-        """H_m = floor(v_m / v_max * H) from measured step times (Async Local-SGD DyLU)."""
-        return max(1, int(self.speed_ratio(rec) * inner_steps))
+    def settled_ratio(self, rec: LearnerRecord, levels: int) -> float:
+        """`speed_ratio` as Dynamic Local Updates tells it: with `levels`, rounded to a multiple
+        of 1/levels (at least one level) and kept until the measured ratio moves more than 3/4
+        of a level away from it, so that measured step times that jitter (within a run, and
+        from one run to the next) give the same H; with 0 levels, as measured."""
+        ratio = self.speed_ratio(rec)
+        if levels <= 0:
+            return ratio
+        level = 1.0 / levels
+        with self.lock:
+            told = rec.dlu_ratio
+            if not told or abs(ratio - told) > 0.75 * level:
+                told = min(1.0, max(level, round(ratio / level) * level))
+                rec.dlu_ratio = told
+            return told
+
+    def inner_steps_for(self, rec: LearnerRecord, inner_steps: int, levels: int = 0) -> int:
+        """H_m = floor(v_m / v_max * H) from measured step times (Async Local-SGD DyLU), the
+        ratio settled on `levels` (`settled_ratio`)."""
+        return max(1, int(self.settled_ratio(rec, levels) * inner_steps))
 
     # Durability ------------------------------------------------------------------------------
 

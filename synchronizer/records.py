@@ -40,6 +40,7 @@ class LearnerRecord:
     compute_s: float = 0.0
     blocked_s: float = 0.0
     step_time_s: float = 0.0
+    dlu_ratio: float = 0.0  # the speed ratio Dynamic Local Updates last told it (0: none yet)
     max_seq: int = 0
     session_hash: str = ""  # SHA-256 of the session secret Join gave; "" = unbound (old checkpoint)
     spec_hash: str = ""  # of the model spec it joined with

@@ -257,6 +257,32 @@ def test_dynamic_local_updates_without_an_h_scale_only_a_clearly_slower_learners
     assert slow.heartbeat(step_time_s=0.19).inner_steps_scale == 0.0
 
 
+def test_dynamic_local_updates_on_levels_tell_a_jittering_learner_the_same_ratio(tmp_path, clock):
+    core, clients, _ = _setup(tmp_path, clock, 2, dynamic_local_updates=True, dlu_levels=8)
+    fast, slow = clients
+    fast.heartbeat(step_time_s=0.1)
+    # measured 0.24: told 0.25 (two eighths)
+    assert slow.heartbeat(step_time_s=0.1 / 0.24).inner_steps_scale == pytest.approx(0.25)
+    # step times that jitter around it move nothing: 0.20 and 0.33 are within 3/4 of an eighth
+    for ratio in (0.20, 0.33, 0.28, 0.17):
+        assert slow.heartbeat(step_time_s=0.1 / ratio).inner_steps_scale == pytest.approx(0.25)
+    # a real change of speed does: 0.40 is 0.15 away, told 0.375 (three eighths)
+    assert slow.heartbeat(step_time_s=0.1 / 0.40).inner_steps_scale == pytest.approx(0.375)
+    # never below one level, however slow
+    assert slow.heartbeat(step_time_s=0.1 / 0.01).inner_steps_scale == pytest.approx(0.125)
+
+
+def test_dynamic_local_updates_with_an_h_on_levels(tmp_path, clock):
+    core, clients, _ = _setup(
+        tmp_path, clock, 2, dynamic_local_updates=True, inner_steps=100, dlu_levels=8
+    )
+    fast, slow = clients
+    assert fast.heartbeat(step_time_s=0.1).inner_steps == 100
+    assert slow.heartbeat(step_time_s=0.1 / 0.3).inner_steps == 25  # 0.3 -> 0.25
+    assert slow.heartbeat(step_time_s=0.1 / 0.33).inner_steps == 25  # kept
+    assert fast.heartbeat(step_time_s=0.1).inner_steps == 100
+
+
 def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(make_server):
     # Needs the outer-step worker (the core's tests apply outer steps inline): a real server.
     settings = _settings({"quorum": 1, "grace": "none", "outer": "sgd", "token_weight": "uniform"})
