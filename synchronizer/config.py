@@ -193,7 +193,7 @@ class SynchronizerConfig(BaseModel):
     )
     dynamic_local_updates: bool = Field(
         True,
-        description="Tell each learner its inner steps from measured step rates: H_m = floor(v_m / v_max * inner_steps), or with inner_steps 0 its own H scaled by v_m / v_max when it runs below half the fastest learner's speed",
+        description="Tell each learner its inner steps from measured step rates: H_m = floor(v_m / v_max * inner_steps), or with inner_steps 0 its own H scaled by v_m / v_max when it runs below half the fastest learner's speed (v_max: the fastest live learner, or one that left and is not yet forgotten, see forget_after_s)",
     )
     inner_steps: int = Field(
         0,

@@ -415,12 +415,16 @@ class Registry:
     # Dynamic Local Updates -------------------------------------------------------------------
 
     def speed_ratio(self, rec: LearnerRecord) -> float:
-        """v_m / v_max: the fastest live learner's step time over this one's (1.0 until known)."""
+        """v_m / v_max: the fastest step time over this one's (1.0 until known), among the live
+        learners and those that left (finished) and are not yet forgotten (`forget_after_s`):
+        a slow learner whose faster peers finished first keeps the H it had, rather than
+        taking the full H for the last steps of its run (whose last push then came at a step
+        that depended on when they finished)."""
         with self.lock:
             times = [
                 r.step_time_s
                 for r in self.learners.values()
-                if r.state == "alive" and r.step_time_s > 0
+                if r.state in ("alive", "left") and r.step_time_s > 0
             ]
             if rec.step_time_s <= 0 or not times:
                 return 1.0

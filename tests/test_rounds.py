@@ -257,6 +257,27 @@ def test_dynamic_local_updates_without_an_h_scale_only_a_clearly_slower_learners
     assert slow.heartbeat(step_time_s=0.19).inner_steps_scale == 0.0
 
 
+def test_a_slow_learner_keeps_its_h_when_its_faster_peers_finish_first(tmp_path, clock):
+    # At the end of a run the fast learners leave first: the slow one's H must not jump back to
+    # the full H for its last steps (its last push would then depend on when they finished).
+    core, clients, _ = _setup(tmp_path, clock, 3, dynamic_local_updates=True)
+    fast, other, slow = clients
+    fast.heartbeat(step_time_s=0.1)
+    other.heartbeat(step_time_s=0.12)
+    assert slow.heartbeat(step_time_s=0.3).inner_steps_scale == pytest.approx(1 / 3)
+    fast.leave()
+    other.leave()
+    assert slow.heartbeat(step_time_s=0.3).inner_steps_scale == pytest.approx(1 / 3)
+    # until they are forgotten: then it is the fastest there is
+    waited = 0.0
+    while waited <= core.cfg.forget_after_s:
+        clock.advance(core.cfg.lease_s / 2)  # the slow one heartbeats and stays alive
+        waited += core.cfg.lease_s / 2
+        slow.heartbeat(step_time_s=0.3)
+        core.registry.reap()
+    assert slow.heartbeat(step_time_s=0.3).inner_steps_scale == 0.0
+
+
 def test_dynamic_local_updates_on_levels_tell_a_jittering_learner_the_same_ratio(tmp_path, clock):
     core, clients, _ = _setup(tmp_path, clock, 2, dynamic_local_updates=True, dlu_levels=8)
     fast, slow = clients
