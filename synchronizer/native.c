@@ -1,5 +1,6 @@
-/* The Synchronizer's outer-step kernels in plain C: each does in one pass over memory what
- * torch does in several (see synchronizer/native.py, which builds and loads this file).
+/* The Synchronizer's outer-step kernels in plain C (and its crc32, at the end): each does in
+ * one pass over memory what torch does in several (see synchronizer/native.py, which builds
+ * and loads this file).
  *
  * Built with -O3 -fno-fast-math -ffp-contract=off: every operation is one IEEE-754 single
  * precision operation in the order written (no fused multiply-add, no reassociation), and no
@@ -261,9 +262,9 @@ KERNEL int diloco_step_int8(int npush, int nsum, const uint8_t *const *codes, co
 /* crc32 as zlib computes it (the reflected polynomial 0xEDB88320, `value` the crc of what came
  * before, 0 to start), by folding 64 bytes at a time with carry-less multiplication where the
  * CPU has it (x86-64 with PCLMULQDQ and SSE4.1): the checksums of the write-ahead log and of a
- * version's parameters, several times faster than zlib's tables. The constants are x^(k*32)
- * mod P for the folding distances (512+32, 512-32, 128+32, 128-32, 64), then the Barrett
- * constants mu and P, as in Intel's "Fast CRC Computation for Generic Polynomials Using
+ * version's parameters, several times faster than zlib's tables. The constants are x^d mod P,
+ * bit-reflected, for d = 544 and 480 (folding 64 bytes ahead), 160 and 96 (16 bytes) and 64,
+ * then Barrett's mu and P, as in Intel's "Fast CRC Computation for Generic Polynomials Using
  * PCLMULQDQ". `diloco_crc32_fast` says whether the folding path is there; without it the
  * caller uses zlib (the bitwise loop below only takes the bytes around the folded ones). */
 INLINE uint32_t crc_bits(uint32_t c, const uint8_t *p, int64_t n) {
