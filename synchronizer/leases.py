@@ -446,7 +446,7 @@ class Registry:
                 rec.dlu_ratio = told
             return told
 
-    def inner_steps_for(self, rec: LearnerRecord, inner_steps: int, levels: int = 0) -> int:
+    def inner_steps_for(self, rec: LearnerRecord, inner_steps: int, levels: int) -> int:
         """H_m = floor(v_m / v_max * H) from measured step times (Async Local-SGD DyLU), the
         ratio settled on `levels` (`settled_ratio`)."""
         return max(1, int(self.settled_ratio(rec, levels) * inner_steps))
