@@ -119,6 +119,7 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
     "alpha_0.25": _learner("alpha_0.25", "--alpha", "0.25"),
     "alpha_0.75": _learner("alpha_0.75", "--alpha", "0.75"),
     "strict_tau10": _learner("strict_tau10", "--strict-overlap", "--overlap-steps", "10"),
+    "no_final_push": _learner("no_final_push", "--no-final-push"),
     "no_dlu": _defaults("no_dlu", "--no-dynamic-local-updates"),
     "dlu_levels8": _defaults("dlu_levels8", "--dlu-levels", "8"),
     "no_dlu_strict": lambda h: Decoupled.with_defaults(

@@ -22,7 +22,7 @@ class LearnerConfig(ClientTLS):
     env_prefix: ClassVar[str] = "DILOCO_LEARNER_"
     help_groups: ClassVar[dict[str, str]] = {
         "where and who": "synchronizer shards name learner_id learner_session",
-        "schedule": "sync_every fragments fragment_strategy",
+        "schedule": "sync_every fragments fragment_strategy final_push",
         "push encoding": "codec block_size scale_dtype error_feedback",
         "merge": "merge alpha overlap_steps strict_overlap delta_pulls pull_codec",
         "network": "rpc_timeout_s rpc_attempts pull_wait_s retry_initial_s retry_max_s "
@@ -69,6 +69,10 @@ class LearnerConfig(ClientTLS):
     fragment_strategy: Literal["balanced", "strided"] = Field(
         default="balanced",
         description="Fragment plan: balanced bin-packing of tensors, or strided contiguous bands of the model",
+    )
+    final_push: bool = Field(
+        default=True,
+        description="finish() pushes every fragment's inner steps since its last push and merges their round before the final pull, so no step of the run is left out of the global model (with P fragments, on average (P-1)/(2P) x H steps per fragment would be); not yet for a sharded (FSDP2) island",
     )
 
     # Push encoding

@@ -374,11 +374,22 @@ class Learner:
         return done
 
     def finish(self, timeout_s: float | None = None) -> None:
-        """Flushes syncs in flight, overwrites the model with the newest global parameters
-        (FP32, every fragment), leaves the Synchronizer and stops. Collective under torchrun."""
+        """Flushes syncs in flight, pushes every fragment's steps since its last push and merges
+        their rounds (`final_push`), overwrites the model with the newest global parameters
+        (FP32, every fragment), leaves the Synchronizer and stops. The flushes together wait at
+        most `timeout_s` (default `finish_timeout_s`). Collective under torchrun."""
         if self.closed:
             return
+        deadline = time.monotonic() + (
+            self.cfg.finish_timeout_s if timeout_s is None else timeout_s
+        )
         self.flush(timeout_s)
+        if self.cfg.final_push and not self.sharded and self.engine is not None:
+            if self.leader:
+                for p in range(self.num_fragments):
+                    if self.since_push[p][1] > 0:  # inner steps not in any push yet
+                        self._push(p)
+            self.flush(max(0.0, deadline - time.monotonic()))
         if self.sharded and self.engine is not None:
             sharded_island.finish(self)
             self.close()

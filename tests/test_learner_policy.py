@@ -199,3 +199,35 @@ def test_finish_ends_on_the_served_parameters_and_leaves(run):
     stats = lrn.stats
     assert list(stats.fragment_versions) == r.fake.versions and stats.sync_state == "closed"
     assert r.fake.calls_of("leave") == [()] and r.fake.closed
+
+
+@pytest.mark.parametrize("final_push", [True, False])
+def test_finish_pushes_every_step_not_yet_pushed_and_merges_its_round(run, final_push):
+    # H = 2, P = 2: fragment 0 pushes at steps 2, 4, 6 and fragment 1 at 1, 3, 5, 7, so step 7
+    # of fragment 0 is in no push when the run ends.
+    r = run(2)
+    lrn = r.start(sync_every=2, merge="overwrite", final_push=final_push)
+    for _ in range(7):
+        r.train(1)
+        assert lrn.flush()  # each round merged before the next step: no push is deferred
+    lrn.finish()
+    pushed = [[tokens for p, _, tokens in r.fake.applied if p == f] for f in range(2)]
+    assert pushed[1] == [16, 32, 32, 32]
+    if final_push:
+        assert pushed[0] == [32, 32, 32, 16]  # every step's tokens reached the Synchronizer
+        assert r.fake.versions == [4, 4]
+    else:
+        assert pushed[0] == [32, 32, 32]
+        assert r.fake.versions == [3, 4]
+    assert all(torch.equal(r.local(p), r.fake.params[p]) for p in range(2))
+    assert r.fake.calls_of("leave") == [()]
+
+
+def test_finish_pushes_nothing_more_when_the_last_step_was_pushed(run):
+    r = run(1)
+    lrn = r.start(sync_every=2)
+    for _ in range(8):
+        r.train(1)
+        assert lrn.flush()
+    lrn.finish()  # the push at step 8 holds every step
+    assert [tokens for _, _, tokens in r.fake.applied] == [32, 32, 32, 32]
