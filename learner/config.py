@@ -72,7 +72,7 @@ class LearnerConfig(ClientTLS):
     )
     final_push: bool = Field(
         default=True,
-        description="finish() pushes every fragment's inner steps since its last push and merges their round before the final pull, so no step of the run is left out of the global model (with P fragments, on average (P-1)/(2P) x H steps per fragment would be); not yet for a sharded (FSDP2) island",
+        description="finish() pushes every fragment's inner steps since its last push and merges their round before the final pull, so no step of the run is left out of the global model (with P fragments, on average (P-1)/(2P) x H steps per fragment would be)",
     )
 
     # Push encoding

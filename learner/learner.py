@@ -384,8 +384,10 @@ class Learner:
             self.cfg.finish_timeout_s if timeout_s is None else timeout_s
         )
         self.flush(timeout_s)
-        if self.cfg.final_push and not self.sharded and self.engine is not None:
-            if self.leader:
+        if self.cfg.final_push:  # every rank: the flush is collective
+            if self.sharded and self.engine is not None:
+                sharded_island.push_rest(self)
+            elif self.leader and self.engine is not None:
                 for p in range(self.num_fragments):
                     if self.since_push[p][1] > 0:  # inner steps not in any push yet
                         self._push(p)

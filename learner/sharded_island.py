@@ -152,6 +152,20 @@ def merge_agreed(learner: Learner, agreed: sharded.Agreed) -> set[int]:
     return merged
 
 
+def push_rest(learner: Learner) -> None:
+    """`finish`'s final push: every rank pushes, with the same seqs, the fragments with inner
+    steps since their last push that no rank is busy with (the ranks step together, so they
+    agree on which)."""
+    assert learner.engine is not None
+    agreed = exchange(learner)
+    seq = agreed.next_seq
+    for p in range(learner.num_fragments):
+        if learner.since_push[p][1] > 0 and not agreed.busy[p]:
+            learner._push(p, seq)
+            seq += 1
+    learner.engine.seq_at_least(seq)
+
+
 def flush(learner: Learner, deadline: float) -> bool:
     """Exchanges until no rank has a sync in flight (True) or rank 0 gives up (False)."""
     assert learner.engine is not None
