@@ -111,6 +111,7 @@ class SyncEngine:
             follower=follower,
         )
         self.queued: dict[int, PushJob] = {}  # pushes not yet answered (supersedable)
+        self.sending: set[int] = set()  # fragments whose queued push is on the wire now
         self.awaiting: dict[int, tuple[PushJob, int]] = {}  # answered pushes: (job, min_version)
         self.resync: set[int] = set()  # fragments to re-pull at their current version
         self.undelivered = [0] * self.num  # arrivals in the inbox not yet merged
@@ -148,14 +149,22 @@ class SyncEngine:
         self.held = [(self.session.epoch, v, t) for v, t in zip(versions, params, strict=True)]
 
     def busy(self, p: int) -> bool:
-        """True while fragment p's last push is answered but its fresh version not yet merged
-        (or, where pushes are not superseded, from the push on)."""
+        """True while fragment p's last push is on the wire, or answered but its fresh version
+        not yet merged (or, where pushes are not superseded, from the push on). A push on the
+        wire is not superseded: it may be applied, and the one replacing it under its seq
+        would then be a duplicate, its steps never merged."""
         with self.cv:
             return self._busy(p)
 
     def _busy(self, p: int) -> bool:
         queued = not self.supersede and p in self.queued
-        return queued or p in self.awaiting or p in self.resync or self.undelivered[p] > 0
+        return (
+            queued
+            or p in self.sending
+            or p in self.awaiting
+            or p in self.resync
+            or self.undelivered[p] > 0
+        )
 
     def submit(self, job: PushJob, seq: int = 0) -> bool:
         """Queues a push; supersedes an unanswered one of the same fragment. False if busy.
@@ -370,6 +379,7 @@ class SyncEngine:
                 if self.stopping.is_set() or job is None:
                     return
                 generation = self.session.generation
+                self.sending.add(job.fragment)
             p = job.fragment
             if job.ready is not None:
                 job.ready.synchronize()
@@ -387,6 +397,8 @@ class SyncEngine:
                     )
                 )
             except grpc.RpcError as e:
+                with self.cv:
+                    self.sending.discard(p)  # unsent after all: a newer delta may supersede it
                 if self.stopping.is_set():
                     return
                 code = e.code()
@@ -415,10 +427,15 @@ class SyncEngine:
                     return
                 failures += 1
                 continue
+            except BaseException:  # a bug: `_guarded` restarts the loop, which sends it again
+                with self.cv:
+                    self.sending.discard(p)
+                raise
             failures, refused = 0, 0
             self.session.succeeded()
             outcome = OUTCOMES.get(reply.outcome, "rejected")
             with self.cv:
+                self.sending.discard(p)
                 self.pushes[outcome] += 1
                 if p in self.queued and self.queued[p].seq == job.seq:
                     del self.queued[p]  # the sent job, or one that superseded it under its seq

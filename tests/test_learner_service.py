@@ -177,7 +177,7 @@ def test_learner_keeps_training_without_raising_when_the_server_goes_away(tmp_pa
         assert wait_until(lambda: lrn.stats.errors > 0)
         stats = lrn.stats
         assert stats.step == 40 and stats.sync_state == "reconnecting"
-        assert stats.pushes.get("superseded", 0) >= 1  # unsent pushes replaced by newer deltas
+        assert lrn.engine is not None and lrn.engine.in_flight() >= 1  # syncs due wait, unsent
         assert not torch.equal(before["0.weight"], model.state_dict()["0.weight"])  # still training
         t0 = time.monotonic()
         lrn.close()
@@ -485,6 +485,27 @@ def test_learner_trains_over_mutual_tls_and_is_refused_without_a_client_certific
             )
 
 
+def merged_tokens(srv: RunningServer) -> float:
+    """The tokens the Synchronizer merged, over every fragment (each push counts its tokens in
+    proportion to its fragment's share of the model)."""
+    registry = srv.synchronizer.metrics.registry
+    return registry.get_sample_value("diloco_tokens_total", {"bucket": "merged"}) or 0.0
+
+
+def test_every_step_a_learner_trained_is_merged_by_the_end_of_its_run(tmp_path):
+    # H = 4, P = 2: fragment 1's pushes fall at steps 2, 6, 10, so steps 11 and 12 are in none
+    # unless finish() pushes them.
+    with running(server_config(tmp_path)) as srv:
+        model = mlp(seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        lrn = Learner(model, opt, synchronizer=srv.address, sync_every=4, fragments=2)
+        train(lrn, model, opt, 12, seed=0)
+        lrn.finish()
+        merged = merged_tokens(srv)
+        assert torch.equal(torch.cat(local(model, 2)), torch.cat(served(srv.address, mlp(0), 2)))
+    assert merged == pytest.approx(12 * 16)
+
+
 def _island_rank(rank: int, world: int, init_file: str, address: str, out_dir: str) -> None:
     """One rank of a 2-process gloo island: DDP-style averaged gradients, a Learner on every rank."""
     import torch.distributed as dist
@@ -530,6 +551,7 @@ def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
         )
         ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
         global_flat = torch.cat(served(srv.address, mlp(0), 2))
+        merged = merged_tokens(srv)
         status = SyncClient(srv.address)
         try:
             learners = status.status().learners
@@ -548,6 +570,46 @@ def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
     assert [lr.name for lr in learners if lr.name.startswith("rank")] == [
         "rank0"
     ]  # only rank 0 joined
+    assert merged == pytest.approx(12 * 16 * 2)  # every step of both ranks, the last ones too
+
+
+def _fsdp_rank(rank: int, world: int, init_file: str, address: str, out_dir: str) -> None:
+    """One rank of a 2-process gloo island sharding the model with FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = mlp(seed=0)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        lrn = Learner(model, opt, synchronizer=address, sync_every=4, fragments=2)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(12):
+            x = torch.randn(16, 8, generator=g)
+            nn.functional.mse_loss(model(x), x[:, :4].sin()).backward()
+            lrn.step(tokens=16)
+            opt.zero_grad()
+        lrn.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # spawns two gloo processes
+def test_a_sharded_island_pushes_its_last_steps_when_it_finishes(tmp_path):
+    # H = 4, P = 2: fragment 1's pushes fall at steps 2, 6, 10; steps 11 and 12 reach the
+    # Synchronizer only in finish()'s final push, every rank its slice under one seq.
+    import torch.multiprocessing as mp
+
+    with running(server_config(tmp_path / "state")) as srv:
+        mp.spawn(
+            _fsdp_rank,
+            args=(2, str(tmp_path / "init"), srv.address, str(tmp_path)),
+            nprocs=2,
+            join=True,
+        )
+        merged = merged_tokens(srv)
+    assert merged == pytest.approx(12 * 16 * 2)
 
 
 @pytest.mark.parametrize("strict", [False, True])

@@ -114,19 +114,40 @@ def test_a_push_still_unsent_when_the_next_comes_due_is_superseded_under_the_sam
     assert engine.counts()[0] == {"accepted": 2, "superseded": 1}
 
 
-def test_a_push_resubmitted_while_in_flight_keeps_its_seq_and_only_one_is_applied(fake, started):
+def test_a_push_on_the_wire_is_not_superseded_and_the_next_goes_once_it_is_merged(fake, started):
+    # Superseding a push on the wire under its seq made the newer one a duplicate once the
+    # first was applied: its steps were never merged.
     engine = started(fake)
     fake.hold_pushes()
     first = job(2, tokens=5)
     assert engine.submit(first)
     fake.wait_for_call("push")
-    second = job(2, tokens=7)
-    assert engine.submit(second) and second.seq == first.seq
+    assert engine.busy(2) and not engine.submit(job(2, tokens=7))  # the caller defers it
     fake.release_pushes()
     a = arrival(engine)
     assert a.fragment == 2 and a.job is first
-    assert fake.calls_of("push") == [(2, first.seq, 0, 5)]
-    assert engine.in_flight() == 0
+    engine.merged(2)
+    second = job(2, tokens=7)
+    assert engine.submit(second) and second.seq > first.seq
+    assert arrival(engine).job is second
+    assert [a for a in fake.applied if a[0] == 2] == [(2, first.seq, 5), (2, second.seq, 7)]
+    assert "superseded" not in engine.counts()[0]
+
+
+def test_a_push_whose_send_failed_is_superseded_by_the_next_under_its_seq(fake, started):
+    engine = started(fake, retry_initial_s=2.0, retry_max_s=2.0)  # 1-2 s before the retry
+    fake.fail_next("push", grpc.StatusCode.UNAVAILABLE, times=1)
+    fake.hold_pushes()
+    first = job(2, tokens=5)
+    assert engine.submit(first)
+    fake.wait_for_call("push")  # the failed attempt: the push is unsent, retried after backoff
+    with engine.cv:
+        assert engine.cv.wait_for(lambda: 2 not in engine.sending, DEADLINE_S)
+    second = job(2, tokens=7)
+    assert engine.submit(second) and second.seq == first.seq and second.tokens == 12
+    fake.release_pushes()
+    assert arrival(engine).job is second
+    assert [a for a in fake.applied if a[0] == 2] == [(2, first.seq, 12)]
 
 
 def test_unavailable_is_retried_with_backoff_and_never_raised_into_the_caller(fake, started):
