@@ -379,6 +379,8 @@ def train(o: TrainOptions) -> dict:
             optimizer,
             config=o.sync,
             state=saved["learner"] if saved is not None else None,
+            # restarted without a checkpoint: its fragments due at the run's steps, as the others'
+            start_step=o.start_step if saved is None else 0,
         )
         if o.wait_for_learners > 1 and learner.leader:
             wait_for_learners(learner, o.wait_for_learners)

@@ -74,6 +74,10 @@ class Learner:
     loss shown in stats. The hook is removed when the learner finishes or closes.
     `state` (from `state_dict()`, saved with the model and optimizer, whose saved states the
     caller loads first) resumes a restarted learner as itself; see `state_dict`.
+    `start_step`: the run's step a learner without a state starts at (a restart whose state was
+    lost, joining as a new learner): its fragments are then due at the same steps of the run as
+    the other learners', so its pushes meet theirs in the same rounds. Its step, token and
+    compute counters still count its own steps from 0.
     `transport` replaces the client the settings would build (tests pass an in-memory fake); the
     learner closes it when it stops. The constructor joins the Synchronizer and loads the global
     model (initialising it from this model's parameters if there is none yet); it raises if that
@@ -94,8 +98,16 @@ class Learner:
         tokens: int | Callable[[], int] | None = None,
         state: dict[str, Any] | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        start_step: int = 0,
         **settings: Any,
     ) -> None:
+        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
+            raise ValueError(f"start_step must be an integer >= 0, got {start_step!r}")
+        if start_step and state is not None:
+            raise ValueError(
+                "start_step is for a learner that starts without its state; one resumed from "
+                "its state continues its own schedule"
+            )
         cfg = config or LearnerConfig()
         if settings:
             cfg = LearnerConfig.model_validate({**cfg.model_dump(), **settings})
@@ -119,6 +131,7 @@ class Learner:
         self.ready: dict[int, Arrival] = {}  # a sharded island's arrivals not yet agreed on
         self.sync_every = cfg.sync_every
         self.offsets = schedule_offsets(self.sync_every, self.num_fragments)
+        self.phase = start_step  # the run's steps before this learner's first (the schedule's)
         self.clock = Clock()
         self.merges = 0
         self.deferred: set[int] = set()  # due while busy: pushed as soon as the fragment is free
@@ -290,12 +303,16 @@ class Learner:
         self._set_sync_every(self.engine.sync_every())
         merged = arrivals.take_all(self)
         for p in sorted(
-            set(due_fragments(self.clock.step, self.sync_every, self.offsets)) | self.deferred
+            set(due_fragments(self.schedule_step(), self.sync_every, self.offsets)) | self.deferred
         ):
             self._push(p)
         if self.cfg.strict_overlap:
             merged |= arrivals.wait_overlap(self)
         return merged
+
+    def schedule_step(self) -> int:
+        """The run's step the fragment schedule is at: this learner's steps after `start_step`."""
+        return self.phase + self.clock.step
 
     def _set_sync_every(self, h: int) -> None:
         if h != self.sync_every:

@@ -53,6 +53,7 @@ def snapshot(learner: Learner) -> dict[str, Any]:
         "tokens": c.tokens,
         "compute_s": c.compute_s,
         "sync_every": learner.sync_every,
+        "phase": learner.phase,
         "since_push": [list(acc) for acc in learner.since_push],
         "deferred": sorted(learner.deferred),
     }
@@ -76,6 +77,7 @@ def restore_clock(learner: Learner, state: dict[str, Any]) -> None:
     c = learner.clock
     c.step, c.tokens, c.compute_s = state["step"], state["tokens"], state["compute_s"]
     learner.sync_every = state["sync_every"]
+    learner.phase = state.get("phase", 0)  # states saved before it had one started at 0
     learner.offsets = schedule_offsets(learner.sync_every, learner.num_fragments)
     learner.since_push = [list(acc) for acc in state["since_push"]]
     learner.deferred = set(state["deferred"])

@@ -115,7 +115,7 @@ def step(learner: Learner) -> set[int]:
     learner._set_sync_every(agreed.sync_every)
     merged = merge_agreed(learner, agreed)
     seq = agreed.next_seq
-    due = due_fragments(learner.clock.step, learner.sync_every, learner.offsets)
+    due = due_fragments(learner.schedule_step(), learner.sync_every, learner.offsets)
     for p in sorted(set(due) | learner.deferred):
         if agreed.busy[p]:  # some rank is still syncing it: every rank defers it
             learner.deferred.add(p)

@@ -179,6 +179,35 @@ def test_a_fragment_due_while_its_sync_is_in_flight_is_pushed_once_it_is_free_wi
     assert r.fake.calls_of("push")[1] == (0, 2, 1, 48)
 
 
+@pytest.mark.parametrize("start_step", [0, 5])
+def test_a_learner_started_at_a_later_step_pushes_each_fragment_at_the_runs_steps(run, start_step):
+    # H = 4, P = 2: fragment 0 is due at the run's steps 4, 8, 12, fragment 1 at 2, 6, 10. A
+    # learner restarted without its state at step 5 must push them at those steps too (its own
+    # steps 1, 5 for fragment 1 and 3, 7 for fragment 0), or its pushes never meet the others'.
+    r = run(2)
+    lrn = r.start(sync_every=4, start_step=start_step)
+    pushed: list[tuple[int, int]] = []  # (its own step, fragment)
+    for own in range(1, 9):
+        before = len(r.fake.applied)
+        r.train(1)
+        assert lrn.flush()
+        pushed += [(own, p) for p, _, _ in r.fake.applied[before:]]
+    run_step = {
+        p: [s for s in range(1, 9) if (start_step + s - 2 * (p == 1)) % 4 == 0] for p in (0, 1)
+    }
+    assert sorted(pushed) == sorted((s, p) for p in (0, 1) for s in run_step[p])
+    assert lrn.stats.step == 8  # its counters are its own steps
+
+
+def test_start_step_is_refused_with_a_state_or_below_zero(run):
+    r = run(1)
+    with pytest.raises(ValueError, match="start_step must be an integer >= 0"):
+        r.start(start_step=-1)
+    with pytest.raises(ValueError, match="starts without its state"):
+        r.start(start_step=3, state={"format": 1})
+    assert not r.fake.calls_of("join")  # refused before anything was joined
+
+
 def test_a_dynamic_local_updates_directive_replaces_sync_every(run):
     r = run(2)
     r.fake.inner_steps = 5

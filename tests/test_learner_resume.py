@@ -55,7 +55,7 @@ def test_a_learner_restarted_from_its_state_continues_as_itself(make_server: Any
     srv = make_server(quorum=1, grace="none")
     model = mlp(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    first = start(srv, model, opt)
+    first = start(srv, model, opt, start_step=3)  # itself a restart without its state
     train(first, model, opt, 2 * H + 1)
     state = first.state_dict()  # flushes: nothing in flight is saved
     saved_params, saved_opt = params(model), opt.state_dict()
@@ -71,6 +71,7 @@ def test_a_learner_restarted_from_its_state_continues_as_itself(make_server: Any
     opt2.load_state_dict(saved_opt)
     second = start(srv, model2, opt2, state=state)
     assert second.learner_id == state["learner_id"]
+    assert second.schedule_step() == 3 + 2 * H + 1  # the run's step: its fragments stay in phase
     assert second.stats.step == 2 * H + 1 and second.stats.fragment_versions == tuple(
         state["versions"]
     )
