@@ -53,7 +53,9 @@ def connect(learner: Learner, transport: Transport | None, state: dict[str, Any]
             versions, fetched = sharded_island.connect(learner)
         else:
             versions, fetched = engine.connect(
-                cfg.join_timeout_s, lambda: [plan.gather(p, "cpu") for p in range(n)]
+                cfg.join_timeout_s,
+                lambda: [plan.gather(p, "cpu") for p in range(n)],
+                offer_initial=state is None,
             )
     except BaseException:
         client.close()

@@ -188,6 +188,7 @@ class Session:
         self.on_new_epoch = on_new_epoch
         self.num = len(spec.fragments)
         self.epoch = ""
+        self.joined_versions = [-1] * self.num  # each fragment's version at the last Join
         self.generation = 0  # bumped by every successful re-join
         self.next_seq = 1
         self.inner_steps = 0  # Dynamic Local Updates directive; 0 = the learner's own H...
@@ -200,6 +201,7 @@ class Session:
     def _join(self, learner_id: str) -> pb.JoinReply:
         reply = self.client.join(self.name, self.spec, learner_id)
         self.epoch = reply.server_epoch
+        self.joined_versions = versions_of(reply.versions, self.num)
         self.next_seq = max(self.next_seq, reply.next_seq)
         self.inner_steps, self.inner_steps_scale = reply.inner_steps, reply.inner_steps_scale
         self.heartbeat_s = (

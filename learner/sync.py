@@ -126,14 +126,28 @@ class SyncEngine:
     # The training thread's interface ---------------------------------------------------------
 
     def connect(
-        self, timeout_s: float, local_params: Callable[[], list[torch.Tensor]]
+        self,
+        timeout_s: float,
+        local_params: Callable[[], list[torch.Tensor]],
+        offer_initial: bool = False,
     ) -> tuple[list[int], list[torch.Tensor] | None]:
         """Joins and obtains the global model: (versions, fragments to load), or (versions, None)
         when this learner's own parameters became the global model. Raises ValueError when the
         Synchronizer refuses the model, PermissionError on auth failures, TimeoutError when it
-        cannot be reached within timeout_s."""
+        cannot be reached within timeout_s.
+
+        `offer_initial` (a learner that starts without a state): where a fragment was at version
+        0 when it joined, its own parameters are offered as that version, since learners that
+        build the model with the same code and seed hold the initial model already. The pull
+        then sends only the updates since (none in a run that is just starting) and the
+        version's checksum; parameters that do not match it are pulled whole."""
 
         def fetch(wait_s: float) -> tuple[list[int], list[torch.Tensor]]:
+            if offer_initial and self.cfg.delta_pulls:
+                local = local_params()
+                for p in range(self.num):
+                    if self.session.joined_versions[p] == 0:
+                        self.held[p] = (self.session.epoch, 0, local[p])
             fetched = [self.pull(p, wait_s=wait_s, exact=True) for p in range(self.num)]
             return [v for v, _, _ in fetched], [t for _, _, t in fetched]
 

@@ -273,6 +273,32 @@ def test_delta_pull_rebuilds_the_served_parameters_exactly_at_a_fraction_of_the_
             client.close()
 
 
+def test_a_learner_built_as_the_initial_model_joins_without_pulling_it_and_others_pull(tmp_path):
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 8))
+
+    with running(server_config(tmp_path)) as srv:
+        kw: dict[str, Any] = dict(synchronizer=srv.address, sync_every=10, fragments=2)
+        first = Learner(model(0), None, name="first", **kw)  # uploads the initial model
+        whole = 4 * sum(p.numel() for p in model(0).parameters())  # its FP32 bytes
+        try:
+            joined: dict[int, tuple[int, list[torch.Tensor]]] = {}
+            for seed in (0, 1):  # built as the initial model; built from another seed
+                m = model(seed)
+                lrn = Learner(m, None, name=f"seed{seed}", **kw)
+                joined[seed] = (lrn.stats.bytes_received, local(m, 2))
+                lrn.close()
+            initial = local(model(0), 2)
+            for seed in (0, 1):  # both start from the global model, bit for bit
+                assert all(torch.equal(a, b) for a, b in zip(joined[seed][1], initial, strict=True))
+            # its own parameters matched version 0's checksum: no parameters were sent
+            assert joined[0][0] < 0.01 * whole
+            assert joined[1][0] > whole  # the other's did not: pulled whole
+        finally:
+            first.close()
+
+
 def test_dynamic_local_updates_without_an_h_shorten_only_the_slow_learners_own(tmp_path):
     with running(server_config(tmp_path, dynamic_local_updates=True)) as srv:
         models = [mlp(0), mlp(0)]
