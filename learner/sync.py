@@ -142,9 +142,11 @@ class SyncEngine:
         then sends only the updates since (none in a run that is just starting) and the
         version's checksum; parameters that do not match it are pulled whole."""
 
+        local: list[torch.Tensor] = []  # gathered once, however often the join is retried
+
         def fetch(wait_s: float) -> tuple[list[int], list[torch.Tensor]]:
             if offer_initial and self.cfg.delta_pulls:
-                local = local_params()
+                local[:] = local or local_params()
                 for p in range(self.num):
                     if self.session.joined_versions[p] == 0:
                         self.held[p] = (self.session.epoch, 0, local[p])
