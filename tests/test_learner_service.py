@@ -565,17 +565,21 @@ def _island_rank(rank: int, world: int, init_file: str, address: str, out_dir: s
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # spawns two gloo processes
-def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
+@contextlib.contextmanager
+def island_of_two(tmp_path: Path, rank: Callable[..., None]) -> Iterator[RunningServer]:
+    """A Synchronizer, once `rank(rank, world, init_file, address, out_dir)` has run as both
+    ranks of a 2-process gloo island against it."""
     import torch.multiprocessing as mp
 
     with running(server_config(tmp_path / "state")) as srv:
-        mp.spawn(
-            _island_rank,
-            args=(2, str(tmp_path / "init"), srv.address, str(tmp_path)),
-            nprocs=2,
-            join=True,
-        )
+        args = (2, str(tmp_path / "init"), srv.address, str(tmp_path))
+        mp.spawn(rank, args=args, nprocs=2, join=True)
+        yield srv
+
+
+@pytest.mark.slow  # spawns two gloo processes
+def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
+    with island_of_two(tmp_path, _island_rank) as srv:
         ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
         global_flat = torch.cat(served(srv.address, mlp(0), 2))
         status = SyncClient(srv.address)
@@ -625,15 +629,8 @@ def _fsdp_rank(rank: int, world: int, init_file: str, address: str, out_dir: str
 def test_a_sharded_island_pushes_its_last_steps_when_it_finishes(tmp_path):
     # H = 4, P = 2: fragment 1's pushes fall at steps 2, 6, 10; steps 11 and 12 reach the
     # Synchronizer only in finish()'s final push, every rank its slice under one seq.
-    import torch.multiprocessing as mp
-
-    with running(server_config(tmp_path / "state")) as srv:
-        mp.spawn(
-            _fsdp_rank,
-            args=(2, str(tmp_path / "init"), srv.address, str(tmp_path)),
-            nprocs=2,
-            join=True,
-        )
+    with island_of_two(tmp_path, _fsdp_rank) as srv:
+        pass
     assert merged_tokens(srv) == pytest.approx(12 * 16 * 2)
 
 
