@@ -146,7 +146,8 @@ class SyncEngine:
 
         def fetch(wait_s: float) -> tuple[list[int], list[torch.Tensor]]:
             if offer_initial and self.cfg.delta_pulls:
-                local[:] = local or local_params()
+                if not local:
+                    local.extend(local_params())
                 for p in range(self.num):
                     if self.session.joined_versions[p] == 0:
                         self.held[p] = (self.session.epoch, 0, local[p])
