@@ -169,10 +169,14 @@ class Fragment:
         """The part of a push's tokens and compute seconds this fragment accounts for."""
         return Share(tokens * self.share, compute_s * self.share)
 
-    def apply(self, rnd: Round) -> tuple[float, str | None, float]:
+    def apply(
+        self,
+        rnd: Round,
+        settled: Callable[[str | None, float], None] = lambda _refused, _share: None,
+    ) -> tuple[float, str | None, float]:
         """Decodes a taken round's held pushes, merges them and applies the outer step, in
         version order; returns the seconds it took, if the round was refused why, and its share
-        of a whole step (`FragmentModel.step`). The
+        of a whole step (`FragmentModel.step`, which calls `settled` before the version shows). The
         round's sums are taken from the shared FP32 buffers (unless it added on arrival and has
         them already) and given back when the step ends, whatever happens."""
         try:
@@ -195,6 +199,7 @@ class Fragment:
                 rnd.contributions,
                 lambda: None if rnd.acc is None else rnd.acc.merged_max_abs,
                 held,
+                settled,
             )
         finally:
             self.discard(rnd)

@@ -141,6 +141,7 @@ class FragmentModel:
         contributions: Sequence[Contributor],
         max_abs: Callable[[], float | None] = lambda: None,
         held: Sequence[tuple[torch.Tensor, pb.PayloadHeader, float]] = (),
+        settled: Callable[[str | None, float], None] = lambda _refused, _share: None,
     ) -> tuple[float, str | None, float]:
         """Applies one round's outer step once the fragment is at `start_version`; returns the
         seconds it took, for a refused round why, and the round's share of a whole step
@@ -152,8 +153,10 @@ class FragmentModel:
         directly (`_step_held`), and `merge` is not called. A merged delta that is not finite
         or beyond `MAX_MERGED_ABS` is refused before it touches any state: the version still
         advances (by an empty update, so rounds and delta pulls keep their order) and the
-        fragment stays healthy. Waits while a checkpoint writes the fragment (`frozen`).
-        Raises `FragmentFailed` if the fragment failed while this round waited."""
+        fragment stays healthy. `settled(refused, share)` counts the round under the lock before
+        the new version can be seen, so whoever holds it (a pull, Status) sees its work counted.
+        Waits while a checkpoint writes the fragment (`frozen`). Raises `FragmentFailed` if the
+        fragment failed while this round waited."""
         with self.cv:
             while (self.version != start_version or self.frozen) and self.failure is None:
                 self.cv.wait()
@@ -178,6 +181,7 @@ class FragmentModel:
                     self.downlink.step(self.params, merged, step, start_version + 1)
                 else:
                     self.outer.step(self.params, merged, share, self._warm(start_version))
+            settled(refused, share)
             self.version = start_version + 1
             if refused is None:
                 self.merged += len(contributions)

@@ -106,11 +106,25 @@ class Rounds:
     def apply(self, frag: Fragment, rnd: Round) -> bool:
         """Applies a taken round's outer step once its close is durable, and counts it: merged
         (goodput, metrics, the grace window's apply time) or refused (counted and skipped: the
-        fragment stays healthy). False if the outer step raised: the fragment failed."""
+        fragment stays healthy). The round's work is counted before its version can be seen, so
+        a learner holding the version never finds its work uncounted. False if the outer step
+        raised: the fragment failed."""
+
+        def settled(refused: str | None, share: float) -> None:  # under the model's lock
+            shares = [c.share for c in rnd.contributions]
+            if refused is not None:
+                self.metrics.rounds_refused.inc()
+                self.goodput.refused(shares)
+                return
+            self.metrics.contributors.observe(len(rnd.contributions))
+            self.metrics.round_share.observe(share)
+            self.metrics.outer_steps.inc()
+            self.goodput.merged(shares)
+
         try:
             if rnd.ticket:  # nothing is served that a restart could not repeat
                 self.durable(rnd.ticket)
-            seconds, refused, share = frag.apply(rnd)
+            seconds, refused, _share = frag.apply(rnd, settled)
         except Exception as e:  # noqa: BLE001 - the failure becomes the fragment's state
             frag.discard(rnd)  # what the round holds goes back to the shared budgets
             if frag.model.failure is None:
@@ -124,8 +138,6 @@ class Rounds:
             return False
         self.metrics.fragment_version.labels(str(frag.fid)).set(frag.model.version)
         if refused is not None:
-            self.metrics.rounds_refused.inc()
-            self.goodput.refused([c.share for c in rnd.contributions])
             logger.warning(
                 "fragment %d: round to version %d refused, its %d contributions discarded: %s",
                 frag.fid,
@@ -136,10 +148,6 @@ class Rounds:
             return True
         self.grace.observe(apply_time=seconds)
         self.metrics.round_apply.observe(seconds)
-        self.metrics.contributors.observe(len(rnd.contributions))
-        self.metrics.round_share.observe(share)
-        self.metrics.outer_steps.inc()
-        self.goodput.merged([c.share for c in rnd.contributions])
         logger.debug(
             "fragment %d -> version %d from %d contributions in %.4fs",
             frag.fid,

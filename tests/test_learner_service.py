@@ -513,9 +513,9 @@ def test_learner_trains_over_mutual_tls_and_is_refused_without_a_client_certific
 
 def merged_tokens(srv: RunningServer) -> float:
     """The tokens the Synchronizer merged, over every fragment (each push counts its tokens in
-    proportion to its fragment's share of the model). Read once the server has stopped: a
-    round's tokens are counted on its outer-step worker just after its version is served, so a
-    learner can have merged that version before they are."""
+    proportion to its fragment's share of the model). Read while it serves: a round's tokens
+    are counted before its version can be pulled, so a learner that finished finds its work
+    counted."""
     registry = srv.synchronizer.metrics.registry
     return registry.get_sample_value("diloco_tokens_total", {"bucket": "merged"}) or 0.0
 
@@ -530,7 +530,7 @@ def test_every_step_a_learner_trained_is_merged_by_the_end_of_its_run(tmp_path):
         train(lrn, model, opt, 12, seed=0)
         lrn.finish()
         assert torch.equal(torch.cat(local(model, 2)), torch.cat(served(srv.address, mlp(0), 2)))
-    assert merged_tokens(srv) == pytest.approx(12 * 16)
+        assert merged_tokens(srv) == pytest.approx(12 * 16)
 
 
 def _island_rank(rank: int, world: int, init_file: str, address: str, out_dir: str) -> None:
@@ -582,6 +582,7 @@ def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
     with island_of_two(tmp_path, _island_rank) as srv:
         ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
         global_flat = torch.cat(served(srv.address, mlp(0), 2))
+        merged = merged_tokens(srv)
         status = SyncClient(srv.address)
         try:
             learners = status.status().learners
@@ -600,7 +601,7 @@ def test_torchrun_island_rank0_syncs_and_every_rank_ends_identical(tmp_path):
     assert [lr.name for lr in learners if lr.name.startswith("rank")] == [
         "rank0"
     ]  # only rank 0 joined
-    assert merged_tokens(srv) == pytest.approx(12 * 16 * 2)  # every step, both ranks
+    assert merged == pytest.approx(12 * 16 * 2)  # every step of both ranks, the last ones too
 
 
 def _fsdp_rank(rank: int, world: int, init_file: str, address: str, out_dir: str) -> None:
@@ -630,8 +631,7 @@ def test_a_sharded_island_pushes_its_last_steps_when_it_finishes(tmp_path):
     # H = 4, P = 2: fragment 1's pushes fall at steps 2, 6, 10; steps 11 and 12 reach the
     # Synchronizer only in finish()'s final push, every rank its slice under one seq.
     with island_of_two(tmp_path, _fsdp_rank) as srv:
-        pass
-    assert merged_tokens(srv) == pytest.approx(12 * 16 * 2)
+        assert merged_tokens(srv) == pytest.approx(12 * 16 * 2)
 
 
 @pytest.mark.parametrize("strict", [False, True])

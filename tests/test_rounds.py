@@ -87,6 +87,26 @@ def test_quorum_one_applies_without_waiting_for_others(tmp_path, clock):
     torch.testing.assert_close(served, init - d)
 
 
+def test_a_rounds_work_is_counted_before_its_version_can_be_seen(tmp_path, clock, monkeypatch):
+    # A learner holding a version must find the work in it counted (merged tokens, Status): the
+    # round was counted just after its version was served, so a learner could finish first.
+    core, clients, _ = _setup(tmp_path, clock, 2, quorum=1, grace="none", outer="sgd")
+    frag = core.model.fragments[0]
+    seen: list[tuple[str, int]] = []
+    for name in ("merged", "refused"):
+        counted = getattr(core.goodput, name)
+
+        def counting(shares, counted=counted, name=name):
+            seen.append((name, frag.version))
+            counted(shares)
+
+        monkeypatch.setattr(core.goodput, name, counting)
+    assert clients[0].push(0, _vec(1)).round_version == 1
+    assert clients[1].push(0, torch.full((N,), 3e38), base=1).round_version == 2  # refused
+    assert clients[0].pull(0, min_version=2, wait_s=10)[0] == 2
+    assert seen == [("merged", 0), ("refused", 1)]  # each counted while the version before showed
+
+
 def test_grace_window_takes_a_learner_in_time_and_not_one_that_is_late(tmp_path, clock):
     core, clients, init = _setup(
         tmp_path,
