@@ -14,10 +14,8 @@ same wall-clock faults hit every system; every slot trains the same `steps` (equ
               P = 1, strict overlap: a learner waits for each round): the round waits for a
               dead learner until its lease lapses, and for slow ones always; the crashed
               learner restarts from its last sync boundary (a multiple of H), redoing the steps
-              it had not pushed, so that its pushes line up with everyone else's rounds. (P = 1
-              as in DiLoCo: with P = 4 fragments a learner that rejoins a cycle behind pushes
-              its fragments in an order the others' open rounds do not wait for, and strict
-              overlap then stalls everyone until its 40 s bound; see docs/performance.md.)
+              it had not pushed, so that its pushes line up with everyone else's rounds (P = 1
+              as in DiLoCo)
   lockstep    data parallel (bench/dp.py), checkpointed after every step: a crash stops every
               rank; all restart together when the crashed one is back, from the last step
 

@@ -17,7 +17,8 @@ when the round starts adding (at its outer step, or on arrival when a push canno
 given back when its outer step ends, so a fragment between outer steps holds none.
 
 Round policy (Decoupled DiLoCo): a round may close once it holds K contributions (K = quorum,
-capped by the live learners; quorum 0 = every live learner, i.e. synchronous DiLoCo). It closes
+capped by the live learners; quorum 0 = every learner live since the round opened, i.e.
+synchronous DiLoCo; one that joins or comes back later waits for the next round). It closes
 at once when every live learner has contributed, otherwise after the grace window
 (`synchronizer.grace`). While a fragment's previous outer step is still being applied its open
 round keeps collecting instead of closing, so a busy Synchronizer batches pushes rather than
@@ -63,6 +64,10 @@ class Round:
     contributions: list[Contribution] = field(default_factory=list)
     owners: set[str] = field(default_factory=set)  # credentials that contributed (per-learner)
     quorum_at: float | None = None
+    # quorum 0: the learners it waits for, those live at its first check (when it opened) and
+    # live since. One that joins or comes back later is not waited for: it may be a cycle
+    # behind and push another fragment first, which the others, blocked here, would never reach.
+    waits_for: set[str] | None = None
     timer: Timer | None = None  # its grace window's, once it has its quorum
     expired: bool = False  # the grace window ran out
     closing: bool = False
@@ -297,7 +302,8 @@ class Admission:
             contributed = {c.learner_id for c in rnd.contributions}
             busy = self.applying(version)
             if self.cfg.quorum == 0:  # synchronous: every live learner, nobody else to wait for
-                done = live <= contributed
+                rnd.waits_for = set(live) if rnd.waits_for is None else rnd.waits_for & live
+                done = rnd.waits_for <= contributed
                 return rnd, done and not busy, done
             k = max(1, min(self.cfg.quorum, len(live)))
             if len(rnd.contributions) < k:
