@@ -17,8 +17,8 @@ when the round starts adding (at its outer step, or on arrival when a push canno
 given back when its outer step ends, so a fragment between outer steps holds none.
 
 Round policy (Decoupled DiLoCo): a round may close once it holds K contributions (K = quorum,
-capped by the live learners; quorum 0 = every learner live since the round opened, i.e.
-synchronous DiLoCo; one that joins or comes back later waits for the next round). It closes
+capped by the live learners; quorum 0 = every live learner, i.e. synchronous DiLoCo, except one
+that joined or came back mid-run and has not pushed the fragment since). It closes
 at once when every live learner has contributed, otherwise after the grace window
 (`synchronizer.grace`). While a fragment's previous outer step is still being applied its open
 round keeps collecting instead of closing, so a busy Synchronizer batches pushes rather than
@@ -64,10 +64,6 @@ class Round:
     contributions: list[Contribution] = field(default_factory=list)
     owners: set[str] = field(default_factory=set)  # credentials that contributed (per-learner)
     quorum_at: float | None = None
-    # quorum 0: the learners it waits for, those live at its first check (when it opened) and
-    # live since. One that joins or comes back later is not waited for: it may be a cycle
-    # behind and push another fragment first, which the others, blocked here, would never reach.
-    waits_for: set[str] | None = None
     timer: Timer | None = None  # its grace window's, once it has its quorum
     expired: bool = False  # the grace window ran out
     closing: bool = False
@@ -139,6 +135,18 @@ class Admission:
         self.pending_version = 0  # version after every round already handed to the closers
         self.bounds = PushBounds(cfg.max_norm_ratio, cfg.max_weight_ratio)
         self.journal: Callable[[int], int] | None = None  # logs a round closing into a version
+        # Learners that joined or came back while this fragment's run was under way and have
+        # not pushed it since: a synchronous round does not wait for them. One may be a cycle
+        # behind and push another fragment first, which the others, blocked on this round,
+        # would never reach.
+        self.newcomers: set[str] = set()
+
+    def arrived(self, learner_id: str, version: int) -> None:
+        """A learner joined, or came back from a lapsed lease or a leave: a newcomer here if
+        the fragment's run is under way (a version past 0 or an open round)."""
+        with self.lock:
+            if version > 0 or self.round is not None:
+                self.newcomers.add(learner_id)
 
     def reset(self, version: int) -> None:
         with self.lock:
@@ -212,6 +220,7 @@ class Admission:
                 else:
                     spent = self._add_now(rnd, payload, verdict.weight)
                 counted = self.goodput.accepted(learner_id, share)
+                self.newcomers.discard(learner_id)
                 rnd.contributions.append(
                     Contribution(learner_id, base_version, verdict.weight, counted)
                 )
@@ -302,8 +311,7 @@ class Admission:
             contributed = {c.learner_id for c in rnd.contributions}
             busy = self.applying(version)
             if self.cfg.quorum == 0:  # synchronous: every live learner, nobody else to wait for
-                rnd.waits_for = set(live) if rnd.waits_for is None else rnd.waits_for & live
-                done = rnd.waits_for <= contributed
+                done = live - self.newcomers <= contributed
                 return rnd, done and not busy, done
             k = max(1, min(self.cfg.quorum, len(live)))
             if len(rnd.contributions) < k:
@@ -344,6 +352,7 @@ class Admission:
             else:
                 spent = self._add_now(rnd, payload, weight)
             rnd.contributions.append(Contribution(learner_id, base_version, weight, share))
+            self.newcomers.discard(learner_id)
         for buf in spent:
             self.payloads.give(buf)
         return rnd

@@ -178,7 +178,7 @@ class Synchronizer:
                 )
             needs_init = not self.model.initialized
         credential = (call or Call()).credential
-        rec, session, revived = self.registry.join(
+        rec, session, how = self.registry.join(
             request.learner_name,
             request.learner_id,
             request.session,
@@ -188,6 +188,8 @@ class Synchronizer:
         )
         rec.spec_hash = spec.spec_hash
         self.journal.joined(self.registry, rec)
+        if how != "again" and not rec.evaluator:
+            self.model.arrived(rec.learner_id)
         if needs_init:
             self.model.propose(spec)
         logger.info(
@@ -195,7 +197,7 @@ class Synchronizer:
             "evaluator" if rec.evaluator else "learner",
             rec.learner_id,
             rec.name,
-            "re-joined" if revived else "joined",
+            {"new": "joined", "back": "re-joined", "again": "joined again"}[how],
             f" under credential {credential}" if self.credentials.per_learner else "",
         )
         return pb.JoinReply(

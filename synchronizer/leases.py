@@ -77,9 +77,10 @@ class Registry:
         credential: str = "",
         per_credential: int = 0,
         evaluator: bool = False,
-    ) -> tuple[LearnerRecord, str, bool]:
+    ) -> tuple[LearnerRecord, str, str]:
         """Registers (or revives) a learner under `credential`; returns it, its session secret
-        and whether it came back from the dead. Re-joining under an id takes that id's session
+        and how it joined: "new", "back" (from a lapsed lease or a leave) or "again" (while
+        alive: the same learner's Join repeated, or the Synchronizer restarted). Re-joining under an id takes that id's session
         and credential (PERMISSION_DENIED otherwise) and keeps them. With `per_credential`, a
         credential may have at most that many live learners (RESOURCE_EXHAUSTED past it).
 
@@ -104,13 +105,13 @@ class Registry:
                 if not rec.session_hash:  # restored from a checkpoint that kept no sessions
                     session = session or secrets.token_hex(16)
                     rec.session_hash = session_hash(session)
-                revived = rec.state != "alive"
-                if revived:
+                how = "again" if rec.state == "alive" else "back"
+                if how == "back":
                     self._check_credential_room(credential, per_credential, now)
                 rec.state, rec.died_at = "alive", None
                 rec.lease_deadline = now + self.lease_s
                 rec.name = name or rec.name
-                return rec, session, revived
+                return rec, session, how
             self._check_credential_room(credential, per_credential, now)
             alive = sum(
                 1
@@ -138,7 +139,7 @@ class Registry:
             rec.evaluator = evaluator
             self.learners[lid] = rec
             self._trim()
-            return rec, session, False
+            return rec, session, "new"
 
     def _check_credential_room(self, credential: str, per_credential: int, now: float) -> None:
         """Refuses a learner beyond `per_credential` live ones of one credential (0: no limit).

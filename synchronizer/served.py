@@ -167,6 +167,11 @@ class ServedModel:
             for h in [h for h in self.proposed if h not in live]:
                 del self.proposed[h]
 
+    def arrived(self, learner_id: str) -> None:
+        """A learner joined or came back while the run is under way (`Admission.arrived`)."""
+        for frag in self.fragments:
+            frag.admission.arrived(learner_id, frag.version)
+
     def versions(self) -> list[pb.FragmentVersion]:
         return [pb.FragmentVersion(fragment_id=f.fid, version=f.version) for f in self.fragments]
 

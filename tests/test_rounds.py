@@ -145,11 +145,11 @@ def test_dead_learner_never_holds_a_synchronous_round(tmp_path, clock):
     assert states == {"l0": "alive", "l1": "dead"}
 
 
-def test_a_synchronous_round_does_not_wait_for_a_learner_that_came_back_after_it_opened(
+def test_a_synchronous_round_waits_for_a_learner_back_mid_run_only_once_it_pushed_again(
     tmp_path, clock
 ):
-    # A learner back from a lapsed lease may be a cycle behind and push another fragment first:
-    # a round opened before it came back closes without it; the next round waits for it.
+    # A learner back from a lapsed lease (or new) mid-run may be a cycle behind and push another
+    # fragment first, blocking on it: a round that waited for it would hold everyone else.
     core, clients, init = _setup(
         tmp_path, clock, 3, quorum=0, grace="none", lease_s=2.0, outer="sgd", outer_lr=1.0
     )
@@ -159,22 +159,27 @@ def test_a_synchronous_round_does_not_wait_for_a_learner_that_came_back_after_it
         a.heartbeat()
         b.heartbeat()
         core.tick()
-    assert a.push(0, _vec(1)).round_version == 1  # opens the round: a and b live
+    assert a.push(0, _vec(1)).round_version == 1
     back.join(again=True)
     assert b.push(0, _vec(2)).round_version == 1
     version, served = a.pull(0)
-    assert version == 1  # closed without the learner that came back
+    assert version == 1  # the round closed without it
     torch.testing.assert_close(served, init - (_vec(1) + _vec(2)) / 2)
-    assert back.push(0, _vec(3), base=0).round_version == 2  # into the next round
-    assert a.push(0, _vec(4), base=1).round_version == 2
-    assert a.pull(0)[0] == 1  # which waits for b: live when it opened
-    assert b.push(0, _vec(5), base=1).round_version == 2
-    assert a.pull(0, min_version=2, wait_s=10)[0] == 2
-    for c in (a, b):  # a round opened after it came back waits for it
-        assert c.push(0, _vec(6), base=2).round_version == 3
+    for c in (a, b):  # and so does one opened after it came back, before it pushed
+        assert c.push(0, _vec(3), base=1).round_version == 2
     assert a.pull(0)[0] == 2
-    assert back.push(0, _vec(7), base=2).round_version == 3
+    new = CoreClient(core, SPEC, "new")  # a learner new mid-run alike
+    new.join()
+    assert back.push(0, _vec(4), base=0).round_version == 3
+    assert a.push(0, _vec(5), base=2).round_version == 3
+    assert a.pull(0)[0] == 2  # it pushed: waited for from now on, as b is
+    assert b.push(0, _vec(6), base=2).round_version == 3
     assert a.pull(0, min_version=3, wait_s=10)[0] == 3
+    for c in (a, b, new):
+        assert c.push(0, _vec(7), base=3).round_version == 4
+    assert a.pull(0)[0] == 3  # waits for the learner that came back and pushed
+    assert back.push(0, _vec(8), base=3).round_version == 4
+    assert a.pull(0, min_version=4, wait_s=10)[0] == 4
 
 
 def test_push_beyond_max_staleness_is_dropped_and_counted(tmp_path, clock):
