@@ -104,9 +104,59 @@ def schedule_offsets(sync_every: int, num_fragments: int) -> list[int]:
     return [(p * sync_every) // num_fragments for p in range(num_fragments)]
 
 
-def due_fragments(step: int, sync_every: int, offsets: Sequence[int]) -> list[int]:
-    """Fragments due at `step` (counted from 1): those with (step - offset_p) % H == 0."""
-    return [p for p, off in enumerate(offsets) if step > 0 and (step - off) % sync_every == 0]
+class Schedule:
+    """Which fragments a learner pushes after which of the run's steps (counted from 1).
+
+    Fragments go in turn, 0..P-1, fragment p at offset p*H//P into each cycle of H steps: with
+    H fixed, p is due at the steps with (step - offset_p) % H == 0. A change of H (Dynamic Local
+    Updates) changes the spacing from the last push on, never the order, so learners whose H
+    differ push the fragments in the same order; a synchronous round that waits for every
+    learner's push of one fragment would otherwise wait for one that pushes another first.
+    """
+
+    def __init__(self, sync_every: int, num_fragments: int, step: int = 0) -> None:
+        """The schedule of a learner whose next step is `step` + 1."""
+        self.num = num_fragments
+        self.sync_every = sync_every
+        offsets = schedule_offsets(sync_every, num_fragments)
+        first = [step + 1 + (off - step - 1) % sync_every for off in offsets]
+        self.next = min(range(num_fragments), key=lambda p: (first[p], p))
+        self.next_at = first[self.next]
+        self.last_at = self.next_at - self._gap(self.next)  # when the one before was due
+
+    def _gap(self, p: int) -> int:
+        """Steps from the push of the fragment before `p` to p's, at the current H."""
+        off = schedule_offsets(self.sync_every, self.num)
+        return off[p] - off[p - 1] if p > 0 else self.sync_every - off[-1]
+
+    def due(self, step: int) -> list[int]:
+        """The fragments due after `step`, in order; call it after every step."""
+        out: list[int] = []
+        while step >= self.next_at and len(out) < self.num:
+            out.append(self.next)
+            self.last_at = step
+            self.next = (self.next + 1) % self.num
+            self.next_at = step + self._gap(self.next)
+        return out
+
+    def set_sync_every(self, sync_every: int) -> None:
+        """A new H from the next push on: it is due its new spacing after the last one."""
+        schedule_offsets(sync_every, self.num)  # checks it
+        self.sync_every = sync_every
+        self.next_at = self.last_at + self._gap(self.next)
+
+    def state(self) -> list[int]:
+        return [self.sync_every, self.next, self.next_at, self.last_at]
+
+    @classmethod
+    def restored(cls, state: Sequence[int], num_fragments: int) -> Schedule:
+        sched = cls(int(state[0]), num_fragments)
+        sched.next, sched.next_at, sched.last_at = (int(x) for x in state[1:4])
+        if not 0 <= sched.next < num_fragments:
+            raise ValueError(
+                f"a saved schedule's next fragment {sched.next} is not one of {num_fragments}"
+            )
+        return sched
 
 
 # Error feedback --------------------------------------------------------------------------------

@@ -47,8 +47,7 @@ from learner.config import LearnerConfig
 from learner.fragments import (
     ErrorFeedback,
     FragmentPlan,
-    due_fragments,
-    schedule_offsets,
+    Schedule,
 )
 from learner.island import Island
 from learner.overlap import StrictOverlap
@@ -130,8 +129,8 @@ class Learner:
         self.talks = self.leader or self.sharded  # this rank talks to the Synchronizer
         self.ready: dict[int, Arrival] = {}  # a sharded island's arrivals not yet agreed on
         self.sync_every = cfg.sync_every
-        self.offsets = schedule_offsets(self.sync_every, self.num_fragments)
         self.phase = start_step  # the run's steps before this learner's first (the schedule's)
+        self.schedule = Schedule(self.sync_every, self.num_fragments, start_step)
         self.clock = Clock()
         self.merges = 0
         self.deferred: set[int] = set()  # due while busy: pushed as soon as the fragment is free
@@ -302,9 +301,7 @@ class Learner:
         assert self.engine is not None
         self._set_sync_every(self.engine.sync_every())
         merged = arrivals.take_all(self)
-        for p in sorted(
-            set(due_fragments(self.schedule_step(), self.sync_every, self.offsets)) | self.deferred
-        ):
+        for p in sorted(set(self.schedule.due(self.schedule_step())) | self.deferred):
             self._push(p)
         if self.cfg.strict_overlap:
             merged |= arrivals.wait_overlap(self)
@@ -323,7 +320,7 @@ class Learner:
                 h,
             )
             self.sync_every = h
-            self.offsets = schedule_offsets(h, self.num_fragments)
+            self.schedule.set_sync_every(h)
 
     def _push(self, p: int, seq: int = 0) -> None:
         assert self.engine is not None

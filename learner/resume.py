@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from learner.fragments import schedule_offsets
+from learner.fragments import Schedule
 
 if TYPE_CHECKING:
     from learner.learner import Learner
@@ -54,6 +54,7 @@ def snapshot(learner: Learner) -> dict[str, Any]:
         "compute_s": c.compute_s,
         "sync_every": learner.sync_every,
         "phase": learner.phase,
+        "schedule": learner.schedule.state(),
         "since_push": [list(acc) for acc in learner.since_push],
         "deferred": sorted(learner.deferred),
     }
@@ -78,7 +79,12 @@ def restore_clock(learner: Learner, state: dict[str, Any]) -> None:
     c.step, c.tokens, c.compute_s = state["step"], state["tokens"], state["compute_s"]
     learner.sync_every = state["sync_every"]
     learner.phase = state.get("phase", 0)  # states saved before it had one started at 0
-    learner.offsets = schedule_offsets(learner.sync_every, learner.num_fragments)
+    saved = state.get("schedule")  # states saved before it had one: as a fixed H puts it
+    learner.schedule = (
+        Schedule(learner.sync_every, learner.num_fragments, learner.schedule_step())
+        if saved is None
+        else Schedule.restored(saved, learner.num_fragments)
+    )
     learner.since_push = [list(acc) for acc in state["since_push"]]
     learner.deferred = set(state["deferred"])
 

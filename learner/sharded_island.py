@@ -18,7 +18,6 @@ import grpc
 import torch
 
 from learner import arrivals, sharded
-from learner.fragments import due_fragments
 from learner.sync import Arrival
 from protos import layout
 
@@ -115,8 +114,7 @@ def step(learner: Learner) -> set[int]:
     learner._set_sync_every(agreed.sync_every)
     merged = merge_agreed(learner, agreed)
     seq = agreed.next_seq
-    due = due_fragments(learner.schedule_step(), learner.sync_every, learner.offsets)
-    for p in sorted(set(due) | learner.deferred):
+    for p in sorted(set(learner.schedule.due(learner.schedule_step())) | learner.deferred):
         if agreed.busy[p]:  # some rank is still syncing it: every rank defers it
             learner.deferred.add(p)
             continue

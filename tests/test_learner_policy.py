@@ -199,6 +199,25 @@ def test_a_learner_started_at_a_later_step_pushes_each_fragment_at_the_runs_step
     assert lrn.stats.step == 8  # its counters are its own steps
 
 
+def test_a_learner_told_a_new_h_mid_cycle_still_pushes_its_fragments_in_turn(run):
+    # Dynamic Local Updates tells a slow learner a smaller H. Its fragments must still come
+    # 0, 1, 2, 3, 0, ...: under the fixed formula (step - offset_p) % H, whichever the new H's
+    # residues put first came next, so a synchronous round of one fragment waited for a learner
+    # that pushed another.
+    r = run(4)
+    lrn = r.start(sync_every=12)
+    order: list[int] = []
+    for step in range(1, 41):
+        if step == 7:  # what a heartbeat's reply with the directive sets
+            lrn.engine.session.inner_steps = 7
+        before = len(r.fake.applied)
+        r.train(1)
+        assert lrn.flush()
+        order += [p for p, _, _ in r.fake.applied[before:]]
+    assert lrn.sync_every == 7
+    assert order == [(1 + i) % 4 for i in range(len(order))] and len(order) >= 20
+
+
 def test_start_step_is_refused_with_a_state_or_below_zero(run):
     r = run(1)
     with pytest.raises(ValueError, match="start_step must be an integer >= 0"):
@@ -213,7 +232,7 @@ def test_a_dynamic_local_updates_directive_replaces_sync_every(run):
     r.fake.inner_steps = 5
     lrn = r.start(sync_every=50)
     r.train(1)
-    assert lrn.stats.sync_every == 5 and lrn.offsets == [0, 2]
+    assert lrn.stats.sync_every == 5 and lrn.schedule.sync_every == 5
 
 
 # The end -------------------------------------------------------------------------------------

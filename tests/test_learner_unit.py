@@ -12,7 +12,7 @@ from learner.config import LearnerConfig
 from learner.fragments import (
     ErrorFeedback,
     FragmentPlan,
-    due_fragments,
+    Schedule,
     gather,
     merge_fragment,
     scatter,
@@ -69,14 +69,17 @@ def test_balanced_plan_keeps_fragment_sizes_even_on_a_gpt_like_model():
     assert sum(strided) == sum(sizes)
 
 
+def _dues(sched: Schedule, steps: range) -> list[tuple[int, int]]:
+    return [(step, f) for step in steps for f in sched.due(step)]
+
+
 def test_schedule_puts_each_fragment_due_once_per_h_steps_at_its_offset():
     for h, p in [(10, 4), (100, 4), (7, 3), (3, 5), (1, 2)]:
         offsets = schedule_offsets(h, p)
         assert offsets == [(i * h) // p for i in range(p)]
         due_at: dict[int, list[int]] = {i: [] for i in range(p)}
-        for step in range(1, 5 * h + 1):
-            for f in due_fragments(step, h, offsets):
-                due_at[f].append(step)
+        for step, f in _dues(Schedule(h, p), range(1, 5 * h + 1)):
+            due_at[f].append(step)
         for f, steps in due_at.items():
             assert all(b - a == h for a, b in zip(steps, steps[1:], strict=False)), (h, p, f, steps)
             assert steps[0] == (offsets[f] or h)
@@ -85,8 +88,42 @@ def test_schedule_puts_each_fragment_due_once_per_h_steps_at_its_offset():
 
 
 def test_staggered_schedule_keeps_at_most_one_fragment_due_per_step_when_p_divides_h():
-    offsets = schedule_offsets(100, 4)
-    assert max(len(due_fragments(s, 100, offsets)) for s in range(1, 401)) == 1
+    dues = _dues(Schedule(100, 4), range(1, 401))
+    assert len({step for step, _ in dues}) == len(dues) == 16
+
+
+def test_a_schedule_started_later_is_the_run_s_schedule_from_there_on():
+    for start in (0, 1, 24, 25, 99, 100, 137):
+        whole = [(s, f) for s, f in _dues(Schedule(100, 4), range(1, 501)) if s > start]
+        assert _dues(Schedule(100, 4, start), range(start + 1, 501)) == whole
+
+
+def test_a_change_of_h_changes_the_spacing_from_the_last_push_never_the_order():
+    # Dynamic Local Updates changes a learner's H mid-cycle: its fragments must still come in
+    # turn (by (step - offset_p) % H they came in whatever order the new H put them), or a
+    # synchronous round waits for a fragment this learner pushes a cycle later.
+    for new_h, at in [(41, 57), (22, 60), (24, 61), (49, 30), (250, 80), (3, 30)]:
+        sched = Schedule(100, 4)
+        dues = _dues(sched, range(1, at + 1))
+        sched.set_sync_every(new_h)
+        dues += _dues(sched, range(at + 1, at + 4 * new_h + 1))
+        order = [f for _, f in dues]
+        assert order == [(1 + i) % 4 for i in range(len(order))], (new_h, at, order)
+        off = schedule_offsets(new_h, 4)
+        gap = [new_h - off[3], off[1] - off[0], off[2] - off[1], off[3] - off[2]]  # before f
+        last = max(s for s, _ in dues if s <= at)
+        after = [(s, f) for s, f in dues if s > at]
+        assert after[0][0] == max(at + 1, last + gap[after[0][1]])  # due its new spacing
+        for (a, _), (b, f) in zip(after, after[1:], strict=False):
+            assert b - a == gap[f], (new_h, at, after)
+
+
+def test_a_schedule_survives_its_state():
+    sched = Schedule(100, 4)
+    _dues(sched, range(1, 31))
+    sched.set_sync_every(40)
+    again = Schedule.restored(sched.state(), 4)
+    assert _dues(again, range(31, 200)) == _dues(sched, range(31, 200))
 
 
 def _quantized_sum(
