@@ -128,9 +128,8 @@ class Learner:
             raise ValueError("resume is not supported for a sharded (FSDP2) island yet")
         self.talks = self.leader or self.sharded  # this rank talks to the Synchronizer
         self.ready: dict[int, Arrival] = {}  # a sharded island's arrivals not yet agreed on
-        self.sync_every = cfg.sync_every
         self.phase = start_step  # the run's steps before this learner's first (the schedule's)
-        self.schedule = Schedule(self.sync_every, self.num_fragments, start_step)
+        self.schedule = Schedule(cfg.sync_every, self.num_fragments, start_step)
         self.clock = Clock()
         self.merges = 0
         self.deferred: set[int] = set()  # due while busy: pushed as soon as the fragment is free
@@ -311,6 +310,11 @@ class Learner:
         """The run's step the fragment schedule is at: this learner's steps after `start_step`."""
         return self.phase + self.clock.step
 
+    @property
+    def sync_every(self) -> int:
+        """H now: the configured one, or what Dynamic Local Updates last directed."""
+        return self.schedule.sync_every
+
     def _set_sync_every(self, h: int) -> None:
         if h != self.sync_every:
             logger.info(
@@ -319,7 +323,6 @@ class Learner:
                 self.sync_every,
                 h,
             )
-            self.sync_every = h
             self.schedule.set_sync_every(h)
 
     def _push(self, p: int, seq: int = 0) -> None:

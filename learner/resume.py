@@ -77,11 +77,10 @@ def restore_clock(learner: Learner, state: dict[str, Any]) -> None:
     """The step, tokens and sync schedule, and the work not yet pushed (every rank)."""
     c = learner.clock
     c.step, c.tokens, c.compute_s = state["step"], state["tokens"], state["compute_s"]
-    learner.sync_every = state["sync_every"]
     learner.phase = state.get("phase", 0)  # states saved before it had one started at 0
     saved = state.get("schedule")  # states saved before it had one: as a fixed H puts it
     learner.schedule = (
-        Schedule(learner.sync_every, learner.num_fragments, learner.schedule_step())
+        Schedule(state["sync_every"], learner.num_fragments, learner.schedule_step())
         if saved is None
         else Schedule.restored(saved, learner.num_fragments)
     )

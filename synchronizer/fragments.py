@@ -176,9 +176,9 @@ class Fragment:
     ) -> tuple[float, str | None, float]:
         """Decodes a taken round's held pushes, merges them and applies the outer step, in
         version order; returns the seconds it took, if the round was refused why, and its share
-        of a whole step (`FragmentModel.step`, which calls `settled` before the version shows). The
-        round's sums are taken from the shared FP32 buffers (unless it added on arrival and has
-        them already) and given back when the step ends, whatever happens."""
+        of a whole step (`FragmentModel.step`, which calls `settled` before the version shows).
+        The round's sums are taken from the shared FP32 buffers (unless it added on arrival and
+        has them already) and given back when the step ends, whatever happens."""
         try:
             # A round still all encoded pushes the native chain can step from is handed over as
             # it is (no FP32 sums: `FragmentModel.step`), and decoded under the model's lock

@@ -80,9 +80,10 @@ class Registry:
     ) -> tuple[LearnerRecord, str, str]:
         """Registers (or revives) a learner under `credential`; returns it, its session secret
         and how it joined: "new", "back" (from a lapsed lease or a leave) or "again" (while
-        alive: the same learner's Join repeated, or the Synchronizer restarted). Re-joining under an id takes that id's session
-        and credential (PERMISSION_DENIED otherwise) and keeps them. With `per_credential`, a
-        credential may have at most that many live learners (RESOURCE_EXHAUSTED past it).
+        alive: the same learner's Join repeated, or the Synchronizer restarted). Re-joining under
+        an id takes that id's session and credential (PERMISSION_DENIED otherwise) and keeps
+        them. With `per_credential`, a credential may have at most that many live learners
+        (RESOURCE_EXHAUSTED past it).
 
         At most `max_learners` are alive at once: dead and left learners hold no slot. Records of
         dead and left learners are kept (for re-joins, duplicate pushes and goodput) up to
