@@ -238,9 +238,12 @@ def test_learners_ride_out_a_synchronizer_crash_and_restart(procs: Procs):
         "rounds to close after the restart",
         procs,
     )
-    for p, out in runs:
-        r = finish_ok(procs, p, out)
-        assert r["eval_loss_end"] < r["eval_loss_start"] - 0.5, r
+    results = [finish_ok(procs, p, out) for p, out in runs]
+    # The first learner measured the untrained model; on a busy machine the second may start
+    # after its partner alone closed rounds (quorum 2 of 1 live), from an already better model.
+    untrained = max(r["eval_loss_start"] for r in results)
+    for r in results:
+        assert r["eval_loss_end"] < min(r["eval_loss_start"], untrained - 0.5), r
     assert sum(x.state == "left" for x in status(address).learners) == 2
 
 
