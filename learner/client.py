@@ -272,7 +272,11 @@ class SyncClient:
         return self._retry("InitModel", call)
 
     def heartbeat(
-        self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0
+        self,
+        counters: pb.LearnerCounters,
+        step_time_s: float = 0.0,
+        overlap_steps: int = 0,
+        pushes_done: bool = False,
     ) -> pb.HeartbeatReply:
         req = pb.HeartbeatRequest(
             learner_id=self.learner_id,
@@ -280,6 +284,7 @@ class SyncClient:
             counters=counters,
             step_time_s=step_time_s,
             overlap_steps=overlap_steps,
+            pushes_done=pushes_done,
         )
         return self._unary("Heartbeat", self.stub.Heartbeat, req)
 

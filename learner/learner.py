@@ -408,6 +408,9 @@ class Learner:
                 for p in range(self.num_fragments):
                     if self.since_push[p][1] > 0:  # inner steps not in any push yet
                         self._push(p)
+        if self.leader and not self.sharded and self.engine is not None:
+            self.engine.finish_pushing()
+        if self.cfg.final_push:
             self.flush(max(0.0, deadline - time.monotonic()))
         if self.sharded and self.engine is not None:
             sharded_island.finish(self)

@@ -94,7 +94,11 @@ class Transport(Protocol):
     def init_model(self, fragments: Sequence[torch.Tensor]) -> pb.InitModelReply: ...
 
     def heartbeat(
-        self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0
+        self,
+        counters: pb.LearnerCounters,
+        step_time_s: float = 0.0,
+        overlap_steps: int = 0,
+        pushes_done: bool = False,
     ) -> pb.HeartbeatReply: ...
 
     def push(self, push: Push) -> pb.PushReply: ...
@@ -194,6 +198,8 @@ class Session:
         self.inner_steps = 0  # Dynamic Local Updates directive; 0 = the learner's own H...
         self.inner_steps_scale = 0.0  # ...scaled by this when in (0, 1)
         self.heartbeat_s = cfg.heartbeat_interval_s or 3.0
+        self.pushes_done = False  # said in heartbeats once set (`done_pushing`)
+        self.beat_due = False  # a heartbeat now, not at the next interval
         self.healthy = True  # False from a failed RPC until the next successful one
         self.errors = 0
         self.join_lock = threading.Lock()
@@ -413,15 +419,29 @@ class Session:
             return max(1, int(self.inner_steps_scale * self.cfg.sync_every))
         return self.cfg.sync_every
 
+    def done_pushing(self) -> None:
+        """This learner pushes nothing more (it is finishing and its last pushes are answered):
+        heartbeats say so from now on, the first at once, so that rounds stop waiting for it.
+        The caller holds `lock`."""
+        self.pushes_done = self.beat_due = True
+        self.lock.notify_all()
+
     def heartbeat_loop(self) -> None:
         """Renews the lease every heartbeat_s until `stopping`; re-joins when the Synchronizer
         has forgotten this learner or restarted. Run on a thread by the engine."""
-        while not self.stopping.wait(self.heartbeat_s):
+        while True:
+            with self.lock:
+                self.lock.wait_for(
+                    lambda: self.stopping.is_set() or self.beat_due, self.heartbeat_s
+                )
+                if self.stopping.is_set():
+                    return
+                self.beat_due = False
             generation = self.generation
             clock = self.clock
             try:
                 reply = self.client.heartbeat(
-                    clock.counters(), clock.step_time_s, self.overlap_steps()
+                    clock.counters(), clock.step_time_s, self.overlap_steps(), self.pushes_done
                 )
             except grpc.RpcError as e:
                 if self.stopping.is_set():

@@ -325,7 +325,11 @@ class ShardedClient:
     # Lease and leaving ---------------------------------------------------------------------
 
     def heartbeat(
-        self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0
+        self,
+        counters: pb.LearnerCounters,
+        step_time_s: float = 0.0,
+        overlap_steps: int = 0,
+        pushes_done: bool = False,
     ) -> pb.HeartbeatReply:
         """Every shard at once, waiting at most a third of the shortest lease for their answers
         (a shard that hangs must not let the others' leases lapse; its heartbeat still in
@@ -338,7 +342,7 @@ class ShardedClient:
             if f is None or f.done():
                 try:
                     f = self.beats[i] = self.pool.submit(
-                        s.heartbeat, counters, step_time_s, overlap_steps
+                        s.heartbeat, counters, step_time_s, overlap_steps, pushes_done
                     )
                 except RuntimeError:  # closed
                     raise Refusal(grpc.StatusCode.CANCELLED, "the client is closed") from None

@@ -122,6 +122,7 @@ class SyncEngine:
         self.threads: list[threading.Thread] = []
         self.pushes: Counter[str] = Counter()
         self.pulls = 0
+        self.finishing = False  # the training loop submits no more pushes (`finish_pushing`)
 
     # The training thread's interface ---------------------------------------------------------
 
@@ -206,6 +207,20 @@ class SyncEngine:
             self.queued[p] = job
             self.cv.notify_all()
             return True
+
+    def finish_pushing(self) -> None:
+        """The training loop submits no more pushes: once the last are answered, heartbeats
+        tell the Synchronizer, so that rounds this learner will never push to stop waiting for
+        it (learners still training may need them closed before its own rounds can close)."""
+        with self.cv:
+            self.finishing = True
+            self._check_pushes_done()
+
+    def _check_pushes_done(self) -> None:
+        """With cv held: finishing and no push unanswered, said once."""
+        if self.finishing and not self.queued and not self.sending:
+            if not self.session.pushes_done:
+                self.session.done_pushing()
 
     def next_arrival(self, wait_s: float = 0.0) -> Arrival | None:
         """The next fresh fragment to merge, waiting up to wait_s for one; None if none came.
@@ -462,6 +477,7 @@ class SyncEngine:
                     self.awaiting[p] = (job, reply.round_version or job.base_version + 1)
                 else:
                     self.resync.add(p)
+                self._check_pushes_done()
                 self.cv.notify_all()
             # Refused for its norm: nothing was applied, and this learner's updates are far from
             # the others' (a diverging run, or a bound too tight for this run's schedule).
@@ -487,6 +503,7 @@ class SyncEngine:
                 self.pushes[outcome] += 1
                 if resync:
                     self.resync.add(job.fragment)
+            self._check_pushes_done()
             self.cv.notify_all()
 
     def _pull_loop(self, p: int) -> None:

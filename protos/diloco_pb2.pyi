@@ -197,18 +197,20 @@ class InitModelReply(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "counters", "step_time_s", "overlap_steps", "session")
+    __slots__ = ("learner_id", "counters", "step_time_s", "overlap_steps", "session", "pushes_done")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_STEPS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DONE_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     counters: LearnerCounters
     step_time_s: float
     overlap_steps: int
     session: str
-    def __init__(self, learner_id: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., step_time_s: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    pushes_done: bool
+    def __init__(self, learner_id: _Optional[str] = ..., counters: _Optional[_Union[LearnerCounters, _Mapping]] = ..., step_time_s: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., session: _Optional[str] = ..., pushes_done: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("server_epoch", "lease_s", "inner_steps", "versions", "inner_steps_scale")

@@ -232,6 +232,14 @@ class Synchronizer:
         rec = self.registry.alive(request.learner_id, request.session)
         self._report(rec, request.counters, request.step_time_s)
         self.grace.observe(overlap_steps=request.overlap_steps)
+        if request.pushes_done and not rec.evaluator and self.registry.done_pushing(rec):
+            logger.info(
+                "learner %s (%s) pushes nothing more: rounds stop waiting for it",
+                rec.learner_id,
+                rec.name,
+            )
+            if self.model.rounds is not None:
+                self.model.rounds.check_all()
         return pb.HeartbeatReply(
             server_epoch=self.epoch,
             lease_s=self.cfg.lease_s,

@@ -109,7 +109,7 @@ class Registry:
                 how = "again" if rec.state == "alive" else "back"
                 if how == "back":
                     self._check_credential_room(credential, per_credential, now)
-                rec.state, rec.died_at = "alive", None
+                rec.state, rec.died_at, rec.pushes_done = "alive", None, False
                 rec.lease_deadline = now + self.lease_s
                 rec.name = name or rec.name
                 return rec, session, how
@@ -322,6 +322,16 @@ class Registry:
 
     def live_ids(self) -> set[str]:
         return {r.learner_id for r in self._live()}
+
+    def pushing_ids(self) -> set[str]:
+        """Live learners that may still push: the ones a round can wait for."""
+        return {r.learner_id for r in self._live() if not r.pushes_done}
+
+    def done_pushing(self, rec: LearnerRecord) -> bool:
+        """The learner said it pushes nothing more; True if that is news."""
+        with self.lock:
+            news, rec.pushes_done = not rec.pushes_done, True
+            return news
 
     def live_specs(self) -> set[str]:
         """Spec hashes the live learners joined with."""

@@ -132,7 +132,7 @@ class PushPath:
         nbytes = int(h.payload.total_bytes)
         # Its bytes count against the payload budget from before they arrive: a push that does
         # not fit is refused before it is received (see `Fragment.reserve_hold`).
-        reserved = frag.reserve_hold(nbytes, self.registry.live_ids, PAYLOAD_WAIT_S)
+        reserved = frag.reserve_hold(nbytes, self.registry.pushing_ids, PAYLOAD_WAIT_S)
         received: torch.Tensor | None = None
         logged: PushStream | None = None
         try:
@@ -279,7 +279,7 @@ class PushPath:
         if asm is not None:
             return asm
         nbytes = 4 * frag.numel
-        reserved = frag.reserve_hold(nbytes, self.registry.live_ids, PAYLOAD_WAIT_S)
+        reserved = frag.reserve_hold(nbytes, self.registry.pushing_ids, PAYLOAD_WAIT_S)
         buf = frag.payloads.take(nbytes)
 
         def discard() -> None:

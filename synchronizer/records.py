@@ -47,6 +47,9 @@ class LearnerRecord:
     credential: str = ""  # the credential it joined under ("" in shared mode)
     first_joined: float = 0.0  # wall clock, kept across restarts
     evaluator: bool = False  # joined as an evaluator: reports eval loss, never trains
+    # Said in its heartbeats: finishing, its last pushes answered; no round waits for it. Not
+    # kept across restarts (its next heartbeat says it again); a Join clears it.
+    pushes_done: bool = False
     # Tokens consumed under this id across its processes: a process restarted under the id
     # (re-joined, counters from zero) reports less than its predecessor's last count, which is
     # then banked in earlier_tokens (`tokens` keeps the most any process reported)

@@ -143,7 +143,7 @@ class ServedModel:
             self.grace,
             self.metrics,
             self.goodput,
-            self.registry.live_ids,
+            self.registry.pushing_ids,
             self.clock,
             self.outer_step_threads,
             self.fragment_failed,

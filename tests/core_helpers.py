@@ -99,6 +99,7 @@ class CoreClient:
         compute_s: float = 0.0,
         step_time_s: float = 0.0,
         overlap_steps: int = 0,
+        pushes_done: bool = False,
     ) -> pb.HeartbeatReply:
         return self.core.heartbeat(
             pb.HeartbeatRequest(
@@ -107,6 +108,7 @@ class CoreClient:
                 counters=pb.LearnerCounters(steps=steps, tokens=tokens, compute_s=compute_s),
                 step_time_s=step_time_s,
                 overlap_steps=overlap_steps,
+                pushes_done=pushes_done,
             )
         )
 

@@ -181,9 +181,13 @@ class FakeClient:
             )
 
     def heartbeat(
-        self, counters: pb.LearnerCounters, step_time_s: float = 0.0, overlap_steps: int = 0
+        self,
+        counters: pb.LearnerCounters,
+        step_time_s: float = 0.0,
+        overlap_steps: int = 0,
+        pushes_done: bool = False,
     ) -> pb.HeartbeatReply:
-        self._enter("heartbeat", overlap_steps)
+        self._enter("heartbeat", overlap_steps, pushes_done)
         with self.cv:
             self._known()
             return pb.HeartbeatReply(

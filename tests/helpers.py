@@ -196,6 +196,7 @@ class Client:
         compute_s: float = 0.0,
         step_time_s: float = 0.0,
         overlap_steps: int = 0,
+        pushes_done: bool = False,
     ) -> pb.HeartbeatReply:
         counters = pb.LearnerCounters(steps=steps, tokens=tokens, compute_s=compute_s)
         request = pb.HeartbeatRequest(
@@ -204,6 +205,7 @@ class Client:
             counters=counters,
             step_time_s=step_time_s,
             overlap_steps=overlap_steps,
+            pushes_done=pushes_done,
         )
         return self.stub.Heartbeat(request, timeout=TIMEOUT, metadata=self.md)
 

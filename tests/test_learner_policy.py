@@ -5,6 +5,7 @@ move by known amounts (no optimizer), so every merge's result is known exactly."
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -279,3 +280,26 @@ def test_finish_pushes_nothing_more_when_the_last_step_was_pushed(run):
         assert lrn.flush()
     lrn.finish()  # the push at step 8 holds every step
     assert [tokens for _, _, tokens in r.fake.applied] == [32, 32, 32, 32]
+
+
+def test_finish_says_it_pushes_nothing_more_once_its_last_pushes_are_answered(run):
+    # A synchronous round waits for every live learner: one that finished and waits for its
+    # last rounds must say it pushes nothing more, or rounds it will never push to (which the
+    # learners still training may need closed first) wait for it until it leaves.
+    r = run(2)
+    lrn = r.start(sync_every=2, merge="overwrite")
+    r.train(3)  # fragment 0 pushed at step 2: step 3 is in no push yet
+    assert lrn.flush()
+    pushed = len(r.fake.calls_of("push"))
+    r.fake.hold_pushes()
+    finisher = threading.Thread(target=lrn.finish)
+    finisher.start()
+    r.fake.wait_for_call("push", pushed + 1)  # the final push, unanswered
+    assert not r.fake.calls_of("heartbeat"), "said while a push was unanswered"
+    r.fake.release_pushes()
+    finisher.join(DEADLINE_S)
+    assert not finisher.is_alive()
+    calls = [c[0] for c in r.fake.calls]
+    said = next(i for i, c in enumerate(r.fake.calls) if c[0] == "heartbeat" and c[-1] is True)
+    last_push = len(calls) - 1 - calls[::-1].index("push")
+    assert last_push < said < calls.index("leave")

@@ -182,6 +182,37 @@ def test_a_synchronous_round_waits_for_a_learner_back_mid_run_only_once_it_pushe
     assert a.pull(0, min_version=4, wait_s=10)[0] == 4
 
 
+def test_rounds_stop_waiting_for_a_learner_that_says_it_pushes_nothing_more(tmp_path, clock):
+    # A learner that finished and waits for its last rounds pushes nothing more: a synchronous
+    # round it has not pushed to closes without it, one it pushed to keeps its push, and a Join
+    # (a new process under its id) makes it a learner to wait for again.
+    core, clients, _ = _setup(
+        tmp_path, clock, 3, quorum=0, grace="none", outer="sgd", outer_lr=1.0, round_share="full"
+    )
+    done, a, b = clients
+    for c in clients:
+        assert c.push(0, _vec(1), base=0).round_version == 1
+    for c in (done, a):
+        assert c.push(0, _vec(2), base=1).round_version == 2
+    done.heartbeat(pushes_done=True)
+    assert a.pull(0)[0] == 1, "its push is in the open round: the round still waits for b"
+    assert b.push(0, _vec(3), base=1).round_version == 2
+    version, v2 = a.pull(0)
+    assert version == 2
+    assert a.push(0, _vec(4), base=2).round_version == 3
+    assert a.pull(0)[0] == 2  # b may still push
+    assert b.push(0, _vec(5), base=2).round_version == 3
+    version, served = a.pull(0)
+    assert version == 3, "the round closed without the learner that pushes no more"
+    torch.testing.assert_close(served, v2 - (_vec(4) + _vec(5)) / 2)
+    done.join(again=True)  # under its id again: waited for again until it says otherwise
+    for c in (a, b):
+        assert c.push(0, _vec(6), base=3).round_version == 4
+    assert a.pull(0)[0] == 3
+    done.heartbeat(pushes_done=True)
+    assert a.pull(0, min_version=4, wait_s=10)[0] == 4
+
+
 def test_push_beyond_max_staleness_is_dropped_and_counted(tmp_path, clock):
     core, clients, _ = _setup(tmp_path, clock, 2, quorum=1, grace="none", max_staleness=1)
     fast, slow = clients
