@@ -145,6 +145,20 @@ class Schedule:
         self.sync_every = sync_every
         self.next_at = self.last_at + self._gap(self.next)
 
+    def follow(self, versions: Sequence[int]) -> None:
+        """Joining a run under way at these fragment versions: the next push is of the fragment
+        whose round the others are on, whatever this learner's own turn.
+
+        The others push in turn, so the fragments whose rounds closed this cycle are one version
+        ahead of the rest: the first fragment (in turn) of the rest is theirs, and where all are
+        equal (a cycle just ended, or a run just starting) no version says it and this learner's
+        own turn stands. Pushing another first would put its pushes in rounds out of the others'
+        order: under strict overlap in a synchronous run, it would wait for a round that waits
+        for the others' next push, which wait for its own."""
+        behind = [p for p in range(self.num) if versions[p] < versions[p - 1]]
+        if len(behind) == 1:  # the others' turn (more than one: rounds not in turn; leave it)
+            self.next = behind[0]
+
     def state(self) -> list[int]:
         return [self.sync_every, self.next, self.next_at, self.last_at]
 

@@ -72,6 +72,8 @@ def connect(learner: Learner, transport: Transport | None, state: dict[str, Any]
                 if fetched is not None
                 else plan.gather(p, learner.device)
             )
+    if not learner.sharded:  # (an island's ranks keep one schedule)
+        learner.schedule.follow(learner.versions)
     learner.joining_bytes = client.bytes_sent
     engine.start()
     logger.info(

@@ -219,6 +219,30 @@ def test_a_learner_told_a_new_h_mid_cycle_still_pushes_its_fragments_in_turn(run
     assert order == [(1 + i) % 4 for i in range(len(order))] and len(order) >= 20
 
 
+@pytest.mark.parametrize(
+    ("versions", "first"), [([2, 3, 3, 3], 0), ([4, 4, 3, 3], 2), ([3, 3, 3, 3], 1)]
+)
+def test_a_learner_joining_a_run_under_way_pushes_first_the_fragment_the_others_are_on(
+    run, versions, first
+):
+    # The others push in turn 1, 2, 3, 0, 1, ...: the fragments whose rounds closed this cycle
+    # are a version ahead. A learner back mid-run (here from step 0, so its own turn starts at
+    # fragment 1) that pushed fragment 1 while the others were on fragment 0 would put its
+    # pushes in rounds out of their order: under strict overlap in a synchronous run it blocks
+    # on a round that needs the others' next push, while they block on one that needs its next.
+    r = run(4)
+    r.fake.needs_init = False
+    r.fake.versions = list(versions)
+    lrn = r.start(sync_every=8)
+    order: list[int] = []
+    for _ in range(16):
+        before = len(r.fake.applied)
+        r.train(1)
+        assert lrn.flush()
+        order += [p for p, _, _ in r.fake.applied[before:]]
+    assert order == [(first + i) % 4 for i in range(len(order))] and len(order) == 8
+
+
 def test_start_step_is_refused_with_a_state_or_below_zero(run):
     r = run(1)
     with pytest.raises(ValueError, match="start_step must be an integer >= 0"):
