@@ -9,7 +9,9 @@ it. One sender thread per shard streams that shard's queued pushes in sequence o
 that is down holds back only its own fragments' pushes), one puller thread per fragment
 fetches "the round that includes my push" (as a delta from the version it holds when the
 Synchronizer still keeps the updates), and one thread runs the session's heartbeat
-(`learner.session`, which also owns joins and re-joins). Failures are recorded and retried with
+(`learner.session`, which also owns joins and re-joins; once the training loop says it pushes
+no more (`finish_pushing`) and the last push is answered, heartbeats say so, and rounds stop
+waiting for this learner). Failures are recorded and retried with
 backoff, never raised into the training thread; a lapsed lease, an unknown id or a new server
 epoch goes to `Session.recover` (a new epoch of one shard re-pulls that shard's fragments). The
 training thread (`learner.learner` and the modules it calls: `joining`, `arrivals`,
