@@ -126,6 +126,23 @@ def test_a_schedule_survives_its_state():
     assert _dues(again, range(31, 200)) == _dues(sched, range(31, 200))
 
 
+@pytest.mark.parametrize(
+    ("versions", "first"),
+    [
+        ([5, 5, 4, 4], 2),  # the others are on fragment 2
+        ([3, 3, 3, 3], 1),  # a cycle just ended: its own turn (1 at step 0) stands
+        ([5, 7, 6, 6], 1),  # two behind (rounds not in turn, asynchronous): its own turn
+        ([9], 0),  # one fragment: nothing to choose
+    ],
+)
+def test_a_schedule_joining_a_run_follows_the_fragment_behind_in_turn(versions, first):
+    sched = Schedule(100, len(versions))
+    sched.follow(versions)
+    order = [f for _, f in _dues(sched, range(1, 2 * 100 + 1))]
+    assert order[0] == first
+    assert order == [(first + i) % len(versions) for i in range(len(order))]
+
+
 def _quantized_sum(
     deltas: list[torch.Tensor], ef_enabled: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
