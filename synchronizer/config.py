@@ -14,6 +14,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protos.framing import CHUNK_BYTES
+from synchronizer import native
 from synchronizer.credentials import load_tokens
 from synchronizer.evaluation import ReferenceCurve
 from synchronizer.shards import resolve_index
@@ -37,7 +38,7 @@ class SynchronizerConfig(BaseModel):
         "max_streams_per_learner max_model_params memory_limit_bytes payload_budget_bytes "
         "snapshot_budget_bytes max_spec_bytes max_message_bytes max_concurrent_streams "
         "max_unidentified_streams max_unidentified_per_peer max_workers apply_threads "
-        "compute_threads kernels",
+        "compute_threads kernels kernel_threads",
         "durability": "state_dir checkpoint_interval_s keep_checkpoints wal wal_wait_s "
         "wal_segment_bytes shutdown_grace_s",
         "security": "auth_token admin_token tls_cert tls_key tls_client_ca learner_tokens_file "
@@ -301,6 +302,12 @@ class SynchronizerConfig(BaseModel):
     kernels: Literal["auto", "native", "torch"] = Field(
         "auto",
         description="How the outer step computes on CPU: native runs the kernels of synchronizer/native.c (each push decoded and weighted, and the Nesterov step with the int8 update chain, in one pass over memory), built on first start by the machine's C compiler; torch runs torch's operations; auto runs native where a C compiler builds it, else torch. A change of kernel starts a new epoch (learners re-pull)",
+    )
+    kernel_threads: int = Field(
+        0,
+        ge=0,
+        le=native.MAX_THREADS,
+        description=f"Threads each native outer step splits a fragment across (at least {native.SPLIT_MIN_ELEMS:,} elements each; the numbers are the same for any count): a step is held by one core's memory bandwidth, and two nearly halve it; 0 = the cores this process may use, at most {native.AUTO_THREADS}",
     )
 
     # Durability

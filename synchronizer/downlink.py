@@ -82,12 +82,15 @@ class Downlink:
         history: int,
         residual_dtype: str = "bf16",
         native_kernels: bool = False,
+        kernel_threads: int = 1,
     ) -> None:
         """`history`: links kept (see `kept_links`); `residual_dtype`: how the error-feedback
         residual is stored (`RESIDUAL_DTYPES`); `native_kernels`: an INT8 chain of a Nesterov
-        or plain step runs `native.chain_int8` (one pass) instead of torch's runs."""
+        or plain step runs `native.chain_int8` (one pass) instead of torch's runs, split across
+        `kernel_threads` (the same numbers for any count)."""
         self.numel = numel
         self.native_kernels = native_kernels
+        self.kernel_threads = kernel_threads
         self.history = history
         self.codec = layout.parse_codec(update_codec)
         self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
@@ -119,7 +122,17 @@ class Downlink:
             outer,
             version,
             lambda momentum, mu, nu, codes, scales, bs: native.chain_int8(
-                params, momentum, merged, residual, codes, scales, bs, outer.factor, mu, nu
+                params,
+                momentum,
+                merged,
+                residual,
+                codes,
+                scales,
+                bs,
+                outer.factor,
+                mu,
+                nu,
+                self.kernel_threads,
             ),
         ):
             return
@@ -182,6 +195,7 @@ class Downlink:
                 outer.factor,
                 mu,
                 nu,
+                self.kernel_threads,
             ),
         )
 

@@ -117,6 +117,7 @@ class FragmentModel:
             kept,
             cfg.update_residual_dtype,
             native_kernels=native.resolve(cfg.kernels),
+            kernel_threads=native.kernel_threads(cfg.kernel_threads),
         )
 
     @property

@@ -19,12 +19,19 @@ built the Synchronizer runs the torch path (`--kernels auto`, the default) or re
 rounded before its add): the same on every machine, but not always torch's to the last bit,
 so the kernel in use is one of the log's replay settings. Tensors must be contiguous CPU
 tensors; the GIL is released while a kernel runs (ctypes does so for every foreign call).
+
+An outer step's kernels (`step_int8`, `chain_int8`) take `threads`: a fragment of at least
+`SPLIT_MIN_ELEMS` elements per thread is cut into that many ranges of whole blocks, each run
+by one thread at once (the calling thread takes the first). Every block is computed alone, so
+the numbers are the same for any count: it is not a replay setting. One core's memory
+bandwidth is what holds a step (`docs/performance.md`); two cores give it nearly twice that.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -34,6 +41,8 @@ import subprocess
 import tempfile
 import threading
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +64,10 @@ _built: dict[str, Kernels | str] = {}  # one build per process: the kernels, or 
 _f32p = ctypes.POINTER(ctypes.c_float)
 _i64 = ctypes.c_int64
 RUN_ELEMS = 4096  # native.c's RUN: the largest block `step_int8` takes
+MAX_THREADS = 64  # threads one kernel call may split across
+AUTO_THREADS = 4  # the most `kernel_threads(0)` takes: memory bandwidth stops growing by then
+SPLIT_MIN_ELEMS = 1 << 20  # a range smaller than this is not worth a thread's hand-off
+_pool: ThreadPoolExecutor | None = None
 
 
 class NativeUnavailable(RuntimeError):
@@ -240,6 +253,46 @@ def resolve(choice: str) -> bool:
     return True
 
 
+def kernel_threads(setting: int) -> int:
+    """The threads an outer step's kernels split across under the `kernel_threads` setting: the
+    setting, or for 0 the cores this process may run on, at most AUTO_THREADS."""
+    if not 0 <= setting <= MAX_THREADS:
+        raise ValueError(f"kernel_threads must be in [0, {MAX_THREADS}], got {setting}")
+    if setting:
+        return setting
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, AUTO_THREADS))
+
+
+def ranges(n: int, block_size: int, threads: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering [0, n) in order, one per thread, none more than 2 x block_size
+    longer than another: every start a multiple of 2 x block_size (whole blocks, and whole
+    bytes of 4-bit codes), SPLIT_MIN_ELEMS elements each on average; one range where a split
+    is not worth it."""
+    step = 2 * block_size
+    units = -(-n // step)
+    k = max(1, min(threads, n // SPLIT_MIN_ELEMS, units))
+    bounds = [min(n, (units * i // k) * step) for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _in_parallel(calls: list[Callable[[], bool]]) -> bool:
+    """Runs the calls at once, the first on this thread; True if every one returned True."""
+    global _pool
+    if len(calls) == 1:
+        return calls[0]()
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_THREADS - 1, thread_name_prefix="native-kernel")
+        pool = _pool
+    futures = [pool.submit(call) for call in calls[1:]]
+    ok = calls[0]()
+    return all([f.result() for f in futures]) and ok
+
+
 CRC_MIN_BYTES = 1 << 16  # smaller buffers go to zlib, whose per-call cost is lower
 
 
@@ -335,14 +388,24 @@ def chain_int8(
     factor: float,
     mu: float,
     nu: float | None = None,
+    threads: int = 1,
 ) -> bool:
     """One outer step through the INT8 update chain (`native.c`, `diloco_chain_int8`);
     Nesterov with `momentum` (decayed by `mu`, looked ahead by `nu`: mu's unless the step is a
-    partial one), SGD without. False if the update was not finite."""
+    partial one), SGD without; split across `threads` (`ranges`). False if the update was not
+    finite."""
     _check_f32("grad", grad, params.numel())
-    scratch = torch.empty(block_size)
-    chain = _chain(params, momentum, residual, codes, scales, block_size, factor, mu, nu, scratch)
-    return load().lib.diloco_chain_int8(_ptr(grad), *chain) == 0
+
+    def part(lo: int, hi: int) -> bool:
+        scratch = torch.empty(block_size)
+        chain = _chain(
+            (lo, hi), params, momentum, residual, codes, scales, block_size, factor, mu, nu, scratch
+        )
+        return load().lib.diloco_chain_int8(_ptr(grad[lo:hi]), *chain) == 0
+
+    return _in_parallel(
+        [functools.partial(part, lo, hi) for lo, hi in ranges(params.numel(), block_size, threads)]
+    )
 
 
 def step_int8(
@@ -358,23 +421,36 @@ def step_int8(
     factor: float,
     mu: float,
     nu: float | None = None,
+    threads: int = 1,
 ) -> bool:
     """A round's whole outer step from its encoded pushes (`native.c`, `diloco_step_int8`):
     the same numbers as `accumulate` of the first `summed` pushes (the first written), `merge`
-    by `total`, `accumulate` of the rest added, then `chain_int8`, with no FP32 sums in memory.
-    Every push has the chain's `block_size` (at most 4096); the caller has shown the merged
-    delta appliable (nothing here checks its range). False if the update was not finite."""
+    by `total`, `accumulate` of the rest added, then `chain_int8`, with no FP32 sums in memory;
+    split across `threads` (`ranges`). Every push has the chain's `block_size` (at most 4096);
+    the caller has shown the merged delta appliable (nothing here checks its range). False if
+    the update was not finite."""
     if not 1 <= summed <= len(pushes):
         raise ValueError(f"summed must be in [1, {len(pushes)}], got {summed}")
     if not 0 < block_size <= RUN_ELEMS:
         raise ValueError(f"block_size must be in [1, {RUN_ELEMS}], got {block_size}")
-    scratch = torch.empty(2 * block_size)
-    chain = _chain(params, momentum, residual, codes, scales, block_size, factor, mu, nu, scratch)
-    arrays = _pushes(pushes, params.numel(), block_size)
-    return load().lib.diloco_step_int8(len(pushes), summed, *arrays, total, *chain) == 0
+
+    def part(lo: int, hi: int) -> bool:
+        scratch = torch.empty(2 * block_size)
+        chain = _chain(
+            (lo, hi), params, momentum, residual, codes, scales, block_size, factor, mu, nu, scratch
+        )
+        b = lo // block_size
+        cut = [(c[lo // 2 :] if int4 else c[lo:], int4, s[b:]) for c, int4, s in pushes]
+        arrays = _pushes(cut, hi - lo, block_size)
+        return load().lib.diloco_step_int8(len(pushes), summed, *arrays, total, *chain) == 0
+
+    return _in_parallel(
+        [functools.partial(part, lo, hi) for lo, hi in ranges(params.numel(), block_size, threads)]
+    )
 
 
 def _chain(
+    span: tuple[int, int],
     params: torch.Tensor,
     momentum: torch.Tensor | None,
     residual: torch.Tensor,
@@ -386,8 +462,12 @@ def _chain(
     nu: float | None,
     scratch: torch.Tensor,
 ) -> tuple[Any, ...]:
-    """The arguments both chain kernels end with, checked (`scratch`: the caller's, alive
-    until the call returns)."""
+    """The arguments both chain kernels end with, over elements [lo, hi) of `span` (lo a
+    multiple of block_size), checked (`scratch`: the caller's, alive until the call returns)."""
+    lo, hi = span
+    params, residual, codes = params[lo:hi], residual[lo:hi], codes[lo:hi]
+    momentum = None if momentum is None else momentum[lo:hi]
+    scales = scales[lo // block_size :]
     n = params.numel()
     _check_f32("params", params, n)
     if momentum is not None:

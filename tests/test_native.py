@@ -218,6 +218,79 @@ def test_a_step_from_encoded_pushes_is_accumulate_merge_reanchor_and_chain_bit_f
     assert not torch.equal(got[0][0], start)
 
 
+def test_ranges_cover_a_fragment_in_whole_blocks_one_per_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(native, "SPLIT_MIN_ELEMS", 1000)
+    n = 10 * 2 * BS + 77
+    for threads in (1, 2, 3, 4, 64):
+        got = native.ranges(n, BS, threads)
+        assert len(got) == min(threads, n // 1000)
+        sizes = [hi - lo for lo, hi in got]
+        assert max(sizes) - min(sizes) <= 2 * BS  # balanced
+        assert got[0][0] == 0 and got[-1][1] == n
+        assert all(hi == lo2 for (_, hi), (lo2, _) in zip(got, got[1:], strict=False))
+        assert all(lo % (2 * BS) == 0 for lo, _ in got)  # whole blocks and whole INT4 bytes
+    assert native.ranges(999, BS, 8) == [(0, 999)]  # not worth a thread's hand-off
+    assert native.kernel_threads(3) == 3
+    assert 1 <= native.kernel_threads(0) <= native.AUTO_THREADS
+    with pytest.raises(ValueError, match="kernel_threads"):
+        native.kernel_threads(-1)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_split_across_threads_is_the_one_thread_step_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, fused: bool, threads: int
+) -> None:
+    # Odd element count, INT4 pushes and a link added after the division: every range starts
+    # on a whole block and a whole INT4 byte, so each block is computed as on one thread.
+    n = 6 * 2 * BS + 77
+    monkeypatch.setattr(native, "SPLIT_MIN_ELEMS", 2 * BS)
+    assert len(native.ranges(n, BS, threads)) == threads
+    pushes = weighted_codes(
+        [(*_push(pb.CODEC_INT4, 31, n), 1.0), (*_push(pb.CODEC_INT8, 32, n), 2.0)], n
+    )
+    links = weighted_codes([(*_push(pb.CODEC_INT8, 33, n), 0.25)], n)
+    gen = torch.Generator().manual_seed(34)
+    start, merged = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
+    momentum = torch.randn(n, generator=gen) * 1e-3
+    residual = (torch.randn(n, generator=gen) * 1e-4).to(torch.bfloat16)
+    got = []
+    for k in (1, threads):
+        p, m, r = start.clone(), momentum.clone(), residual.clone()
+        codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(-(-n // BS))
+        if fused:
+            ok = native.step_int8(
+                pushes + links, 2, 3.0, p, m, r, codes, scales, BS, -0.7, 0.9, threads=k
+            )
+        else:
+            ok = native.chain_int8(p, m, merged, r, codes, scales, BS, -0.7, 0.9, threads=k)
+        assert ok
+        got.append((p, m, r, codes, scales))
+    for one, split in zip(*got, strict=True):
+        assert torch.equal(one, split)
+    assert not torch.equal(got[0][0], start)
+    # a block that is not finite in the last range only still fails the whole step
+    merged[-5] = float("inf")
+    codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(-(-n // BS))
+    p, m, r = start.clone(), momentum.clone(), residual.clone()
+    assert not native.chain_int8(p, m, merged, r, codes, scales, BS, -0.7, 0.9, threads=threads)
+
+
+def test_the_synchronizer_splits_its_steps_across_the_threads_it_is_given(tmp_path: Path) -> None:
+    for setting, want in ((2, 2), (0, native.kernel_threads(0))):
+        core = make_core(tmp_path / str(setting), ManualClock(), kernel_threads=setting)
+        try:
+            spec = small_spec()
+            learner = CoreClient(core, spec, "a")
+            learner.join()
+            learner.init([torch.zeros(f.numel) for f in spec.fragments])
+            assert core.model.fragment(0).model.downlink.kernel_threads == want
+        finally:
+            core.close()
+
+
 @pytest.mark.parametrize("quorum", [1, 2])
 def test_rounds_step_from_their_encoded_pushes_with_no_fp32_sums_and_the_same_numbers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quorum: int
