@@ -21,9 +21,9 @@ so the kernel in use is one of the log's replay settings. Tensors must be contig
 tensors; the GIL is released while a kernel runs (ctypes does so for every foreign call).
 
 An outer step's kernels (`step_int8`, `chain_int8`) take `threads`: a fragment of at least
-`SPLIT_MIN_ELEMS` elements per thread is cut into that many ranges of whole blocks, each run
-by one thread at once (the calling thread takes the first). Every block is computed alone, so
-the numbers are the same for any count: it is not a replay setting. One core's memory
+`SPLIT_MIN_ELEMS` (16M) elements per thread is cut into that many ranges of whole blocks, each
+run by one thread at once (the calling thread takes the first). Every block is computed alone,
+so the numbers are the same for any count: it is not a replay setting. One core's memory
 bandwidth is what holds a step (`docs/performance.md`); two cores give it nearly twice that.
 """
 
@@ -66,7 +66,10 @@ _i64 = ctypes.c_int64
 RUN_ELEMS = 4096  # native.c's RUN: the largest block `step_int8` takes
 MAX_THREADS = 64  # threads one kernel call may split across
 AUTO_THREADS = 4  # the most `kernel_threads(0)` takes: memory bandwidth stops growing by then
-SPLIT_MIN_ELEMS = 1 << 20  # a range smaller than this is not worth a thread's hand-off
+# Elements per thread below which a step is not split: such a step takes a few ms alone, which
+# learners syncing every few seconds cannot see, and its second core is taken from receiving
+# pushes (intake of 6.25M-element INT4 pushes fell 12% so: docs/performance.md).
+SPLIT_MIN_ELEMS = 1 << 24
 _pool: ThreadPoolExecutor | None = None
 
 
