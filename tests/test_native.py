@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,11 @@ import torch
 
 from protos import blockwise, codec, layout
 from protos import diloco_pb2 as pb
+from protos.spec import ModelSpec
 from synchronizer import journal, native
 from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
+from synchronizer.core import Synchronizer
 from synchronizer.downlink import Downlink
 from synchronizer.fragments import Fragment
 from synchronizer.merge import Accumulator, weighted_codes
@@ -291,16 +294,39 @@ def test_the_synchronizer_splits_its_steps_across_the_threads_it_is_given(tmp_pa
             core.close()
 
 
+def _stale_rounds(
+    core: Synchronizer, spec: ModelSpec
+) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+    """Three learners push INT8 and INT4 deltas to fragment 0 from stale bases, four times
+    each (anchor 'current' re-anchors them through the kept links); the fragment's version,
+    parameters and links after."""
+    n = spec.fragments[0].numel
+    learners = [CoreClient(core, spec, name) for name in "abc"]
+    for learner in learners:
+        learner.join()
+    gen = torch.Generator().manual_seed(3)
+    learners[0].init([torch.randn(f.numel, generator=gen) for f in spec.fragments])
+    frag = core.model.fragment(0)
+    for _ in range(4):
+        for i, learner in enumerate(learners):
+            delta = torch.randn(n, generator=gen) * 1e-2
+            codec_id = pb.CODEC_INT8 if i % 2 == 0 else pb.CODEC_INT4
+            base = max(0, frag.version - i)
+            reply = learner.push(0, delta, codec_id, base=base, tokens=100 + 10 * i)
+            assert reply.outcome == pb.PUSH_ACCEPTED
+    assert frag.model.params is not None
+    links = [encoded.clone() for _, _, encoded in frag.model.downlink.chain]
+    return frag.version, frag.model.params.clone(), links
+
+
 @pytest.mark.parametrize("quorum", [1, 2])
 def test_rounds_step_from_their_encoded_pushes_with_no_fp32_sums_and_the_same_numbers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quorum: int
 ) -> None:
-    # Three learners push INT8 and INT4 deltas from stale bases, so anchor 'current' re-anchors
-    # them through the kept links: a core whose rounds step from their encoded pushes and one
-    # that decodes them into FP32 sums first end with the same parameters and links, bit for
-    # bit, and the first never took FP32 sums.
+    # A core whose rounds step from their encoded pushes and one that decodes them into FP32
+    # sums first end with the same parameters and links, bit for bit, and the first never
+    # took FP32 sums.
     spec = small_spec()
-    n = spec.fragments[0].numel
     ends = []
     for fused in (True, False):
         with monkeypatch.context() as patch:
@@ -310,22 +336,7 @@ def test_rounds_step_from_their_encoded_pushes_with_no_fp32_sums_and_the_same_nu
                 tmp_path / str(fused), ManualClock(), quorum=quorum, grace="none", anchor="current"
             )
             try:
-                learners = [CoreClient(core, spec, name) for name in "abc"]
-                for learner in learners:
-                    learner.join()
-                gen = torch.Generator().manual_seed(3)
-                learners[0].init([torch.randn(f.numel, generator=gen) for f in spec.fragments])
-                frag = core.model.fragment(0)
-                for _ in range(4):
-                    for i, learner in enumerate(learners):
-                        delta = torch.randn(n, generator=gen) * 1e-2
-                        codec_id = pb.CODEC_INT8 if i % 2 == 0 else pb.CODEC_INT4
-                        base = max(0, frag.version - i)
-                        reply = learner.push(0, delta, codec_id, base=base, tokens=100 + 10 * i)
-                        assert reply.outcome == pb.PUSH_ACCEPTED
-                assert frag.model.params is not None
-                links = [encoded.clone() for _, _, encoded in frag.model.downlink.chain]
-                ends.append((frag.version, frag.model.params.clone(), links, frag.fp32.live))
+                ends.append((*_stale_rounds(core, spec), core.model.fragment(0).fp32.live))
             finally:
                 core.close()
     (version, params, links, live), (version2, params2, links2, live2) = ends
@@ -333,6 +344,42 @@ def test_rounds_step_from_their_encoded_pushes_with_no_fp32_sums_and_the_same_nu
     assert torch.equal(params, params2)
     assert len(links) == len(links2) and all(map(torch.equal, links, links2))
     assert (live, live2 > 0) == (0, True)
+
+
+def test_a_synchronizer_splitting_its_steps_serves_the_versions_of_one_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # kernel_threads 3 against 1, on a fragment split in 3 (the threshold lowered to fit a
+    # small model): every version, parameter and link the same, bit for bit.
+    monkeypatch.setattr(native, "SPLIT_MIN_ELEMS", 2 * BS)
+    spec = small_spec((3000, 2000), fragments=1)
+    assert len(native.ranges(spec.fragments[0].numel, BS, 3)) == 3
+    splits: list[int] = []
+    real = native._in_parallel
+
+    def counted(calls: list[Callable[[], bool]]) -> bool:
+        splits.append(len(calls))
+        return real(calls)
+
+    monkeypatch.setattr(native, "_in_parallel", counted)
+    ends = []
+    for threads in (1, 3):
+        core = make_core(
+            tmp_path / str(threads),
+            ManualClock(),
+            grace="none",
+            anchor="current",
+            kernel_threads=threads,
+        )
+        try:
+            ends.append(_stale_rounds(core, spec))
+        finally:
+            core.close()
+    (version, params, links), (version2, params2, links2) = ends
+    assert version == version2 == 12
+    assert torch.equal(params, params2)
+    assert len(links) == len(links2) and all(map(torch.equal, links, links2))
+    assert set(splits) == {1, 3} and splits.count(3) == splits.count(1)  # 12 steps each way
 
 
 def test_a_round_its_scales_cannot_show_appliable_is_judged_on_its_merged_delta(
