@@ -23,6 +23,7 @@ which also guards the parameters it reads and writes.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections import deque
@@ -118,22 +119,7 @@ class Downlink:
         bytes are those of encoding u at once. `merged` is only read."""
         residual = self._residual()
         if self._native_step(
-            params,
-            outer,
-            version,
-            lambda momentum, mu, nu, codes, scales, bs: native.chain_int8(
-                params,
-                momentum,
-                merged,
-                residual,
-                codes,
-                scales,
-                bs,
-                outer.factor,
-                mu,
-                nu,
-                self.kernel_threads,
-            ),
+            params, outer, version, functools.partial(native.chain_int8, params, grad=merged)
         ):
             return
         run = min(RUN_ELEMS, self.numel)
@@ -178,40 +164,21 @@ class Downlink:
         rest added; every one of the chain's block size), never held whole in FP32; the same
         numbers as `step` of that merged delta. False (nothing done) where the native chain does
         not take this step. The caller has shown the merged delta appliable."""
-        return self._native_step(
-            params,
-            outer,
-            version,
-            lambda momentum, mu, nu, codes, scales, bs: native.step_int8(
-                pushes,
-                summed,
-                total,
-                params,
-                momentum,
-                self._residual(),
-                codes,
-                scales,
-                bs,
-                outer.factor,
-                mu,
-                nu,
-                self.kernel_threads,
-            ),
-        )
+        kernel = functools.partial(native.step_int8, pushes, summed, total, params)
+        return self._native_step(params, outer, version, kernel)
 
     def _native_step(
         self,
         params: torch.Tensor,
         outer: OuterStep,
         version: int,
-        kernel: Callable[
-            [torch.Tensor | None, float, float, torch.Tensor, torch.Tensor, int], bool
-        ],
+        kernel: Callable[..., bool],
     ) -> bool:
         """`step` by a native kernel, where one computes this one (an INT8 chain of a Nesterov
-        or plain step, on CPU); False where none does. `kernel(momentum, mu, nu, codes, scales,
-        block size)`, with `OuterStep.native_form`'s momentum, decay and look-ahead, writes the
-        link's codes and scales and says whether the update was finite."""
+        or plain step, on CPU); False where none does. `kernel` (`native.chain_int8` or
+        `native.step_int8` with their leading arguments given) takes the chain's by keyword:
+        `OuterStep.native_form`'s momentum, decay and look-ahead, the residual, the link's codes
+        and scales to write, and the threads; it says whether the update was finite."""
         form = outer.native_form() if self.native_chain(params) else None
         if form is None:
             return False
@@ -220,7 +187,18 @@ class Downlink:
         out = self._link_bytes(int(header.total_bytes))
         code_bytes = layout.code_bytes(self.codec, self.numel)
         scales = torch.empty(-(-self.numel // int(header.block_size)))
-        if not kernel(momentum, mu, nu, out[:code_bytes], scales, int(header.block_size)):
+        finite = kernel(
+            momentum=momentum,
+            residual=self._residual(),
+            codes=out[:code_bytes],
+            scales=scales,
+            block_size=int(header.block_size),
+            factor=outer.factor,
+            mu=mu,
+            nu=nu,
+            threads=self.kernel_threads,
+        )
+        if not finite:
             raise layout.CodecError("the outer update is not finite: it cannot be encoded")
         out[code_bytes:] = scales.view(torch.uint8)  # the scales follow the codes, unaligned
         self._append((version, header, out))
