@@ -134,7 +134,6 @@ class SyncClient:
         self.bytes_received = 0
         self.learner_id = ""
         self.session = ""  # the secret Join gave learner_id: sent with every later call
-        self.joined = False  # a Join answered: later ones are re-joins of this process
         # A rank of a sharded island: per fragment, the slice it pushes and pulls (None: whole),
         # and the fragments' whole sizes (a delta's blocks are cut from the whole update's)
         self.slices: Sequence[pb.Slice] | None = None
@@ -223,7 +222,6 @@ class SyncClient:
             shards=shards,
             fragment_shards=fragment_shards,
             evaluator=evaluator,
-            first_of_process=not self.joined,
         )
         try:
             reply = self._unary("Join", self.stub.Join, req)
@@ -234,7 +232,6 @@ class SyncClient:
         check_shards(self.address, shards, reply.shards, reply.shard_index)
         self.learner_id, self.session = reply.learner_id, reply.session
         self.spec_hash = spec.spec_hash
-        self.joined = True
         return reply
 
     def _explain_refusal(self, shards: int) -> None:

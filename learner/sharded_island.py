@@ -69,7 +69,6 @@ def connect(learner: Learner) -> tuple[list[int], list[torch.Tensor] | None]:
             raise RuntimeError(f"rank 0 of this island could not join: {message[1]}")
         _, client.learner_id, client.session, spec_hash, epoch, next_seq, versions, init = message
         client.spec_hash = spec_hash  # type: ignore[attr-defined]
-        client.joined = True  # type: ignore[attr-defined]  # rank 0's Join: a later one re-joins
         engine.session.epoch, engine.session.next_seq = epoch, next_seq
         fetched = None
         if not init:

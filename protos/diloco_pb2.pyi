@@ -115,7 +115,7 @@ class LearnerCounters(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., blocked_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_name", "spec", "learner_id", "session", "shards", "fragment_shards", "evaluator", "first_of_process")
+    __slots__ = ("learner_name", "spec", "learner_id", "session", "shards", "fragment_shards", "evaluator")
     LEARNER_NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -123,7 +123,6 @@ class JoinRequest(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_SHARDS_FIELD_NUMBER: _ClassVar[int]
     EVALUATOR_FIELD_NUMBER: _ClassVar[int]
-    FIRST_OF_PROCESS_FIELD_NUMBER: _ClassVar[int]
     learner_name: str
     spec: ModelSpec
     learner_id: str
@@ -131,8 +130,7 @@ class JoinRequest(_message.Message):
     shards: int
     fragment_shards: _containers.RepeatedScalarFieldContainer[int]
     evaluator: bool
-    first_of_process: bool
-    def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ..., session: _Optional[str] = ..., shards: _Optional[int] = ..., fragment_shards: _Optional[_Iterable[int]] = ..., evaluator: _Optional[bool] = ..., first_of_process: _Optional[bool] = ...) -> None: ...
+    def __init__(self, learner_name: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., learner_id: _Optional[str] = ..., session: _Optional[str] = ..., shards: _Optional[int] = ..., fragment_shards: _Optional[_Iterable[int]] = ..., evaluator: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("learner_id", "lease_s", "heartbeat_interval_s", "server_epoch", "versions", "needs_init", "inner_steps", "next_seq", "session", "inner_steps_scale", "shards", "shard_index", "owned_fragments")

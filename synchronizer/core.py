@@ -188,8 +188,7 @@ class Synchronizer:
         )
         rec.spec_hash = spec.spec_hash
         self.journal.joined(self.registry, rec)
-        restarted = how == "again" and request.first_of_process
-        if (how != "again" or restarted) and not rec.evaluator:
+        if how != "again" and not rec.evaluator:
             self.model.arrived(rec.learner_id)
         if needs_init:
             self.model.propose(spec)
@@ -198,9 +197,7 @@ class Synchronizer:
             "evaluator" if rec.evaluator else "learner",
             rec.learner_id,
             rec.name,
-            "joined again from a restarted process"
-            if restarted
-            else {"new": "joined", "back": "re-joined", "again": "joined again"}[how],
+            {"new": "joined", "back": "re-joined", "again": "joined again"}[how],
             f" under credential {credential}" if self.credentials.per_learner else "",
         )
         return pb.JoinReply(

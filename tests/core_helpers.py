@@ -31,16 +31,13 @@ class CoreClient:
         self.learner_id = self.session = ""
         self.seq = 0
 
-    def join(self, again: bool = False, restarted: bool = False) -> pb.JoinReply:
-        """A Join: new, or `again` under this learner's id and session (`restarted`: as the
-        first Join of a process that resumed it, not a re-join of the same process)."""
+    def join(self, again: bool = False) -> pb.JoinReply:
         reply = self.core.join(
             pb.JoinRequest(
                 learner_name=self.name,
                 spec=self.spec.to_proto(),
                 learner_id=self.learner_id if again else "",
                 session=self.session if again else "",
-                first_of_process=restarted,
             )
         )
         self.learner_id, self.session = reply.learner_id, reply.session

@@ -71,13 +71,6 @@ def test_a_learner_restarted_from_its_state_continues_as_itself(make_server: Any
     opt2.load_state_dict(saved_opt)
     second = start(srv, model2, opt2, state=state)
     assert second.learner_id == state["learner_id"]
-    # its lease still runs, but its first Join says it is a new process: a synchronous round
-    # would not wait for it until it pushed again (it starts from its saved step)
-    core = srv.synchronizer
-    under_way = [p for p in range(FRAGMENTS) if core.model.fragment(p).version > 0]
-    assert under_way and all(
-        second.learner_id in core.model.fragment(p).admission.newcomers for p in under_way
-    )
     assert second.schedule_step() == 3 + 2 * H + 1  # the run's step: its fragments stay in phase
     assert second.stats.step == 2 * H + 1 and second.stats.fragment_versions == tuple(
         state["versions"]

@@ -182,31 +182,26 @@ def test_a_synchronous_round_waits_for_a_learner_back_mid_run_only_once_it_pushe
     assert a.pull(0, min_version=4, wait_s=10)[0] == 4
 
 
-def test_a_synchronous_round_waits_for_a_process_restarted_within_its_lease_once_it_pushed(
+def test_a_process_restarted_within_its_lease_is_waited_for_and_its_push_joins_the_open_round(
     tmp_path, clock
 ):
-    # A process restarted from its saved state joins under its id while its lease still runs:
-    # it starts again from its saved step, maybe a cycle behind, so it is a newcomer as one
-    # back from a lapsed lease is. The same process re-joining (after a Synchronizer restart)
-    # is not: rounds wait for it as before.
-    _, clients, _ = _setup(tmp_path, clock, 3, quorum=0, grace="none", outer="sgd", outer_lr=1.0)
+    # A learner process restarted from its saved state within its lease joins under its id
+    # again, and pushes first the fragment behind in turn: the one whose open round waits for
+    # it. That round keeps waiting for it and takes its push, so its rounds stay the others'
+    # (treated as a newcomer, the round closed without it and its pushes landed a round late:
+    # synchronous runs then stalled 40 s at a time, docs/performance.md).
+    core, clients, _ = _setup(tmp_path, clock, 3, quorum=0, grace="none", outer="sgd", outer_lr=1.0)
     a, b, restarted = clients
     for c in clients:
         assert c.push(0, _vec(1), base=0).round_version == 1
-    restarted.join(again=True, restarted=True)
     for c in (a, b):
         assert c.push(0, _vec(2), base=1).round_version == 2
-    assert a.pull(0)[0] == 2, "the round closed without the restarted process"
-    assert restarted.push(0, _vec(3), base=1).round_version == 3  # it pushed: waited for again
-    assert a.push(0, _vec(4), base=2).round_version == 3
-    assert b.push(0, _vec(5), base=2).round_version == 3
-    assert a.pull(0, min_version=3, wait_s=10)[0] == 3
-    restarted.join(again=True)  # the same process again: no newcomer
-    for c in (a, b):
-        assert c.push(0, _vec(6), base=3).round_version == 4
-    assert a.pull(0)[0] == 3, "a re-join of the same process is still waited for"
-    assert restarted.push(0, _vec(7), base=3).round_version == 4
-    assert a.pull(0, min_version=4, wait_s=10)[0] == 4
+    restarted.join(again=True)
+    restarted.heartbeat()
+    core.tick()  # housekeeping re-checks every round
+    assert a.pull(0)[0] == 1, "the open round still waits for the restarted process"
+    assert restarted.push(0, _vec(3), base=1).round_version == 2
+    assert a.pull(0, min_version=2, wait_s=10)[0] == 2
 
 
 def test_rounds_stop_waiting_for_a_learner_that_says_it_pushes_nothing_more(tmp_path, clock):
