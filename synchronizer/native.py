@@ -282,6 +282,13 @@ def ranges(n: int, block_size: int, threads: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def _split(part: Callable[[int, int], bool], n: int, block_size: int, threads: int) -> bool:
+    """`part(lo, hi)` over `ranges(n, block_size, threads)`, at once; True if every one was."""
+    return _in_parallel(
+        [functools.partial(part, lo, hi) for lo, hi in ranges(n, block_size, threads)]
+    )
+
+
 def _in_parallel(calls: list[Callable[[], bool]]) -> bool:
     """Runs the calls at once, the first on this thread; True if every one returned True."""
     global _pool
@@ -406,9 +413,7 @@ def chain_int8(
         )
         return load().lib.diloco_chain_int8(_ptr(grad[lo:hi]), *chain) == 0
 
-    return _in_parallel(
-        [functools.partial(part, lo, hi) for lo, hi in ranges(params.numel(), block_size, threads)]
-    )
+    return _split(part, params.numel(), block_size, threads)
 
 
 def step_int8(
@@ -447,9 +452,7 @@ def step_int8(
         arrays = _pushes(cut, hi - lo, block_size)
         return load().lib.diloco_step_int8(len(pushes), summed, *arrays, total, *chain) == 0
 
-    return _in_parallel(
-        [functools.partial(part, lo, hi) for lo, hi in ranges(params.numel(), block_size, threads)]
-    )
+    return _split(part, params.numel(), block_size, threads)
 
 
 def _chain(
