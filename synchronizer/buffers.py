@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-AUTO_PAYLOAD_MIN_BYTES = 64 << 20  # payload_budget_bytes 0: at least this
+AUTO_PAYLOAD_MIN_BYTES = 256 << 20  # payload_budget_bytes 0: at least this
 AUTO_PAYLOAD_FP32_SHARE = 1  # payload_budget_bytes 0: the largest fragment's FP32 bytes
 AUTO_SNAPSHOT_FP32_SHARE = 1  # snapshot_budget_bytes 0: the largest fragment's FP32 bytes
 

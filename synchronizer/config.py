@@ -252,7 +252,7 @@ class SynchronizerConfig(BaseModel):
     payload_budget_bytes: int = Field(
         0,
         ge=0,
-        description="Bytes of encoded pushes kept for all fragments together: payloads held for decoding at the outer step, and receive buffers pooled for reuse. Past it, a push to a round short of its quorum is still taken (held, or added on arrival into FP32 sums of the fragment where that is cheaper); one to a round that has its quorum waits up to 10 s for outer steps to free room, then is refused RESOURCE_EXHAUSTED before it is received (the learner retries it). 0: the largest fragment's FP32 bytes, at least 64 MiB",
+        description="Bytes of encoded pushes kept for all fragments together: payloads held for decoding at the outer step, and receive buffers pooled for reuse. Past it, a push to a round short of its quorum is still taken (held, or added on arrival into FP32 sums of the fragment where that is cheaper); one to a round that has its quorum waits up to 10 s for outer steps to free room, then is refused RESOURCE_EXHAUSTED before it is received (the learner retries it). 0: the largest fragment's FP32 bytes, at least 256 MiB",
     )
     snapshot_budget_bytes: int = Field(
         0,

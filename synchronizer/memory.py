@@ -118,9 +118,9 @@ def checkpoint_bytes(cfg: SynchronizerConfig) -> int:
 
 def bytes_per_param(cfg: SynchronizerConfig) -> tuple[float, int]:
     """(bytes per parameter, fixed bytes) of the projection of a one-fragment model: its slope
-    and its intercept, past the sizes where floors (the automatic payload budget's 64 MiB, a
+    and its intercept, past the sizes where floors (the automatic payload budget's 256 MiB, a
     decode run's 1M elements) still hold."""
-    n = 1 << 25
+    n = 1 << 27
     small, large = project(cfg, [n])["total"], project(cfg, [2 * n])["total"]
     slope = (large - small) / n
     return slope, round(small - slope * n)

@@ -37,7 +37,7 @@ def test_projection_of_two_fragments_with_defaults_matches_the_hand_count() -> N
         "residual": 3200,  # BF16
         "update_history": history,
         "accumulators": 4000,  # one apply thread: one FP32 buffer of the largest fragment
-        "payloads": 64 << 20,  # held and pooled together: at least 64 MiB
+        "payloads": 256 << 20,  # held and pooled together: at least 256 MiB
         "snapshots": 4000,  # the budget: the largest fragment's FP32 bytes
         # one apply thread: a decode run (the whole largest fragment here) + a link (largest)
         "scratch": 4000 + 1016 + STREAMS,
@@ -103,7 +103,7 @@ def test_a_spec_and_its_fragment_sizes_project_the_same() -> None:
 def test_bytes_per_param_is_the_projections_slope() -> None:
     cfg = SynchronizerConfig()
     slope, fixed = memory.bytes_per_param(cfg)
-    n = 40_000_000
+    n = 100_000_000  # past the floors (the automatic payload budget's 256 MiB)
     assert memory.project(cfg, [n])["total"] == pytest.approx(fixed + slope * n, rel=1e-6)
 
 
