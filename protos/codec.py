@@ -334,9 +334,11 @@ def accumulate(
     scratch: torch.Tensor | None = None,
 ) -> None:
     """``out += weight * decode(buf)`` (``out = ...`` with ``overwrite``), for a payload that
-    passed ``check``: one pass over ``out`` for FP32, BF16 and whole-block INT8/INT4 payloads
-    (the weight is folded into the block scales); otherwise decoded through ``scratch`` (FP32,
-    numel), or without one run by run (about 1M elements each), element for element the same.
+    passed ``check``: one pass over ``out`` for FP32 and whole-block INT8/INT4 payloads (the
+    weight is folded into the block scales); BF16 run by run through a run-sized FP32 scratch
+    (weighted in FP32, as its decoded values are: weighting the BF16 values themselves would
+    round each product to BF16 again); otherwise decoded through ``scratch`` (FP32, numel), or
+    without one run by run (about 1M elements each), element for element the same.
     """
     codec, n = header.codec, int(header.numel)
     if out.dtype != torch.float32 or out.shape != (n,) or not out.is_contiguous():
@@ -347,10 +349,8 @@ def accumulate(
     per_byte = 1 if codec == pb.CODEC_INT8 else 2
     full = (n // bs) * bs if codec in (pb.CODEC_INT8, pb.CODEC_INT4) else 0
     words = codec == pb.CODEC_INT8 or (bs % 8 == 0 and buf.data_ptr() % 4 == 0)
-    if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
-        vals = blockwise.aligned(
-            buf.contiguous(), torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16
-        )
+    if codec == pb.CODEC_FP32:
+        vals = blockwise.aligned(buf.contiguous(), torch.float32)
     elif full > 0 and words:
         raw_scales = blockwise.checked_scales(buf, codec, n, header.scale_dtype)
         # Not in place: FP32 scales are a view of the payload, which must stay as received.
@@ -372,7 +372,7 @@ def accumulate(
             else:
                 out[full:].add_(vals, alpha=weight)
         return
-    elif scratch is None:  # decoded run by run through a run-sized scratch
+    elif scratch is None or codec == pb.CODEC_BF16:  # run by run through a run-sized scratch
         run_scratch = torch.empty(run_elems(header), dtype=torch.float32, device=out.device)
         for start, part in decode_runs(buf, header, run_scratch):
             o = out[start : start + part.numel()]

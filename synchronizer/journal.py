@@ -71,6 +71,11 @@ REPLAY_SETTINGS = (
     "update_residual_dtype",
 )
 
+# Raised when the code computes a logged round differently under the same settings, so a log
+# written by the code before is replayed under a new epoch, never into other contents. 2: a
+# round's first BF16 push weighted in FP32 (it was rounded to BF16 again).
+ARITHMETIC_REVISION = 2
+
 
 def replay_settings(cfg: SynchronizerConfig) -> dict[str, Any]:
     """The settings outer-step arithmetic depends on: a replay under others could differ. A
@@ -83,6 +88,7 @@ def replay_settings(cfg: SynchronizerConfig) -> dict[str, Any]:
         settings["outer_kernel"] = "native"
     else:
         settings["outer_kernel"] = "fused_sgd" if FUSED_SGD is not None else "ops"
+    settings["arithmetic"] = ARITHMETIC_REVISION
     if cfg.shards > 1:
         settings["shard_layout"] = [cfg.shards, cfg.shard_index]
     return settings

@@ -600,6 +600,20 @@ def test_accumulate_adds_weight_times_the_decoded_values(codec, n):
     assert torch.equal(buf, received)  # the weight is folded into copies of the scales
 
 
+@pytest.mark.parametrize("scratch", [False, True])
+def test_accumulate_weighs_bf16_values_in_fp32_as_decode_gives_them(scratch):
+    # A weight that is not a power of two: weighting the BF16 values themselves rounded each
+    # product to BF16 again, off by up to 2^-9 of it, where the decoded values are exact.
+    n = 256 * 4099 + 100
+    buf, header = C.encode(gaussian(n), BF16), L.make_header(BF16, n)
+    decoded = C.decode(buf, header, torch.empty(n))
+    out = torch.empty(n)
+    C.accumulate(buf, header, out, 0.3, overwrite=True, scratch=torch.empty(n) if scratch else None)
+    assert torch.equal(out, torch.mul(decoded, 0.3))
+    C.accumulate(buf, header, out, 0.375)
+    assert torch.equal(out, torch.mul(decoded, 0.3).add_(decoded, alpha=0.375))
+
+
 def test_accumulate_rejects_an_output_of_the_wrong_size():
     buf = C.encode(gaussian(10), INT8)
     with pytest.raises(L.CodecError, match="10 elements"):

@@ -210,6 +210,17 @@ def test_a_new_epoch_is_durable_before_it_is_served(tmp_path):
     assert json.loads((tmp_path / "state" / EPOCH_FILE).read_text())["epoch"] == epoch
 
 
+def test_a_log_written_by_code_of_another_arithmetic_is_served_under_a_new_epoch(tmp_path):
+    cfg = SynchronizerConfig(state_dir=tmp_path / "state", wal=True)
+    epoch = load_epoch(cfg, False)
+    assert load_epoch(cfg, True) == epoch  # same code, same settings: the history goes on
+    path = tmp_path / "state" / EPOCH_FILE
+    stored = json.loads(path.read_text())
+    del stored["settings"]["arithmetic"]  # as the code before ARITHMETIC_REVISION 2 wrote it
+    path.write_text(json.dumps(stored))
+    assert load_epoch(cfg, True) != epoch
+
+
 def test_a_join_answered_before_the_first_checkpoint_survives_a_power_cut(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
