@@ -12,6 +12,7 @@ codec uses (``aligned``, ``all_finite``). Every failure raises ``layout.CodecErr
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -37,6 +38,13 @@ def aligned(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in ``t``."""
+    if t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+        # A finite sum of squares proves every value finite (NaN and Inf propagate into it):
+        # one vectorised pass, a third of aminmax's time here. Values beyond about 1e19
+        # overflow it, and then aminmax decides.
+        flat = t.reshape(-1)
+        if math.isfinite(float(torch.dot(flat, flat))):
+            return True
     # aminmax is one pass with no temporaries and propagates NaN; Inf shows in min or max.
     lo, hi = torch.aminmax(t)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))

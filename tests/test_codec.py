@@ -614,6 +614,22 @@ def test_accumulate_weighs_bf16_values_in_fp32_as_decode_gives_them(scratch):
     assert torch.equal(out, torch.mul(decoded, 0.3).add_(decoded, alpha=0.375))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_finite_finds_every_nan_and_inf_and_passes_values_whose_squares_overflow(dtype):
+    x = gaussian(300_000).to(dtype)
+    assert blockwise.all_finite(x)
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in (0, 150_000, 299_998):
+            y = x.clone()
+            y[at] = bad
+            assert not blockwise.all_finite(y)
+            assert not blockwise.all_finite(y.view(-1, 2)[:, 0])  # not contiguous
+    huge = x.clone()
+    huge[7] = 3e38  # finite; its square is not
+    assert blockwise.all_finite(huge)
+    assert blockwise.all_finite(x.view(1, -1))
+
+
 def test_accumulate_rejects_an_output_of_the_wrong_size():
     buf = C.encode(gaussian(10), INT8)
     with pytest.raises(L.CodecError, match="10 elements"):
