@@ -4,9 +4,12 @@ counts.
 `Rounds` asks each fragment's `Admission` (`synchronizer.admission`) whether its open round may
 close, arms the round's grace timer on the core's clock once it has its quorum, and closes it:
 the round is taken (its close logged), and its outer step runs on a worker thread, never on a
-gRPC thread. `apply` is the one way a taken round's outer step is applied and counted (goodput,
-metrics, a refusal, a failure), on a worker and in a replay of the write-ahead log alike, so the
-two cannot drift apart.
+gRPC thread. A round that may close waits for a worker open, not closed: it is taken when a
+worker starts it, so the pushes that arrive while the workers step other fragments join it (a
+busy Synchronizer batches pushes into fewer outer steps instead of queueing small ones).
+`apply` is the one way a taken round's outer step is applied and counted (goodput, metrics, a
+refusal, a failure), on a worker and in a replay of the write-ahead log alike, so the two cannot
+drift apart.
 
 A round whose outer step raises fails its fragment (`on_failure`): the error reaches the health
 service, the waiters and the metrics instead of vanishing in a worker thread.
@@ -15,6 +18,7 @@ service, the waiters and the metrics instead of vanishing in a worker thread.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -58,16 +62,21 @@ class Rounds:
             if threads > 0
             else None
         )
+        self._lock = threading.Lock()
+        self._queued: set[int] = set()  # fragments whose open round waits for a worker
 
     def check(self, frag: Fragment) -> None:
         """Re-evaluates a fragment's open round: close it now, or arm its grace timer."""
+        self._judge(frag, self._close)
+
+    def _judge(self, frag: Fragment, close: Callable[[Fragment, Round], None]) -> None:
         if frag.model.failure is not None:
             return
         rnd, close_now, quorum = frag.admission.closability(self.live(), frag.model.version)
         if rnd is None:
             return
         if close_now:
-            self._close(frag, rnd)
+            close(frag, rnd)
         elif quorum and rnd.timer is None:
             frag.admission.arm(
                 rnd,
@@ -85,13 +94,41 @@ class Rounds:
             self.check(frag)
 
     def _close(self, frag: Fragment, rnd: Round) -> None:
+        """Closes a round that may close: at once without workers, else once a worker is free
+        for it (`_start`), one queued start per fragment."""
+        if self.pool is None:
+            self._take(frag, rnd)
+            return
+        with self._lock:
+            if frag.fid in self._queued:
+                return
+            self._queued.add(frag.fid)
+        try:
+            self.pool.submit(self._start, frag)
+        except RuntimeError:  # shutting down: the final flush applies it in order instead
+            with self._lock:
+                self._queued.discard(frag.fid)
+            self._take(frag, rnd)
+
+    def _start(self, frag: Fragment) -> None:
+        """On a worker: takes the fragment's open round as it is now (it has only gained pushes
+        since it was queued) and applies it, judged again first: a close elsewhere (a
+        shutdown's flush) may have taken it meanwhile, and its outer step's end then looks at
+        the next round."""
+        with self._lock:
+            self._queued.discard(frag.fid)
+        self._judge(frag, lambda f, r: self._take(f, r, inline=True))
+
+    def _take(self, frag: Fragment, rnd: Round, inline: bool = False) -> None:
+        """Takes the round (its close logged) and applies it: on this thread without workers
+        or `inline`, else on a worker."""
         if not frag.admission.take(rnd):
             return
         now = self.clock.monotonic()
         if rnd.quorum_at is not None:
             self.grace.observe(quorum_time=rnd.quorum_at - rnd.opened_at)
         self.metrics.round_wait.observe(now - rnd.opened_at)
-        if self.pool is None:
+        if self.pool is None or inline:
             self._step(frag, rnd)
             return
         try:
@@ -173,7 +210,7 @@ class Rounds:
         for frag in self.fragments:
             rnd = frag.admission.round
             if rnd is not None and rnd.contributions and frag.model.failure is None:
-                self._close(frag, rnd)
+                self._take(frag, rnd)  # now, whatever its quorum: its version is waited for
         for frag in self.fragments:
             frag.model.wait_applied(frag.admission.pending_version)
 

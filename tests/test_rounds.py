@@ -447,6 +447,41 @@ def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(ma
     torch.testing.assert_close(served, init - _vec(1) - (_vec(2) + _vec(3)) / 2)
 
 
+def test_a_round_waiting_for_the_worker_stays_open_and_takes_the_pushes_that_arrive(make_server):
+    # One outer-step worker, busy with fragment 0: fragment 1's round may close, but it is taken
+    # only when the worker starts it, so a second push joins it and one outer step merges both
+    # (taken at once, it would have queued a one-push step and opened another round).
+    spec = small_spec(fragments=2)
+    settings = _settings({"quorum": 1, "grace": "none", "outer": "sgd", "token_weight": "uniform"})
+    srv = make_server(outer_lr=1.0, apply_threads=1, **settings)
+    c = Client(srv.address, spec, "l0")
+    c.join()
+    inits = [torch.linspace(-1, 1, f.numel) for f in spec.fragments]
+    c.init(inits)
+    first, second = srv.synchronizer.model.fragments
+    release, entered = threading.Event(), threading.Event()
+    step = first.model.outer.step
+
+    def slow_step(params, grad, share=1.0, warm=1.0):
+        entered.set()
+        release.wait(10)
+        step(params, grad, share, warm)
+
+    first.model.outer.step = slow_step
+    n = spec.fragments[1].numel
+    a, b = (torch.randn(n, generator=torch.Generator().manual_seed(s)) * 0.1 for s in (7, 8))
+    assert c.push(0, torch.zeros(spec.fragments[0].numel)).round_version == 1
+    assert entered.wait(10)  # the only worker is busy with fragment 0
+    assert c.push(1, a).round_version == 1
+    assert c.push(1, b, base=0).round_version == 1  # the round waits for the worker, open
+    assert second.version == 0 and len(second.admission.round.contributions) == 2
+    release.set()
+    version, served = c.pull(1, min_version=1, wait_s=10)
+    assert version == 1
+    torch.testing.assert_close(served, inits[1] - (a + b) / 2)
+    assert srv.synchronizer.metrics.outer_steps._value.get() == 2  # one per fragment
+
+
 @pytest.mark.parametrize("codec_id", [pb.CODEC_FP32, pb.CODEC_INT8], ids=["fp32", "int8"])
 def test_pushes_decoded_at_the_outer_step_or_past_the_budget_on_arrival_merge_alike(
     tmp_path, clock, codec_id
