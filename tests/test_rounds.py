@@ -414,14 +414,16 @@ def test_dynamic_local_updates_with_an_h_on_levels(tmp_path, clock):
     assert fast.heartbeat(step_time_s=0.1).inner_steps == 100
 
 
-def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(make_server):
-    # Needs the outer-step worker (the core's tests apply outer steps inline): a real server.
+def _gated_server(make_server, spec, **cfg):
+    """A real server (the core's tests apply outer steps inline; these need the outer-step
+    worker) with one learner joined and the model initialised, whose fragment 0's outer steps
+    wait for `release` once they have set `entered`."""
     settings = _settings({"quorum": 1, "grace": "none", "outer": "sgd", "token_weight": "uniform"})
-    srv = make_server(outer_lr=1.0, **settings)
-    c = Client(srv.address, SPEC, "l0")
+    srv = make_server(outer_lr=1.0, **settings, **cfg)
+    c = Client(srv.address, spec, "l0")
     c.join()
-    init = torch.linspace(-1, 1, N)
-    c.init([init])
+    inits = [torch.linspace(-1, 1, f.numel) for f in spec.fragments]
+    c.init(inits)
     frag = srv.synchronizer.model.fragments[0]
     release, entered = threading.Event(), threading.Event()
     step = frag.model.outer.step
@@ -432,6 +434,12 @@ def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(ma
         step(params, grad, share, warm)
 
     frag.model.outer.step = slow_step
+    return srv, c, inits, release, entered
+
+
+def test_pushes_arriving_during_an_outer_step_are_batched_into_the_next_round(make_server):
+    srv, c, (init,), release, entered = _gated_server(make_server, SPEC)
+    frag = srv.synchronizer.model.fragments[0]
     assert c.push(0, _vec(1)).round_version == 1
     assert entered.wait(10)  # round 1's outer step is running
     assert c.push(0, _vec(2), base=0).round_version == 2
@@ -452,22 +460,8 @@ def test_a_round_waiting_for_the_worker_stays_open_and_takes_the_pushes_that_arr
     # only when the worker starts it, so a second push joins it and one outer step merges both
     # (taken at once, it would have queued a one-push step and opened another round).
     spec = small_spec(fragments=2)
-    settings = _settings({"quorum": 1, "grace": "none", "outer": "sgd", "token_weight": "uniform"})
-    srv = make_server(outer_lr=1.0, apply_threads=1, **settings)
-    c = Client(srv.address, spec, "l0")
-    c.join()
-    inits = [torch.linspace(-1, 1, f.numel) for f in spec.fragments]
-    c.init(inits)
-    first, second = srv.synchronizer.model.fragments
-    release, entered = threading.Event(), threading.Event()
-    step = first.model.outer.step
-
-    def slow_step(params, grad, share=1.0, warm=1.0):
-        entered.set()
-        release.wait(10)
-        step(params, grad, share, warm)
-
-    first.model.outer.step = slow_step
+    srv, c, inits, release, entered = _gated_server(make_server, spec, apply_threads=1)
+    second = srv.synchronizer.model.fragments[1]
     n = spec.fragments[1].numel
     a, b = (torch.randn(n, generator=torch.Generator().manual_seed(s)) * 0.1 for s in (7, 8))
     assert c.push(0, torch.zeros(spec.fragments[0].numel)).round_version == 1
