@@ -197,7 +197,8 @@ class Metrics:
         )
         self.round_wait = Histogram(
             "diloco_round_wait_seconds",
-            "Seconds from a round's first contribution to its close (when an outer-step worker takes it).",
+            "Seconds from a round's first contribution to its close (when an outer-step worker "
+            "takes it).",
             buckets=ROUND_WAIT_BUCKETS,
             registry=r,
         )

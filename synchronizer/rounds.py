@@ -105,10 +105,10 @@ class Rounds:
             self._queued.add(frag.fid)
         try:
             self.pool.submit(self._start, frag)
-        except RuntimeError:  # shutting down: the final flush applies it in order instead
+        except RuntimeError:  # shutting down: taken and applied here instead
             with self._lock:
                 self._queued.discard(frag.fid)
-            self._take(frag, rnd)
+            self._take(frag, rnd, inline=True)
 
     def _start(self, frag: Fragment) -> None:
         """On a worker: takes the fragment's open round as it is now (it has only gained pushes
