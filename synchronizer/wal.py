@@ -15,8 +15,9 @@ Records, appended in the order the Synchronizer decided them:
 - ROUND: a fragment's round closed into a version.
 
 A push's reply, a Join's reply and a round's outer step each wait until their record is durable
-(`wait`): a writer thread writes whatever was appended meanwhile and fsyncs once for all of it
-(group commit), so many pushes share one fsync. Replay (`replay`) repeats the same arithmetic:
+(`wait`): a writer thread writes each record as it is appended, and a syncer thread fsyncs once
+for all that was written meanwhile (group commit), so many pushes share one fsync and none waits
+for another's write to end an fsync. Replay (`replay`) repeats the same arithmetic:
 the pushes of each round in the order they were added, then its outer step.
 
 On disk: `wal/wal-NNNNNNNNNN.log` segments, each a sequence of records `<length u32><crc32 u32>
@@ -178,10 +179,19 @@ class Wal:
         self.fd: int | None = None
         self.size = 0
         self.synced_size = 0  # of the open segment, fsynced
-        self.unsynced = 0  # records at the head of the queue written and not yet fsynced
+        self.written = 0  # records at the head of the queue written and not yet durable
+        # the syncer's next fsync: everything up to this ticket, written up to this size of fd
+        self.sync_ticket = 0
+        self.sync_size = 0
+        self.sync_fd = -1
+        self.syncing = False  # an fsync is running
+        self.sync_error: OSError | None = None  # the syncer's, until the writer handles it
+        self.halted = False  # the writer cuts the file: the syncer starts nothing
+        self.stopped = False  # the syncer ends
         self.seal_wanted = False
         self.sealed_upto = 0
         self.writer: threading.Thread | None = None
+        self.syncer: threading.Thread | None = None
         self.next_stream = 1  # above every stream id on disk once replayed
         # stream id -> the segments holding its parts (the writer's, and replay's, bookkeeping)
         self.stream_segments: dict[int, list[_Segment]] = {}
@@ -208,6 +218,8 @@ class Wal:
         self.disk.make_dirs(self.directory)
         self._open_segment()
         self.writer = threading.Thread(target=self._write_loop, name="wal-writer", daemon=True)
+        self.syncer = threading.Thread(target=self._sync_loop, name="wal-syncer", daemon=True)
+        self.syncer.start()
         self.writer.start()
 
     def _open_segment(self) -> None:
@@ -272,103 +284,172 @@ class Wal:
     # Writing -------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
-        """The writer: every file operation happens on this thread. A batch is written, its
-        writeback started, and fsynced, unless it holds only PART records: a push's parts go
-        to the disk as they land, and the fsync for the record that ends them (its PUSH, or an
-        ABANDON) covers them all, or IDLE_SYNC_S after the last one where nothing follows.
-        Records written and not yet fsynced stay at the head of the queue (`unsynced`): a
-        failed write or fsync cuts the file back to its last fsync and writes them again."""
+        """The writer: every file operation but the fsync happens on this thread, which writes
+        each batch as it is appended and starts its writeback, while the syncer fsyncs what was
+        written before it (`_sync_loop`): a record that arrives during an fsync is written at
+        once and waits only for the rest of that fsync and one more. A batch holding only PART
+        records asks for no fsync: a push's parts go to the disk as they land, and the fsync
+        for the record that ends them (its PUSH, or an ABANDON) covers them all, or IDLE_SYNC_S
+        after the last one where nothing follows. Records written and not yet durable stay at
+        the head of the queue (`written`): a failed write or fsync cuts the file back to its
+        last fsync and writes them again. A seal or a rotation first waits until everything
+        written is durable, so a segment is closed only once fsynced whole."""
         while True:
             with self.cv:
-                while (
-                    len(self.queue) == self.unsynced and not self.closing and not self.seal_wanted
-                ):
-                    if not self.unsynced:
-                        self.cv.wait()
-                    elif not self.cv.wait(IDLE_SYNC_S):
-                        break  # parts written and nothing since (a stalled push): fsynced now
-                if not self.queue and self.closing:
+                action = self._await_work()
+                error = self.sync_error
+                batch = self.queue[self.written :] if action == "write" else []
+            if action == "closed":
+                return
+            if action == "failed":
+                assert error is not None
+                if not self._failed(error):
                     return
-                batch = self.queue[self.unsynced :]
-            if not batch and not self.unsynced:  # a seal asked for while nothing is queued
-                self._seal_now()
+                continue
+            if action == "drained":
+                if self.seal_wanted:
+                    self._seal_now()
+                else:
+                    self._rotate()
                 continue
             try:
-                if batch:
-                    self._write(batch)
-                synced = not batch or any(record.kind != PART for _, record in batch)
-                if synced:
-                    self._sync()
+                self._write(batch)
             except OSError as e:
-                with self.cv:
-                    self.unsynced = 0  # cut back to the last fsync: written again from the queue
-                    if self.failure is None:
-                        logger.error(
-                            "write-ahead log write failed (%s); pushes are refused until it can be written again, nothing acknowledged is lost",
-                            e,
-                        )
-                    self.failure = f"{type(e).__name__}: {e}"
-                    self.disk_full = e.errno == 28  # ENOSPC
-                    self.cv.notify_all()
-                    if self.closing:
-                        return
-                    self.cv.wait(RETRY_S)
+                if not self._failed(e):
+                    return
                 continue
             with self.cv:
-                if not synced:
-                    self.unsynced += len(batch)
-                    continue
-                done = self.queue[: self.unsynced + len(batch)]
-                del self.queue[: len(done)]
-                self.unsynced = 0
-                self.durable = done[-1][0]
+                self.written += len(batch)
+                if any(record.kind != PART for _, record in batch):
+                    self._want_sync()
+
+    def _drain_wanted(self) -> bool:
+        return self.seal_wanted or (self.fd is not None and self.size >= self.segment_bytes)
+
+    def _await_work(self) -> str:
+        """Under the lock: waits until the writer has something to do, and says what: "failed"
+        (the syncer's fsync failed), "closed" (the writer ends), "drained" (everything written
+        is durable and a seal or a rotation is wanted) or "write" (records to write)."""
+        while True:
+            if self.sync_error is not None:
+                return "failed"
+            if self.closing and not self.queue:
+                return "closed"
+            if self._drain_wanted():
+                if not self.written and not self.syncing:
+                    return "drained"
+                self._want_sync()
+            elif len(self.queue) > self.written:
+                return "write"
+            if self.written and self.sync_ticket < self.queue[self.written - 1][0]:
+                # parts written and no fsync asked for: one once nothing follows them
+                if not self.cv.wait(IDLE_SYNC_S) and len(self.queue) == self.written:
+                    self._want_sync()
+            else:
+                self.cv.wait()
+
+    def _want_sync(self) -> None:
+        """Under the lock: asks the syncer to make everything written so far durable."""
+        if self.written and self.fd is not None:
+            self.sync_ticket = self.queue[self.written - 1][0]
+            self.sync_size = self.size
+            self.sync_fd = self.fd
+            self.cv.notify_all()
+
+    def _failed(self, error: OSError) -> bool:
+        """A write or an fsync failed: once the syncer is idle, cuts the file back to its last
+        fsync, so the records not yet durable are written again after RETRY_S; False when the
+        log is closing and the writer should end instead."""
+        with self.cv:
+            self.halted = True  # the syncer starts nothing while the file is cut
+            while self.syncing:
+                self.cv.wait()
+        if self.fd is not None and self.size > self.synced_size:
+            self._cut()  # never raises: a file it cannot cut is left for a fresh segment
+        with self.cv:
+            self.halted = False
+            self.sync_error = None
+            self.written = 0  # written again from the queue
+            self.sync_ticket = self.durable
+            if self.failure is None:
+                logger.error(
+                    "write-ahead log write failed (%s); pushes are refused until it can be written again, nothing acknowledged is lost",
+                    error,
+                )
+            self.failure = f"{type(error).__name__}: {error}"
+            self.disk_full = error.errno == 28  # ENOSPC
+            self.cv.notify_all()
+            if self.closing:
+                return False
+            self.cv.wait(RETRY_S)
+        return True
+
+    def _sync_loop(self) -> None:
+        """The syncer: fdatasyncs what the writer asked for (`_want_sync`) while the writer
+        goes on writing; then the records up to that point are durable, and their pages go
+        back to be reused by the next writes rather than fresh ones taken (`Disk.forget`;
+        read again only by a replay)."""
+        while True:
+            with self.cv:
+                while not self.stopped and (
+                    self.sync_ticket <= self.durable or self.sync_error is not None or self.halted
+                ):
+                    self.cv.wait()
+                if self.stopped:
+                    return
+                ticket, size, fd, start = (
+                    self.sync_ticket,
+                    self.sync_size,
+                    self.sync_fd,
+                    self.synced_size,
+                )
+                self.syncing = True
+            try:
+                t0 = time.perf_counter()
+                self.disk.fsync(fd)  # fdatasync: the data and the file's new length
+                self.on_fsync(time.perf_counter() - t0)
+            except OSError as e:
+                with self.cv:
+                    self.syncing = False
+                    self.sync_error = e
+                    self.cv.notify_all()
+                continue
+            self.disk.forget(fd, start, size - start)
+            with self.cv:
+                self.synced_size = size
+                done = 0
+                while done < len(self.queue) and self.queue[done][0] <= ticket:
+                    self._noted(self.segments[-1], self.queue[done][1])
+                    done += 1
+                del self.queue[:done]
+                self.written -= done
+                self.durable = ticket
                 if self.failure is not None:
                     logger.warning("write-ahead log writable again (was: %s)", self.failure)
                 self.failure = None
                 self.disk_full = False
+                self.syncing = False
                 self.cv.notify_all()
-            with self.lock:
-                for _, record in done:
-                    self._noted(self.segments[-1], record)
-            if self.size >= self.segment_bytes:
-                self._rotate()
 
     def _write(self, batch: list[tuple[int, Record]]) -> None:
-        """Writes a batch after what is written, and starts its writeback."""
+        """Writes a batch after what is written, and starts its writeback (a failure leaves
+        what it wrote for `_failed` to cut)."""
         if self.fd is None:  # rotated: the next segment is opened by the write that needs it
             self._open_segment()
         assert self.fd is not None
         start = self.size
-        try:
-            for _, record in batch:
-                for part in encode(record):
-                    view = memoryview(part).cast("B")
-                    while view:
-                        n = self.disk.write(self.fd, view)
-                        view = view[n:]
-                        self.size += n
-            self.disk.start_writeback(self.fd, start, self.size - start)
-        except OSError:
-            self._cut()
-            raise
-
-    def _sync(self) -> None:
-        """fdatasync of everything written: durable now, and read again only by a replay, so
-        its pages go back to be reused by the next writes rather than fresh ones taken
-        (`Disk.forget`)."""
-        assert self.fd is not None
-        try:
-            t0 = time.perf_counter()
-            self.disk.fsync(self.fd)  # fdatasync: the data and the file's new length
-            self.on_fsync(time.perf_counter() - t0)
-        except OSError:
-            self._cut()
-            raise
-        self.disk.forget(self.fd, self.synced_size, self.size - self.synced_size)
-        self.synced_size = self.size
+        for _, record in batch:
+            for part in encode(record):
+                view = memoryview(part).cast("B")
+                while view:
+                    n = self.disk.write(self.fd, view)
+                    view = view[n:]
+                    self.size += n
+        self.disk.start_writeback(self.fd, start, self.size - start)
 
     def _cut(self) -> None:
-        """Cuts what was written since the last fsync, so the retry appends to an intact log."""
+        """Cuts what was written since the last fsync, so the retry appends to an intact log
+        (never while the syncer fsyncs)."""
         assert self.fd is not None
         try:
             self.disk.truncate(self.fd, self.synced_size)
@@ -478,6 +559,11 @@ class Wal:
             self.cv.notify_all()
         if self.writer is not None:
             self.writer.join(timeout=5)
+        with self.cv:
+            self.stopped = True
+            self.cv.notify_all()
+        if self.syncer is not None:
+            self.syncer.join(timeout=5)
         if self.fd is not None:
             try:
                 self.disk.close(self.fd)

@@ -188,13 +188,17 @@ def test_segment_numbers_keep_growing_after_every_segment_is_released(tmp_path):
 
 
 class CountingDisk(Disk):
-    """Counts bytes written and fsyncs; fails the next `fail_fsyncs` fsyncs with EIO."""
+    """Counts bytes written and fsyncs; fails the next `fail_fsyncs` fsyncs with EIO; an fsync
+    waits while `gate` is clear (`in_fsync` is set once one has started)."""
 
     def __init__(self) -> None:
         self.written = 0
         self.fsyncs = 0
         self.fail_fsyncs = 0
         self.cv = threading.Condition()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.in_fsync = threading.Event()
 
     def write(self, fd: int, data: bytes | memoryview) -> int:
         n = super().write(fd, data)
@@ -208,6 +212,8 @@ class CountingDisk(Disk):
             assert self.cv.wait_for(lambda: self.written > more_than, TIMEOUT)
 
     def fsync(self, fd: int) -> None:
+        self.in_fsync.set()
+        assert self.gate.wait(TIMEOUT)
         if self.fail_fsyncs:
             self.fail_fsyncs -= 1
             raise OSError(errno.EIO, "Input/output error")
@@ -264,6 +270,48 @@ def test_a_failed_fsync_writes_the_unsynced_parts_again_once(tmp_path, monkeypat
     assert [r.kind for r in again] == [PART] * 3 + [PUSH]
     assert [r.meta["at"] for r in again[:3]] == [0, 1000, 2000]
     assert all(bytes(r.payload) == b"p" * 1000 for r in again[:3])
+
+
+def _held_fsync_and_a_record_written_meanwhile(wal: Wal, disk: CountingDisk) -> tuple[int, int]:
+    """A record whose fsync is held, and a second one appended meanwhile and written."""
+    disk.gate.clear()
+    first = wal.append(Record(PUSH, {"fid": 0, "version": 1}, b"a" * 1000))
+    assert disk.in_fsync.wait(TIMEOUT)
+    before = disk.written
+    second = wal.append(Record(PUSH, {"fid": 0, "version": 1}, b"b" * 1000))
+    disk.wait_written(before)  # the writer is not held by the fsync
+    assert not wal.is_durable(first) and not wal.is_durable(second)
+    return first, second
+
+
+def test_a_record_appended_during_an_fsync_is_written_before_it_ends(tmp_path):
+    """The syncer fsyncs while the writer goes on writing: a push whose record arrives during
+    another's fsync waits for the rest of that fsync and one more, not for a write after it."""
+    disk = CountingDisk()
+    wal = Wal(tmp_path / "wal", 1 << 20, disk)
+    wal.start()
+    first, second = _held_fsync_and_a_record_written_meanwhile(wal, disk)
+    disk.gate.set()
+    wal.wait(second, TIMEOUT)
+    assert wal.is_durable(first) and disk.fsyncs == 2  # the second came after the first began
+    wal.close()
+    assert [bytes(r.payload)[:1] for r in Wal(tmp_path / "wal", 1 << 20).replay()] == [b"a", b"b"]
+
+
+def test_an_fsync_failing_after_later_records_were_written_writes_them_all_again_once(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(wal_module, "RETRY_S", 0.01)
+    disk = CountingDisk()
+    wal = Wal(tmp_path / "wal", 1 << 20, disk)
+    wal.start()
+    disk.fail_fsyncs = 1
+    first, second = _held_fsync_and_a_record_written_meanwhile(wal, disk)
+    disk.gate.set()  # the held fsync fails: the file is cut back to before both and written again
+    wal.wait(second, TIMEOUT)
+    assert wal.is_durable(first) and wal.failure is None
+    wal.close()
+    assert [bytes(r.payload)[:1] for r in Wal(tmp_path / "wal", 1 << 20).replay()] == [b"a", b"b"]
 
 
 def test_a_streams_parts_keep_their_segments_until_its_push_whose_version_they_then_carry(
