@@ -233,15 +233,14 @@ def test_compose_host_stack_trains_and_its_prometheus_records_goodput(
 
     base = f"http://127.0.0.1:{ports['PROMETHEUS_PORT']}"
 
-    def query_text(expr: str, at: float | None = None) -> str:
-        params = {"query": expr} if at is None else {"query": expr, "time": str(at)}
+    def query_text(expr: str) -> str:
         with urllib.request.urlopen(
-            f"{base}/api/v1/query?" + urllib.parse.urlencode(params), timeout=5
+            f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}), timeout=5
         ) as r:
             return r.read().decode()
 
-    def query(expr: str, at: float | None = None) -> list[dict[str, Any]]:
-        body = json.loads(query_text(expr, at))
+    def query(expr: str) -> list[dict[str, Any]]:
+        body = json.loads(query_text(expr))
         assert body["status"] == "success", body
         return body["data"]["result"]
 
@@ -266,15 +265,6 @@ def test_compose_host_stack_trains_and_its_prometheus_records_goodput(
         learners = poll(both_learners, 60, "Prometheus never scraped both learners")
         for expr in (rule, "diloco_goodput_ratio", "diloco_learner_steps_total"):
             print(f"GET /api/v1/query?query={expr} ->", query_text(expr))
-        # the counters the rule divides, as scraped at the recorded sample's time
-        at = recorded[0]["value"][0]
-        merged, capacity = (
-            query(f"sum({name})", at)
-            for name in (
-                'diloco_compute_seconds_total{bucket="merged"}',
-                "diloco_learner_capacity_seconds_total",
-            )
-        )
         restarts = docker("inspect", "-f", "{{.RestartCount}}", f"{project}_synchronizer_1")
     except BaseException:
         print(run("logs", "--no-color", "--tail", "40").stdout)
@@ -286,12 +276,13 @@ def test_compose_host_stack_trains_and_its_prometheus_records_goodput(
         "__name__": "job:diloco_goodput:ratio_rate5m",
         "job": "diloco-synchronizer",
     }
-    # No bound on the recorded ratio itself: in the first minutes a push landing in the window
-    # carries compute done before the window's first capacity sample, so the 5-minute ratio may
-    # pass 1 for a while (1.37 was seen). What holds at every moment is that the merged compute
-    # scraped so far is within the capacity scraped so far.
-    assert len(merged) == len(capacity) == 1
-    assert 0 < float(merged[0]["value"][1]) <= float(capacity[0]["value"][1])
+    # No bound on the recorded ratio beyond `positive`'s (finite, above 0): in the first
+    # minutes a push landing in the window carries compute done before the window's first
+    # capacity sample, and capacity accrues only at the Synchronizer's ticks, so the 5-minute
+    # ratio passes 1 for a while (1.37 was seen) and even the cumulative merged compute can lead
+    # the cumulative capacity by a tick (2.07 against 2.00 s was seen). The rule's arithmetic is
+    # unit-tested on fixed series (deploy/prometheus/tests/goodput_test.yml); the Synchronizer's
+    # own windowed ratio, the gauge, stays <= 1.
     assert len(raw) == 1 and float(raw[0]["value"][1]) <= 1
     assert restarts.stdout.strip() == "0", "the Synchronizer restarted"
     assert len(learners) == 2 and {s["metric"]["job"] for s in learners} == {"diloco-learner"}
