@@ -49,7 +49,8 @@ from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
-from synchronizer.wal import PUSH, Record, Wal
+from synchronizer.wal import Wal
+from synchronizer.walformat import PUSH, Record
 from tests import powercut
 
 REPO = Path(__file__).resolve().parents[1]

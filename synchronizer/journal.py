@@ -40,7 +40,8 @@ from synchronizer.leases import Registry
 from synchronizer.metrics import Metrics
 from synchronizer.outer import FUSED_SGD
 from synchronizer.records import LearnerRecord
-from synchronizer.wal import ABANDON, JOIN, PART, PUSH, ROUND, Record, Wal, WalError
+from synchronizer.wal import Wal, WalError
+from synchronizer.walformat import ABANDON, JOIN, PART, PUSH, ROUND, Record
 
 if TYPE_CHECKING:
     from synchronizer.fragments import Fragment

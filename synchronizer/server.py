@@ -29,12 +29,12 @@ from protos import exposition
 from synchronizer.cli_status import status_json
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
+from synchronizer.disk import Disk
 from synchronizer.health import SERVICE_NAME as HEALTH_SERVICE
 from synchronizer.health import HealthServicer
 from synchronizer.metrics import Metrics
 from synchronizer.service import SynchronizerService
 from synchronizer.streams import FirstMessages
-from synchronizer.wal import Disk
 
 logger = logging.getLogger(__name__)
 

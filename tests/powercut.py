@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry
 
 from protos import diloco_pb2 as pb
 from protos.initmodel import init_model_requests
-from synchronizer import wal as wal_module
+from synchronizer import walformat
 from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
@@ -355,8 +355,8 @@ def _write_tree(d: _Dir, path: Path) -> None:
 def _pushes_in(segment: bytes) -> set[tuple[str, int]]:
     return {
         (str(r.meta["learner_id"]), int(r.meta["seq"]))
-        for r in wal_module.records_of(segment)
-        if r.kind == wal_module.PUSH
+        for r in walformat.records_of(segment)
+        if r.kind == walformat.PUSH
     }
 
 

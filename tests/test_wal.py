@@ -21,16 +21,16 @@ from synchronizer.disk import Disk
 from synchronizer.leases import Registry
 from synchronizer.metrics import Metrics
 from synchronizer.server import start, stop
-from synchronizer.wal import (
+from synchronizer.wal import Wal, WalError
+from synchronizer.walformat import (
     ABANDON,
     JOIN,
     PART,
     PUSH,
     ROUND,
     Record,
-    Wal,
-    WalError,
     list_segments,
+    read_segment,
 )
 from tests.helpers import (
     TIMEOUT,
@@ -413,9 +413,7 @@ def test_a_refused_pushs_buffer_is_not_reused_while_its_parts_wait_to_be_written
         pushing.join(TIMEOUT)
         assert second["r"].outcome == pb.PUSH_ACCEPTED
         # The log as it stands (a kill now would leave this) replays the acknowledged push.
-        logged = [
-            r for _, path in list_segments(state / "wal") for r in wal_module.read_segment(path)
-        ]
+        logged = [r for _, path in list_segments(state / "wal") for r in read_segment(path)]
         pushes = [r.meta for r in logged if r.kind == PUSH]
         assert [(m["seq"], m["version"]) for m in pushes] == [(1, 1), (c.seq, 2)]
     finally:
@@ -434,9 +432,7 @@ def test_a_push_in_tiny_chunks_is_logged_in_parts_of_part_bytes(tmp_path, monkey
         c.init([torch.zeros(f.numel) for f in SPEC.fragments])
         assert c.push(0, torch.ones(N0)).outcome == pb.PUSH_ACCEPTED  # 512-byte chunks
         logged = [
-            r
-            for _, path in list_segments(tmp_path / "s" / "wal")
-            for r in wal_module.read_segment(path)
+            r for _, path in list_segments(tmp_path / "s" / "wal") for r in read_segment(path)
         ]
     finally:
         stop(srv, 1.0)
