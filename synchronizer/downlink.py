@@ -153,15 +153,15 @@ class Downlink:
     def step_pushes(
         self,
         params: torch.Tensor,
-        pushes: list[tuple[torch.Tensor, bool, torch.Tensor]],
+        pushes: list[native.Push],
         summed: int,
         total: float,
         outer: OuterStep,
         version: int,
     ) -> bool:
-        """`step` with the merged delta made block by block from a round's encoded pushes
+        """`step` with the merged delta made block by block from a round's pushes
         (`native.step_int8`: the first `summed` weighted, summed and divided by `total`, the
-        rest added; every one of the chain's block size), never held whole in FP32; the same
+        rest added; codes of the chain's block size), never held whole in FP32; the same
         numbers as `step` of that merged delta. False (nothing done) where the native chain does
         not take this step. The caller has shown the merged delta appliable."""
         kernel = functools.partial(native.step_int8, pushes, summed, total, params)

@@ -74,8 +74,9 @@ REPLAY_SETTINGS = (
 
 # Raised when the code computes a logged round differently under the same settings, so a log
 # written by the code before is replayed under a new epoch, never into other contents. 2: a
-# round's first BF16 push weighted in FP32 (it was rounded to BF16 again).
-ARITHMETIC_REVISION = 2
+# round's first BF16 push weighted in FP32 (it was rounded to BF16 again). 3: BF16 and FP32
+# pushes added by the native kernels, where they run (torch's add fused the multiply).
+ARITHMETIC_REVISION = 3
 
 
 def replay_settings(cfg: SynchronizerConfig) -> dict[str, Any]:

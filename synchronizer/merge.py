@@ -65,9 +65,17 @@ def staleness_factor(kind: str, staleness: int, alpha: float = 0.5, hinge: int =
     return 1.0
 
 
+NATIVE_KINDS = {
+    pb.CODEC_INT8: native.INT8,
+    pb.CODEC_INT4: native.INT4,
+    pb.CODEC_BF16: native.BF16,
+    pb.CODEC_FP32: native.FP32,
+}
+
+
 def native_codec(header: pb.PayloadHeader) -> bool:
-    """Whether the native kernels decode this payload's codec (blockwise INT8 and INT4)."""
-    return header.codec in (pb.CODEC_INT8, pb.CODEC_INT4)
+    """Whether the native kernels add this payload's codec (all but FP4)."""
+    return header.codec in NATIVE_KINDS
 
 
 def add_native(
@@ -77,33 +85,42 @@ def add_native(
     overwrite: bool = False,
 ) -> None:
     """out (= with `overwrite`, else +=) sum of weight x decode(payload), in order, by the
-    native kernel (`native.accumulate`): checked INT8/INT4 payloads of `numel` elements, the
-    weight folded into each block's scale as `codec.accumulate` folds it; one pass over `out`
-    per run of payloads of one block size."""
+    native kernel (`native.accumulate`): checked payloads of `numel` elements in a codec it
+    takes (`native_codec`), the weight folded into each block's scale as `codec.accumulate`
+    folds it; one pass over `out` per run of payloads whose codes have one block size."""
     start = 0
     while start < len(payloads):
-        size = int(payloads[start][1].block_size)
-        stop = start + 1
-        while stop < len(payloads) and int(payloads[stop][1].block_size) == size:
+        size = 0  # the run's block size: its first payload of codes' (values have none)
+        stop = start
+        while stop < len(payloads):
+            own = int(payloads[stop][1].block_size)
+            if own and size and own != size:
+                break
+            size = size or own
             stop += 1
         pushes = weighted_codes(payloads[start:stop], numel)
-        native.accumulate(pushes, numel, size, out, overwrite=overwrite and start == 0)
+        block = size or native.RUN_ELEMS
+        native.accumulate(pushes, numel, block, out, overwrite=overwrite and start == 0)
         start = stop
 
 
 def weighted_codes(
     payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]], numel: int
-) -> list[tuple[torch.Tensor, bool, torch.Tensor]]:
-    """The native kernels' form of checked INT8/INT4 payloads: (codes, whether INT4, each
-    block's scale times the payload's weight)."""
-    return [
-        (
-            buf.contiguous(),
-            h.codec == pb.CODEC_INT4,
-            blockwise.checked_scales(buf, h.codec, numel, h.scale_dtype) * weight,
-        )
-        for buf, h, weight in payloads
-    ]
+) -> list[native.Push]:
+    """The native kernels' form of checked payloads (`native.Push`): INT8 or INT4 codes with
+    each block's scale times the payload's weight, or BF16 or FP32 values with the weight."""
+    pushes = []
+    for buf, h, weight in payloads:
+        kind = NATIVE_KINDS[h.codec]
+        if kind in (native.BF16, native.FP32):
+            dtype = torch.bfloat16 if kind == native.BF16 else torch.float32
+            data = blockwise.aligned(buf.contiguous(), dtype)
+            scales = torch.tensor([weight], dtype=torch.float32)
+        else:
+            data = buf.contiguous()
+            scales = blockwise.checked_scales(buf, h.codec, numel, h.scale_dtype) * weight
+        pushes.append((data, kind, scales))
+    return pushes
 
 
 class Accumulator:
@@ -126,7 +143,7 @@ class Accumulator:
     contents ignored: e.g. one lent by a pool, given back after the outer step); allocated when
     not given.
 
-    With `native_kernels`, INT8 and INT4 payloads in mean mode on CPU are decoded and added by
+    With `native_kernels`, payloads in mean mode on CPU (all but FP4) are decoded and added by
     `native.accumulate` (`add_payloads` takes a round's held pushes in one pass over the sums)
     and the merge divides by `native.merge`, which also takes the merged delta's largest
     magnitude (`merged_max_abs`).
@@ -277,7 +294,7 @@ class Accumulator:
         return self.native_kernels and native_codec(header)
 
     def _add_native(self, payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]]) -> None:
-        """The native kernel's sum of INT8/INT4 payloads (checked, positive weights)."""
+        """The native kernel's sum of payloads it takes (checked, positive weights)."""
         add_native(payloads, self.numel, self._sum, overwrite=self._fresh)
         self._fresh = False
         self._total_weight += sum(w for _, _, w in payloads)

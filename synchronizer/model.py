@@ -51,19 +51,22 @@ MAX_MERGED_ABS = 1e30
 _BOUND_SLACK = 1.001
 
 
-def bounded_by_scales(
-    pushes: Sequence[tuple[torch.Tensor, bool, torch.Tensor]], summed: int, total: float
-) -> bool:
-    """Whether the merged delta of weighted encoded pushes (`native.step_int8`'s: the first
-    `summed` summed and divided by `total`, the rest added) is shown appliable by the scales
-    alone: in each block, the largest code times the scale, summed over the pushes, bounds
-    every element's magnitude, so a finite bound within `MAX_MERGED_ABS` (with slack for
-    rounding) proves what `unappliable` would find without reading a code."""
+def bounded_by_scales(pushes: Sequence[native.Push], summed: int, total: float) -> bool:
+    """Whether the merged delta of weighted pushes (`native.step_int8`'s: the first `summed`
+    summed and divided by `total`, the rest added) is shown appliable by their scales alone: in
+    each block, the largest code times the scale (for values, their largest magnitude times the
+    weight), summed over the pushes, bounds every element's magnitude, so a finite bound within
+    `MAX_MERGED_ABS` (with slack for rounding) proves what `unappliable` would find without
+    reading a code (values are read once, for their largest magnitude)."""
     bound: torch.Tensor | None = None
-    for i, (_, int4, scales) in enumerate(pushes):
-        term = (
-            scales.double().abs() * blockwise.LARGEST_CODE[pb.CODEC_INT4 if int4 else pb.CODEC_INT8]
-        )
+    for i, (data, kind, scales) in enumerate(pushes):
+        if kind in (native.BF16, native.FP32):
+            largest = native.absmax(data)
+        else:
+            largest = blockwise.LARGEST_CODE[
+                pb.CODEC_INT4 if kind == native.INT4 else pb.CODEC_INT8
+            ]
+        term = scales.double().abs() * largest
         if i < summed:
             term /= total
         bound = term if bound is None else bound + term
@@ -199,8 +202,8 @@ class FragmentModel:
     ) -> bool:
         """The outer step made straight from the round's encoded pushes and re-anchoring links
         (`Downlink.step_pushes`: no FP32 sums, no pass to merge or to check them), where the
-        native chain takes it: every push and link INT8 or INT4 of the chain's block size, a
-        positive total weight, and the merged delta shown appliable by the scales alone
+        native chain takes it: every push and link in a codec the kernels add (`native_codec`),
+        codes of the chain's block size, a positive total weight, and the merged delta shown appliable by the scales alone
         (`bounded_by_scales`). The same numbers as decoding, merging, re-anchoring and stepping
         one after the other. False, with nothing changed, where it is not taken."""
         assert self.params is not None
@@ -209,9 +212,9 @@ class FragmentModel:
         weighted = [p for p in held if p[2] > 0.0]
         links = self._stale_links(start_version, contributions, share)
         payloads = [*weighted, *links]
-        block = layout.DEFAULT_BLOCK_SIZE  # the chain's
+        block = layout.DEFAULT_BLOCK_SIZE  # the chain's (BF16 and FP32 values have 0: none)
         if not weighted or not all(
-            native_codec(h) and h.block_size == block and h.numel == self.numel
+            native_codec(h) and h.block_size in (0, block) and h.numel == self.numel
             for _, h, _ in payloads
         ):
             return False

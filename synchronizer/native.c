@@ -79,34 +79,89 @@ INLINE void codes_of(const uint8_t *codes, int int4, int64_t start, int64_t stop
     }
 }
 
-/* out[i] = sum over pushes k, in order, of code_k(i) * scales_k[i / bs] over [0, n): the first
- * push written (overwrite) or added, each later one added: ((a0 + a1) + a2) ... with every
- * product rounded before its add. Walked run by run so `out` is read and written once. */
-KERNEL void diloco_accumulate(int npush, const uint8_t *const *codes, const int *int4,
+/* What a push is, to the kernels that add pushes: INT8 codes, INT4 codes two per byte, or
+ * values in bfloat16 or FP32. Codes come with one scale per block of `bs`; values with one
+ * weight. */
+enum { PUSH_INT8 = 0, PUSH_INT4 = 1, PUSH_BF16 = 2, PUSH_FP32 = 3 };
+
+/* o[j] = (write) or += (not) the push's value of element start + j times its scale (codes: their
+ * block's, s[i / bs]; values: the one weight s[0]) over [start, stop), each product rounded
+ * before its add. `q` holds stop - start codes. */
+INLINE void push_into(const void *data, int kind, const float *s, int64_t start, int64_t stop,
+                      int64_t bs, float *restrict o, int write, int8_t *restrict q) {
+    int64_t m = stop - start;
+    if (kind == PUSH_BF16) {
+        const uint16_t *v = (const uint16_t *)data + start;
+        float w = s[0];
+        if (write)
+            for (int64_t j = 0; j < m; j++) o[j] = bf16_to_f32(v[j]) * w;
+        else
+            for (int64_t j = 0; j < m; j++) o[j] = o[j] + bf16_to_f32(v[j]) * w;
+        return;
+    }
+    if (kind == PUSH_FP32) {
+        const float *v = (const float *)data + start;
+        float w = s[0];
+        if (write)
+            for (int64_t j = 0; j < m; j++) o[j] = v[j] * w;
+        else
+            for (int64_t j = 0; j < m; j++) o[j] = o[j] + v[j] * w;
+        return;
+    }
+    codes_of((const uint8_t *)data, kind == PUSH_INT4, start, stop, q);
+    for (int64_t i = start; i < stop;) {
+        int64_t b = i / bs;
+        int64_t end = (b + 1) * bs < stop ? (b + 1) * bs : stop;
+        float sc = s[b];
+        const int8_t *qi = q + (i - start);
+        float *oi = o + (i - start);
+        int64_t k = end - i;
+        if (write)
+            for (int64_t j = 0; j < k; j++) oi[j] = (float)qi[j] * sc;
+        else
+            for (int64_t j = 0; j < k; j++) oi[j] = oi[j] + (float)qi[j] * sc;
+        i = end;
+    }
+}
+
+/* out[i] = sum over pushes k, in order, of push k's value of element i times its scale
+ * (`push_into`) over [0, n): the first push written (overwrite) or added, each later one
+ * added: ((a0 + a1) + a2) ... with every product rounded before its add. Walked run by run so
+ * `out` is read and written once. */
+KERNEL void diloco_accumulate(int npush, const void *const *data, const int *kind,
                        const float *const *scales, int64_t n, int64_t bs, float *out,
                        int overwrite) {
     int8_t q[RUN];
     for (int64_t start = 0; start < n; start += RUN) {
         int64_t stop = start + RUN < n ? start + RUN : n;
-        for (int k = 0; k < npush; k++) {
-            codes_of(codes[k], int4[k], start, stop, q);
-            const float *s = scales[k];
-            int write = overwrite && k == 0;
-            for (int64_t i = start; i < stop;) {
-                int64_t b = i / bs;
-                int64_t end = (b + 1) * bs < stop ? (b + 1) * bs : stop;
-                float sc = s[b];
-                const int8_t *qi = q + (i - start);
-                float *o = out + i;
-                int64_t m = end - i;
-                if (write)
-                    for (int64_t j = 0; j < m; j++) o[j] = (float)qi[j] * sc;
-                else
-                    for (int64_t j = 0; j < m; j++) o[j] = o[j] + (float)qi[j] * sc;
-                i = end;
-            }
+        for (int k = 0; k < npush; k++)
+            push_into(data[k], kind[k], scales[k], start, stop, bs, out + start,
+                      overwrite && k == 0, q);
+    }
+}
+
+/* The greatest |x| over n values, bfloat16 (`bf16`) or FP32, taken on the bits (NaN or Inf
+ * where one is not finite): what bounds a push of values in the merged delta. */
+KERNEL float diloco_absmax(const void *data, int bf16, int64_t n) {
+    uint32_t top = 0;
+    if (bf16) {
+        const uint16_t *v = (const uint16_t *)data;
+        uint16_t top16 = 0;
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t bits = v[i] & 0x7FFFu;
+            top16 = bits > top16 ? bits : top16;
+        }
+        top = (uint32_t)top16 << 16;
+    } else {
+        const uint32_t *v = (const uint32_t *)data;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits = v[i] & 0x7FFFFFFFu;
+            top = bits > top ? bits : top;
         }
     }
+    float amax;
+    memcpy(&amax, &top, sizeof amax);
+    return amax;
 }
 
 /* s[i] / total over [0, n), in place; returns the greatest |result| (NaN or Inf where one is
@@ -220,15 +275,15 @@ KERNEL int diloco_chain_int8(const float *grad, float *params, float *momentum, 
     return 0;
 }
 
-/* A whole round's outer step from its encoded pushes, block by block, with no FP32 sums in
- * memory: each block of the merged delta is made in `scratch` exactly as `diloco_accumulate`
- * (pushes 0..nsum-1, the first written), `diloco_merge` (divided by `total`) and then
+/* A whole round's outer step from its pushes, block by block, with no FP32 sums in memory:
+ * each block of the merged delta is made in `scratch` exactly as `diloco_accumulate` (pushes
+ * 0..nsum-1, the first written), `diloco_merge` (divided by `total`) and then
  * `diloco_accumulate` again (pushes nsum..npush-1 added: the re-anchoring links) make it, and
- * taken through `diloco_chain_int8`'s step at once. Every push has block size `bs` (at most
- * RUN), the chain's own. The caller has shown the merged delta appliable from the scales alone
- * (nothing here checks its range). `scratch` holds 2 * bs floats. Returns as
- * `diloco_chain_int8`. */
-KERNEL int diloco_step_int8(int npush, int nsum, const uint8_t *const *codes, const int *int4,
+ * taken through `diloco_chain_int8`'s step at once. Pushes of codes have block size `bs` (at
+ * most RUN), the chain's own. The caller has shown the merged delta appliable from the scales
+ * and weights alone (nothing here checks its range). `scratch` holds 2 * bs floats. Returns
+ * as `diloco_chain_int8`. */
+KERNEL int diloco_step_int8(int npush, int nsum, const void *const *data, const int *kind,
                      const float *const *scales, float total, float *params, float *momentum,
                      void *residual, int residual_bf16, int8_t *out_codes, float *out_scales,
                      int64_t n, int64_t bs, float factor, int nesterov, float mu,
@@ -241,12 +296,7 @@ KERNEL int diloco_step_int8(int npush, int nsum, const uint8_t *const *codes, co
     for (int64_t start = 0, b = 0; start < n; start += bs, b++) {
         int64_t m = start + bs < n ? bs : n - start;
         for (int k = 0; k < npush; k++) {
-            codes_of(codes[k], int4[k], start, start + m, q);
-            float sc = scales[k][b];
-            if (k == 0)
-                for (int64_t j = 0; j < m; j++) g[j] = (float)q[j] * sc;
-            else
-                for (int64_t j = 0; j < m; j++) g[j] = g[j] + (float)q[j] * sc;
+            push_into(data[k], kind[k], scales[k], start, start + m, bs, g, k == 0, q);
             if (k == nsum - 1)
                 for (int64_t j = 0; j < m; j++) g[j] = g[j] / total;
         }

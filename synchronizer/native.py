@@ -5,9 +5,10 @@ decode of a push is a dozen, the INT8 update chain another dozen (`docs/performa
 kernels in `native.c` do each of those in one pass: every held push of a round decoded and
 weighted into its sums together (`accumulate`), the sums divided into the merged delta while its
 range is taken (`merge`), and the Nesterov step, the INT8 encoding of the update with its
-residual, and the parameters' add, block by block (`chain_int8`). Where a round is still all
-encoded pushes when its step comes, `step_int8` does all of it in one pass, each block of the
-merged delta made in cache and stepped at once, with the same numbers and no FP32 sums.
+residual, and the parameters' add, block by block (`chain_int8`). Pushes are INT8 or INT4 codes
+or BF16 or FP32 values (`Push`). Where a round is still all held pushes when its step comes,
+`step_int8` does all of it in one pass, each block of the merged delta made in cache and
+stepped at once, with the same numbers and no FP32 sums.
 `crc32` is zlib's checksum (the same numbers) folded with carry-less multiplication, for the
 write-ahead log and a version's parameter checksum, whatever `--kernels` says (its numbers are
 zlib's): zlib's tables run at a third of its speed.
@@ -71,6 +72,19 @@ AUTO_THREADS = 4  # the most `kernel_threads(0)` takes: memory bandwidth stops g
 # pushes (intake of 6.25M-element INT4 pushes fell 12% so: docs/performance.md).
 SPLIT_MIN_ELEMS = 1 << 24
 _pool: ThreadPoolExecutor | None = None
+
+# What a push is to the kernels that add pushes (native.c's PUSH_ kinds): (data, kind, scales).
+# INT8 codes (uint8, one per element) and INT4 codes (two per byte, low nibble first, code + 8)
+# come with FP32 scales, one per block, the push's weight folded in; BF16 and FP32 values with
+# one FP32 weight.
+INT8, INT4, BF16, FP32 = 0, 1, 2, 3
+Push = tuple[torch.Tensor, int, torch.Tensor]
+_DATA = {  # each kind's data: dtype, elements per item
+    INT8: (torch.uint8, 1),
+    INT4: (torch.uint8, 2),
+    BF16: (torch.bfloat16, 1),
+    FP32: (torch.float32, 1),
+}
 
 
 class NativeUnavailable(RuntimeError):
@@ -171,6 +185,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.diloco_accumulate.restype = None
+    lib.diloco_absmax.argtypes = [vp, ctypes.c_int, _i64]
+    lib.diloco_absmax.restype = ctypes.c_float
     lib.diloco_merge.argtypes = [vp, _i64, ctypes.c_float]
     lib.diloco_merge.restype = ctypes.c_float
     lib.diloco_chain_int8.argtypes = [
@@ -349,35 +365,51 @@ def _check_f32(name: str, t: torch.Tensor, numel: int) -> None:
 
 
 def accumulate(
-    pushes: list[tuple[torch.Tensor, bool, torch.Tensor]],
-    n: int,
-    block_size: int,
-    out: torch.Tensor,
-    overwrite: bool,
+    pushes: list[Push], n: int, block_size: int, out: torch.Tensor, overwrite: bool
 ) -> None:
-    """out (=|+=) the sum, in order, of each push's codes x its block's scale over [0, n).
-    A push is (codes: uint8, INT8 or packed INT4; whether INT4; FP32 scales, weighted)."""
+    """out (=|+=) the sum, in order, of each push's values times their scale over [0, n)
+    (`Push`; codes have `block_size`)."""
     lib = load().lib
     _check_f32("out", out, n)
-    codes, int4, scales = _pushes(pushes, n, block_size)
+    data, kinds, scales = _pushes(pushes, n, block_size)
     lib.diloco_accumulate(
-        len(pushes), codes, int4, scales, n, block_size, _ptr(out), int(overwrite)
+        len(pushes), data, kinds, scales, n, block_size, _ptr(out), int(overwrite)
     )
 
 
-def _pushes(pushes: list[tuple[torch.Tensor, bool, torch.Tensor]], n: int, block_size: int):
-    """The kernels' arrays of pushes' codes, INT4 flags and scales (each push checked)."""
+def _pushes(pushes: list[Push], n: int, block_size: int):
+    """The kernels' arrays of pushes' data, kinds and scales (each push checked)."""
     k = len(pushes)
-    codes = (ctypes.c_void_p * k)()
+    data = (ctypes.c_void_p * k)()
     scales = (ctypes.c_void_p * k)()
-    int4 = (ctypes.c_int * k)()
+    kinds = (ctypes.c_int * k)()
     blocks = -(-n // block_size)
-    for i, (c, is_int4, s) in enumerate(pushes):
-        if c.dtype != torch.uint8 or c.numel() < (-(-n // 2) if is_int4 else n):
-            raise ValueError("codes must be uint8 covering every element")
-        _check_f32("scales", s, blocks)
-        codes[i], scales[i], int4[i] = _ptr(c), _ptr(s), int(is_int4)
-    return codes, int4, scales
+    for i, (d, kind, s) in enumerate(pushes):
+        dtype, per_byte = _DATA[kind]
+        if d.dtype != dtype or d.numel() < -(-n // per_byte):
+            raise ValueError(f"push {i} must be {dtype} covering every element")
+        _check_f32("scales", s, 1 if kind in (BF16, FP32) else blocks)
+        data[i], scales[i], kinds[i] = _ptr(d), _ptr(s), kind
+    return data, kinds, scales
+
+
+def _cut(push: Push, lo: int, block_size: int) -> Push:
+    """A push from element `lo` on (a multiple of 2 x block_size)."""
+    d, kind, s = push
+    if kind in (BF16, FP32):
+        return d[lo:], kind, s
+    return d[lo // 2 :] if kind == INT4 else d[lo:], kind, s[lo // block_size :]
+
+
+def absmax(values: torch.Tensor) -> float:
+    """The greatest |x| of contiguous BF16 or FP32 values (Inf or NaN where one is not
+    finite), in one pass on their bits."""
+    if values.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("absmax takes BF16 or FP32 values")
+    lib = load().lib
+    return float(
+        lib.diloco_absmax(_ptr(values), int(values.dtype == torch.bfloat16), values.numel())
+    )
 
 
 def merge(sums: torch.Tensor, total: float) -> float:
@@ -417,7 +449,7 @@ def chain_int8(
 
 
 def step_int8(
-    pushes: list[tuple[torch.Tensor, bool, torch.Tensor]],
+    pushes: list[Push],
     summed: int,
     total: float,
     params: torch.Tensor,
@@ -431,11 +463,11 @@ def step_int8(
     nu: float | None = None,
     threads: int = 1,
 ) -> bool:
-    """A round's whole outer step from its encoded pushes (`native.c`, `diloco_step_int8`):
+    """A round's whole outer step from its pushes (`Push`; `native.c`, `diloco_step_int8`):
     the same numbers as `accumulate` of the first `summed` pushes (the first written), `merge`
     by `total`, `accumulate` of the rest added, then `chain_int8`, with no FP32 sums in memory;
-    split across `threads` (`ranges`). Every push has the chain's `block_size` (at most 4096);
-    the caller has shown the merged delta appliable (nothing here checks its range). False if
+    split across `threads` (`ranges`). Pushes of codes have the chain's `block_size` (at most
+    4096); the caller has shown the merged delta appliable (nothing here checks its range). False if
     the update was not finite."""
     if not 1 <= summed <= len(pushes):
         raise ValueError(f"summed must be in [1, {len(pushes)}], got {summed}")
@@ -447,8 +479,7 @@ def step_int8(
         chain = _chain(
             (lo, hi), params, momentum, residual, codes, scales, block_size, factor, mu, nu, scratch
         )
-        b = lo // block_size
-        cut = [(c[lo // 2 :] if int4 else c[lo:], int4, s[b:]) for c, int4, s in pushes]
+        cut = [_cut(push, lo, block_size) for push in pushes]
         arrays = _pushes(cut, hi - lo, block_size)
         return load().lib.diloco_step_int8(len(pushes), summed, *arrays, total, *chain) == 0
 

@@ -6,6 +6,7 @@ cannot be built."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import re
@@ -62,34 +63,76 @@ def _codes(buf: torch.Tensor, h: pb.PayloadHeader, n: int) -> torch.Tensor:
 def _reference_sum(
     pushes: list[tuple[torch.Tensor, pb.PayloadHeader, float]], n: int
 ) -> torch.Tensor:
-    """sum_k code_k * (scale_k * w_k): each product rounded, then added, in order."""
+    """sum_k code_k * (scale_k * w_k), or value_k * w_k for BF16 and FP32 (in FP32): each
+    product rounded, then added, in order."""
     total: torch.Tensor | None = None
     for buf, h, w in pushes:
-        scales = blockwise.checked_scales(buf, h.codec, n, h.scale_dtype) * w
-        term = torch.mul(_codes(buf, h, n), scales.repeat_interleave(int(h.block_size))[:n])
+        if h.codec in (pb.CODEC_BF16, pb.CODEC_FP32):
+            values = codec.decode(buf, h, torch.empty(n))  # BF16 values are exact in FP32
+            term = torch.mul(values, torch.tensor(w, dtype=torch.float32))
+        else:
+            scales = blockwise.checked_scales(buf, h.codec, n, h.scale_dtype) * w
+            term = torch.mul(_codes(buf, h, n), scales.repeat_interleave(int(h.block_size))[:n])
         total = term if total is None else torch.add(total, term)
     assert total is not None
     return total
 
 
-def test_accumulate_is_each_push_weighted_and_added_in_order_bit_for_bit() -> None:
+@pytest.mark.parametrize("first", [pb.CODEC_INT4, pb.CODEC_BF16, pb.CODEC_FP32])
+def test_accumulate_is_each_push_weighted_and_added_in_order_bit_for_bit(first: int) -> None:
+    # Codes and values in one round, whichever comes first (values have no block size)
     pushes = [
-        (*_push(pb.CODEC_INT4, 1), 0.5),
+        (*_push(first, 1), 0.5),
         (*_push(pb.CODEC_INT8, 2), 3.0),
-        (*_push(pb.CODEC_INT4, 3), 1.25),
+        (*_push(pb.CODEC_BF16, 3), 1.25),
+        (*_push(pb.CODEC_FP32, 4), 0.3),
+        (*_push(pb.CODEC_INT4, 5), 1.0),
     ]
+    total = 6.05
     together = Accumulator(N, native_kernels=True)
     together.add_payloads(pushes)
     one_by_one = Accumulator(N, native_kernels=True)
     for buf, h, w in pushes:
         one_by_one.add_payload(buf, h, w)
     expected = _reference_sum(pushes, N)
-    assert torch.equal(together.merged(), expected / 4.75)
-    assert torch.equal(one_by_one.merged(), expected / 4.75)
-    assert together.count == 3 and together.total_weight == 4.75
+    assert torch.equal(together.merged(), expected / total)
+    assert torch.equal(one_by_one.merged(), expected / total)
+    assert together.count == 5 and together.total_weight == pytest.approx(total)
     torch_path = Accumulator(N)  # torch's kernels: the same values within rounding
     torch_path.add_payloads(pushes)
-    assert torch.allclose(torch_path.merged(), expected / 4.75, rtol=1e-6, atol=1e-9)
+    assert torch.allclose(torch_path.merged(), expected / total, rtol=1e-6, atol=1e-9)
+
+
+def test_values_payloads_at_an_odd_offset_are_added_as_at_an_aligned_one() -> None:
+    # A BF16 or FP32 payload received at an address its values are not aligned to (a slice of
+    # a larger buffer) is read as aligned values, the same numbers
+    for codec_id in (pb.CODEC_BF16, pb.CODEC_FP32):
+        buf, h = _push(codec_id, 6)
+        shifted = torch.empty(buf.numel() + 1, dtype=torch.uint8)
+        shifted[1:] = buf
+        sums = []
+        for payload in (buf, shifted[1:]):
+            acc = Accumulator(N, native_kernels=True)
+            acc.add_payload(payload, h, 2.0)
+            sums.append(acc.merged())
+        assert torch.equal(sums[0], sums[1])
+        assert torch.equal(sums[0], _reference_sum([(buf, h, 2.0)], N) / 2.0)
+
+
+def test_absmax_is_the_largest_magnitude_and_shows_what_is_not_finite() -> None:
+    x = torch.randn(N, generator=torch.Generator().manual_seed(7))
+    x[123] = -40.0
+    for dtype in (torch.bfloat16, torch.float32):
+        values = x.to(dtype)
+        assert native.absmax(values) == 40.0
+        assert native.absmax(torch.zeros(5, dtype=dtype)) == 0.0
+        broken = values.clone()
+        broken[9] = float("-inf")
+        assert native.absmax(broken) == float("inf")
+        broken[9] = float("nan")
+        assert math.isnan(native.absmax(broken))
+    with pytest.raises(ValueError, match="BF16 or FP32"):
+        native.absmax(torch.zeros(4, dtype=torch.float16))
 
 
 def test_a_round_mixing_codecs_and_zero_weights_adds_what_the_torch_path_adds() -> None:
@@ -186,9 +229,10 @@ def test_a_step_from_encoded_pushes_is_accumulate_merge_reanchor_and_chain_bit_f
 ) -> None:
     summed = weighted_codes(
         [
+            (*_push(pb.CODEC_BF16, 20), 0.75),
             (*_push(pb.CODEC_INT8, 21), 1.0),
             (*_push(pb.CODEC_INT4, 22), 2.0),
-            (*_push(pb.CODEC_INT8, 23), 0.5),
+            (*_push(pb.CODEC_FP32, 23), 0.5),
         ],
         N,
     )
@@ -204,12 +248,12 @@ def test_a_step_from_encoded_pushes_is_accumulate_merge_reanchor_and_chain_bit_f
         codes, scales = torch.empty(N, dtype=torch.uint8), torch.empty(-(-N // BS))
         if fused:
             finite = native.step_int8(
-                summed + links, 3, 3.5, p, m if nesterov else None, r, codes, scales, BS, -0.7, mu
+                summed + links, 4, 4.25, p, m if nesterov else None, r, codes, scales, BS, -0.7, mu
             )
         else:
             merged = torch.empty(N)
             native.accumulate(summed, N, BS, merged, overwrite=True)
-            native.merge(merged, 3.5)
+            native.merge(merged, 4.25)
             native.accumulate(links, N, BS, merged, overwrite=False)
             finite = native.chain_int8(
                 p, m if nesterov else None, merged, r, codes, scales, BS, -0.7, mu
@@ -246,13 +290,19 @@ def test_ranges_cover_a_fragment_in_whole_blocks_one_per_thread(
 def test_a_step_split_across_threads_is_the_one_thread_step_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch, fused: bool, threads: int
 ) -> None:
-    # Odd element count, INT4 pushes and a link added after the division: every range starts
-    # on a whole block and a whole INT4 byte, so each block is computed as on one thread.
+    # Odd element count, INT4 and BF16 pushes and a link added after the division: every
+    # range starts on a whole block and a whole INT4 byte, so each block is computed as on one
+    # thread.
     n = 6 * 2 * BS + 77
     monkeypatch.setattr(native, "SPLIT_MIN_ELEMS", 2 * BS)
     assert len(native.ranges(n, BS, threads)) == threads
     pushes = weighted_codes(
-        [(*_push(pb.CODEC_INT4, 31, n), 1.0), (*_push(pb.CODEC_INT8, 32, n), 2.0)], n
+        [
+            (*_push(pb.CODEC_INT4, 31, n), 1.0),
+            (*_push(pb.CODEC_INT8, 32, n), 2.0),
+            (*_push(pb.CODEC_BF16, 30, n), 0.5),
+        ],
+        n,
     )
     links = weighted_codes([(*_push(pb.CODEC_INT8, 33, n), 0.25)], n)
     gen = torch.Generator().manual_seed(34)
@@ -265,7 +315,7 @@ def test_a_step_split_across_threads_is_the_one_thread_step_bit_for_bit(
         codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(-(-n // BS))
         if fused:
             ok = native.step_int8(
-                pushes + links, 2, 3.0, p, m, r, codes, scales, BS, -0.7, 0.9, threads=k
+                pushes + links, 3, 3.5, p, m, r, codes, scales, BS, -0.7, 0.9, threads=k
             )
         else:
             ok = native.chain_int8(p, m, merged, r, codes, scales, BS, -0.7, 0.9, threads=k)
@@ -295,11 +345,11 @@ def test_the_synchronizer_splits_its_steps_across_the_threads_it_is_given(tmp_pa
 
 
 def _stale_rounds(
-    core: Synchronizer, spec: ModelSpec
+    core: Synchronizer, spec: ModelSpec, codecs: tuple[int, ...] = (pb.CODEC_INT8, pb.CODEC_INT4)
 ) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
-    """Three learners push INT8 and INT4 deltas to fragment 0 from stale bases, four times
-    each (anchor 'current' re-anchors them through the kept links); the fragment's version,
-    parameters and links after."""
+    """Three learners push deltas to fragment 0 from stale bases, four times each, in `codecs`
+    by turns (anchor 'current' re-anchors them through the kept links); the fragment's
+    version, parameters and links after."""
     n = spec.fragments[0].numel
     learners = [CoreClient(core, spec, name) for name in "abc"]
     for learner in learners:
@@ -307,10 +357,10 @@ def _stale_rounds(
     gen = torch.Generator().manual_seed(3)
     learners[0].init([torch.randn(f.numel, generator=gen) for f in spec.fragments])
     frag = core.model.fragment(0)
-    for _ in range(4):
+    for turn in range(4):
         for i, learner in enumerate(learners):
             delta = torch.randn(n, generator=gen) * 1e-2
-            codec_id = pb.CODEC_INT8 if i % 2 == 0 else pb.CODEC_INT4
+            codec_id = codecs[(3 * turn + i) % len(codecs)]
             base = max(0, frag.version - i)
             reply = learner.push(0, delta, codec_id, base=base, tokens=100 + 10 * i)
             assert reply.outcome == pb.PUSH_ACCEPTED
@@ -319,11 +369,19 @@ def _stale_rounds(
     return frag.version, frag.model.params.clone(), links
 
 
-@pytest.mark.parametrize("quorum", [1, 2])
+@pytest.mark.parametrize(
+    ("quorum", "codecs"),
+    [
+        (1, (pb.CODEC_INT8, pb.CODEC_INT4)),
+        (2, (pb.CODEC_INT8, pb.CODEC_INT4)),
+        (2, (pb.CODEC_BF16, pb.CODEC_INT8, pb.CODEC_INT4)),  # two held: within FP32 sums' bytes
+        (1, (pb.CODEC_FP32, pb.CODEC_BF16)),
+    ],
+)
 def test_rounds_step_from_their_encoded_pushes_with_no_fp32_sums_and_the_same_numbers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quorum: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quorum: int, codecs: tuple[int, ...]
 ) -> None:
-    # A core whose rounds step from their encoded pushes and one that decodes them into FP32
+    # A core whose rounds step from their held pushes and one that decodes them into FP32
     # sums first end with the same parameters and links, bit for bit, and the first never
     # took FP32 sums.
     spec = small_spec()
@@ -336,7 +394,7 @@ def test_rounds_step_from_their_encoded_pushes_with_no_fp32_sums_and_the_same_nu
                 tmp_path / str(fused), ManualClock(), quorum=quorum, grace="none", anchor="current"
             )
             try:
-                ends.append((*_stale_rounds(core, spec), core.model.fragment(0).fp32.live))
+                ends.append((*_stale_rounds(core, spec, codecs), core.model.fragment(0).fp32.live))
             finally:
                 core.close()
     (version, params, links, live), (version2, params2, links2, live2) = ends
@@ -394,6 +452,13 @@ def test_a_round_its_scales_cannot_show_appliable_is_judged_on_its_merged_delta(
     assert not bounded_by_scales(
         weighted_codes([(huge, layout.make_header(pb.CODEC_INT8, N), 1.0)], N), 1, 1.0
     )
+    for codec_id in (pb.CODEC_BF16, pb.CODEC_FP32):  # values: bounded by their largest
+        values = torch.zeros(N)
+        values[-3] = -1e31
+        big = weighted_codes([(codec.encode(values, codec_id), _push(codec_id, 27)[1], 1.0)], N)
+        assert not bounded_by_scales(big, 1, 1.0)
+        assert bounded_by_scales(big, 1, 100.0)  # divided by the total weight: within
+        assert not bounded_by_scales(small + big, 1, 100.0)  # a link is not divided
     spec = small_spec()
     n = spec.fragments[0].numel
     core = make_core(tmp_path, ManualClock(), quorum=1, grace="none")
