@@ -298,12 +298,14 @@ def decode(buf: torch.Tensor, header: pb.PayloadHeader, out: torch.Tensor) -> to
 
 
 @torch.no_grad()
-def check(buf: torch.Tensor, header: pb.PayloadHeader) -> None:
+def check(buf: torch.Tensor, header: pb.PayloadHeader, scan_values: bool = True) -> None:
     """Validate a received payload as ``decode`` would, without decoding it.
 
     Raises ``layout.CodecError`` exactly when ``decode`` would. It reads only the scales of a quantized
     payload (one read pass over FP32/BF16 values), so a receiver can accept a push at once and
-    decode it later (``values``) knowing that the decode will succeed.
+    decode it later (``values``) knowing that the decode will succeed. Without ``scan_values``
+    FP32/BF16 values are not read: the caller shows them finite itself (``not_finite`` is the
+    error where they are not).
     """
     layout.validate_header(header, expected_numel=int(header.numel))
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != header.total_bytes:
@@ -316,12 +318,17 @@ def check(buf: torch.Tensor, header: pb.PayloadHeader) -> None:
         return
     if codec in (pb.CODEC_FP32, pb.CODEC_BF16):
         dtype = torch.float32 if codec == pb.CODEC_FP32 else torch.bfloat16
-        if not blockwise.all_finite(blockwise.aligned(buf.contiguous(), dtype)):
-            raise layout.CodecError(f"{layout.codec_name(codec)} payload contains NaN or Inf")
+        if scan_values and not blockwise.all_finite(blockwise.aligned(buf.contiguous(), dtype)):
+            raise not_finite(codec)
         return
     scales = blockwise.checked_scales(buf, codec, n, header.scale_dtype)
     if codec == pb.CODEC_INT8 and not bool(torch.isfinite(scales * 128.0).all()):
         decode(buf, header, torch.empty(n, dtype=torch.float32, device=buf.device))  # rare: scans
+
+
+def not_finite(codec: int) -> layout.CodecError:
+    """The error of a payload whose FP32/BF16 values are not all finite."""
+    return layout.CodecError(f"{layout.codec_name(codec)} payload contains NaN or Inf")
 
 
 @torch.no_grad()

@@ -169,8 +169,10 @@ class Admission:
         journal: Callable[[Verdict], int] | None = None,
         order: tuple[str, str, int] = ("", "", 0),
         owner: str = "",
+        norm: float | None = None,
     ) -> tuple[Verdict, Round | None]:
-        """Judges one push (its encoded bytes and header) and adds it to the open round; returns
+        """Judges one push (its encoded bytes and header; `norm`, its L2 norm where the caller
+        took it while checking it) and adds it to the open round; returns
         the verdict and its round. `owner`: the credential of the learner, where each learner
         has its own ("" otherwise): the bounds judge it against other credentials' pushes, and
         a round takes one contribution per credential (a second is PUSH_DROPPED_STALE), so
@@ -186,7 +188,10 @@ class Admission:
         and its token weight is capped there, before anything enters the round.
         """
         key = owner or learner_id  # whose history the bounds keep and judge against
-        norm = self._norm(key, payload) if self.bounds.judges_norms else 0.0
+        if not self.bounds.judges_norms:
+            norm = 0.0
+        elif norm is None:
+            norm = self._norm(key, payload)
         spent: list[torch.Tensor] = []
         rnd: Round | None = None
         with self.lock:

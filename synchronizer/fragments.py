@@ -115,6 +115,7 @@ class Fragment:
         journal: Callable[[Verdict], int] | None = None,
         order: tuple[str, str, int] = ("", "", 0),
         owner: str = "",
+        norm: float | None = None,
     ) -> tuple[Verdict, Round | None]:
         """Judges one push into the open round (see `Admission.submit`)."""
         return self.admission.submit(
@@ -129,6 +130,7 @@ class Fragment:
             journal,
             order,
             owner,
+            norm,
         )
 
     def reserve_hold(self, nbytes: int, live: Callable[[], set[str]], wait_s: float) -> bool:

@@ -35,6 +35,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -185,7 +186,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.diloco_accumulate.restype = None
-    lib.diloco_absmax.argtypes = [vp, ctypes.c_int, _i64]
+    lib.diloco_absmax.argtypes = [vp, ctypes.c_int, _i64, ctypes.POINTER(ctypes.c_double)]
     lib.diloco_absmax.restype = ctypes.c_float
     lib.diloco_merge.argtypes = [vp, _i64, ctypes.c_float]
     lib.diloco_merge.restype = ctypes.c_float
@@ -249,6 +250,16 @@ def load() -> Kernels:
     if isinstance(got, str):
         raise NativeUnavailable(got)
     return got
+
+
+def available() -> bool:
+    """Whether the kernels are built here (`load` without raising), whatever `--kernels` says:
+    for the work whose numbers do not depend on them (crc32, a received push's check)."""
+    try:
+        load()
+    except NativeUnavailable:
+        return False
+    return True
 
 
 def resolve(choice: str) -> bool:
@@ -404,12 +415,24 @@ def _cut(push: Push, lo: int, block_size: int) -> Push:
 def absmax(values: torch.Tensor) -> float:
     """The greatest |x| of contiguous BF16 or FP32 values (Inf or NaN where one is not
     finite), in one pass on their bits."""
+    return _absmax(values, None)
+
+
+def absmax_and_norm(values: torch.Tensor) -> tuple[float, float]:
+    """(`absmax`, the L2 norm) of contiguous BF16 or FP32 values, in one pass: the squares
+    summed in double precision, so the norm of finite values is finite."""
+    squares = ctypes.c_double()
+    largest = _absmax(values, squares)
+    return largest, math.sqrt(squares.value) if math.isfinite(largest) else math.inf
+
+
+def _absmax(values: torch.Tensor, squares: ctypes.c_double | None) -> float:
     if values.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError("absmax takes BF16 or FP32 values")
     lib = load().lib
-    return float(
-        lib.diloco_absmax(_ptr(values), int(values.dtype == torch.bfloat16), values.numel())
-    )
+    bf16 = int(values.dtype == torch.bfloat16)
+    out = ctypes.byref(squares) if squares is not None else None
+    return float(lib.diloco_absmax(_ptr(values), bf16, values.numel(), out))
 
 
 def merge(sums: torch.Tensor, total: float) -> float:

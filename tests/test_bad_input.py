@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -226,17 +227,22 @@ def test_oversized_stream_is_resource_exhausted(ready):
     )
 
 
-def test_nan_after_decoding_is_invalid_argument(ready):
+@pytest.mark.parametrize(
+    ("codec_id", "dtype", "bad"),
+    [(pb.CODEC_FP32, torch.float32, float("nan")), (pb.CODEC_BF16, torch.bfloat16, -math.inf)],
+)
+def test_nan_after_decoding_is_invalid_argument(ready, codec_id, dtype, bad):
+    # values are checked in the pass that takes their norm (the native kernels'), as in torch's
     srv, c = ready
     d = _delta()
-    h, _ = c.header(0, d, pb.CODEC_FP32, 0)
-    d[5] = float("nan")
-    raw = d.view(torch.uint8).clone()
+    h, _ = c.header(0, d, codec_id, 0)
+    d[-5] = bad
+    raw = d.to(dtype).view(torch.uint8).clone()
     _expect(
         srv,
         grpc.StatusCode.INVALID_ARGUMENT,
         lambda: _raw_push(c, h, framing.iter_chunks(raw, 256)),
-        "NaN",
+        "NaN or Inf",
     )
 
 

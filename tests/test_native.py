@@ -23,7 +23,7 @@ import torch
 from protos import blockwise, codec, layout
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec
-from synchronizer import journal, native
+from synchronizer import journal, native, receive
 from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
@@ -133,6 +133,36 @@ def test_absmax_is_the_largest_magnitude_and_shows_what_is_not_finite() -> None:
         assert math.isnan(native.absmax(broken))
     with pytest.raises(ValueError, match="BF16 or FP32"):
         native.absmax(torch.zeros(4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_received_pushs_values_are_checked_and_their_norm_taken_in_one_pass(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The norm of FP32/BF16 values from the check's pass, within rounding of the exact one,
+    # finite for values whose squares overflow FP32; what is not finite is refused with
+    # codec.check's error, and without the kernels the check is torch's and gives no norm.
+    codec_id = pb.CODEC_BF16 if dtype == torch.bfloat16 else pb.CODEC_FP32
+    x = torch.randn(3 * 4096 + 5, generator=torch.Generator().manual_seed(8))
+    for scale in (1e-3, 1e30):
+        values = (x * scale).to(dtype)
+        largest, norm = native.absmax_and_norm(values)
+        exact = float(torch.linalg.vector_norm(values.double()))
+        assert largest == float(values.abs().max()) and norm == pytest.approx(exact, rel=1e-6)
+        buf, h = codec.encode(values.float(), codec_id), layout.make_header(codec_id, x.numel())
+        assert receive.checked(buf, h) == norm
+    broken = x.to(dtype)
+    broken[4096 + 3] = float("nan")
+    largest, norm = native.absmax_and_norm(broken)
+    assert math.isnan(largest) and norm == math.inf
+    bad = broken.view(torch.uint8).clone()
+    with pytest.raises(layout.CodecError, match=str(codec.not_finite(codec_id))):
+        receive.checked(bad, h)
+    assert native.absmax_and_norm(torch.zeros(0, dtype=dtype)) == (0.0, 0.0)
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert receive.checked(buf, h) is None
+    with pytest.raises(layout.CodecError, match="NaN or Inf"):
+        receive.checked(bad, h)
 
 
 def test_a_round_mixing_codecs_and_zero_weights_adds_what_the_torch_path_adds() -> None:
