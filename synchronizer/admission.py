@@ -44,6 +44,7 @@ from synchronizer.config import SynchronizerConfig
 from synchronizer.goodput import Goodput, Share
 from synchronizer.merge import Accumulator, staleness_factor, token_weight
 from synchronizer.metrics import Metrics
+from synchronizer.receive import Measured
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,13 @@ class Round:
             self.held.clear()
         return spent
 
+    def ordered(self) -> list[Held]:
+        """The held pushes, in the order they are added in."""
+        return sorted(self.held, key=lambda h: h.order)
+
     def ordered_held(self) -> list[tuple[torch.Tensor, pb.PayloadHeader, float]]:
         """The held pushes as (buf, header, weight), in the order they are added in."""
-        return [(h.buf, h.header, h.weight) for h in sorted(self.held, key=lambda h: h.order)]
+        return [(h.buf, h.header, h.weight) for h in self.ordered()]
 
 
 class Held(NamedTuple):
@@ -95,6 +100,7 @@ class Held(NamedTuple):
     header: pb.PayloadHeader
     weight: float
     order: tuple[str, str, int]  # (learner name, learner id, seq): the order it is added in
+    largest: float | None = None  # FP32/BF16: its greatest |value|, where its check measured it
 
 
 @dataclass
@@ -169,10 +175,10 @@ class Admission:
         journal: Callable[[Verdict], int] | None = None,
         order: tuple[str, str, int] = ("", "", 0),
         owner: str = "",
-        norm: float | None = None,
+        measured: Measured | None = None,
     ) -> tuple[Verdict, Round | None]:
-        """Judges one push (its encoded bytes and header; `norm`, its L2 norm where the caller
-        took it while checking it) and adds it to the open round; returns
+        """Judges one push (its encoded bytes and header; `measured`, what its check measured
+        of its values, where it did) and adds it to the open round; returns
         the verdict and its round. `owner`: the credential of the learner, where each learner
         has its own ("" otherwise): the bounds judge it against other credentials' pushes, and
         a round takes one contribution per credential (a second is PUSH_DROPPED_STALE), so
@@ -190,8 +196,8 @@ class Admission:
         key = owner or learner_id  # whose history the bounds keep and judge against
         if not self.bounds.judges_norms:
             norm = 0.0
-        elif norm is None:
-            norm = self._norm(key, payload)
+        else:
+            norm = measured.norm if measured is not None else self._norm(key, payload)
         spent: list[torch.Tensor] = []
         rnd: Round | None = None
         with self.lock:
@@ -221,7 +227,8 @@ class Admission:
                     self.round = Round(verdict.round_version - 1, self.clock.monotonic())
                 rnd = self.round
                 if hold:
-                    rnd.held.append(Held(payload[0], payload[1], verdict.weight, order))
+                    largest = measured.largest if measured is not None else None
+                    rnd.held.append(Held(payload[0], payload[1], verdict.weight, order, largest))
                 else:
                     spent = self._add_now(rnd, payload, verdict.weight)
                 counted = self.goodput.accepted(learner_id, share)

@@ -29,6 +29,7 @@ from synchronizer.goodput import Goodput, Share
 from synchronizer.merge import Accumulator, native_codec
 from synchronizer.metrics import Metrics
 from synchronizer.model import FragmentModel
+from synchronizer.receive import Measured
 
 EMBEDDING_HINTS = ("emb", "wte", "wpe")  # tensors merged by plain mean in radial mode
 
@@ -115,7 +116,7 @@ class Fragment:
         journal: Callable[[Verdict], int] | None = None,
         order: tuple[str, str, int] = ("", "", 0),
         owner: str = "",
-        norm: float | None = None,
+        measured: Measured | None = None,
     ) -> tuple[Verdict, Round | None]:
         """Judges one push into the open round (see `Admission.submit`)."""
         return self.admission.submit(
@@ -130,7 +131,7 @@ class Fragment:
             journal,
             order,
             owner,
-            norm,
+            measured,
         )
 
     def reserve_hold(self, nbytes: int, live: Callable[[], set[str]], wait_s: float) -> bool:
@@ -185,7 +186,8 @@ class Fragment:
             # A round still all encoded pushes the native chain can step from is handed over as
             # it is (no FP32 sums: `FragmentModel.step`), and decoded under the model's lock
             # only where the step does not take it; every other round is decoded here, outside.
-            held = rnd.ordered_held() if self._steps_from_pushes(rnd) else []
+            ordered = rnd.ordered() if self._steps_from_pushes(rnd) else []
+            held = [(h.buf, h.header, h.weight) for h in ordered]
             t_decode = 0.0 if held else self._decode(rnd)
 
             def merge(share: float) -> torch.Tensor:  # over the round's sums; 0 weight: no change
@@ -202,6 +204,7 @@ class Fragment:
                 lambda: None if rnd.acc is None else rnd.acc.merged_max_abs,
                 held,
                 settled,
+                [h.largest for h in ordered],
             )
         finally:
             self.discard(rnd)

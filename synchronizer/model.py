@@ -51,29 +51,34 @@ MAX_MERGED_ABS = 1e30
 _BOUND_SLACK = 1.001
 
 
-def bounded_by_scales(pushes: Sequence[native.Push], summed: int, total: float) -> bool:
+def bounded_by_scales(
+    pushes: Sequence[native.Push],
+    summed: int,
+    total: float,
+    largest: Sequence[float | None] = (),
+) -> bool:
     """Whether the merged delta of weighted pushes (`native.step_int8`'s: the first `summed`
     summed and divided by `total`, the rest added) is shown appliable by their scales alone: in
     each block, the largest code times the scale (for values, their largest magnitude times the
     weight), summed over the pushes, bounds every element's magnitude, so a finite bound within
     `MAX_MERGED_ABS` (with slack for rounding) proves what `unappliable` would find without
-    reading a code (values are read once, for their largest magnitude)."""
+    reading a code. Values are read once for their largest magnitude, unless `largest` gives
+    it (the i-th push's, where known)."""
     bound: torch.Tensor | None = None
     for i, (data, kind, scales) in enumerate(pushes):
+        known = largest[i] if i < len(largest) else None
         if kind in (native.BF16, native.FP32):
-            largest = native.absmax(data)
+            top = known if known is not None else native.absmax(data)
         else:
-            largest = blockwise.LARGEST_CODE[
-                pb.CODEC_INT4 if kind == native.INT4 else pb.CODEC_INT8
-            ]
-        term = scales.double().abs() * largest
+            top = blockwise.LARGEST_CODE[pb.CODEC_INT4 if kind == native.INT4 else pb.CODEC_INT8]
+        term = scales.double().abs() * top
         if i < summed:
             term /= total
         bound = term if bound is None else bound + term
     if bound is None or total <= 0.0:
         return False
-    largest = float(bound.max()) * _BOUND_SLACK
-    return math.isfinite(largest) and largest <= MAX_MERGED_ABS
+    reach = float(bound.max()) * _BOUND_SLACK
+    return math.isfinite(reach) and reach <= MAX_MERGED_ABS
 
 
 class FragmentFailed(Exception):
@@ -146,6 +151,7 @@ class FragmentModel:
         max_abs: Callable[[], float | None] = lambda: None,
         held: Sequence[tuple[torch.Tensor, pb.PayloadHeader, float]] = (),
         settled: Callable[[str | None, float], None] = lambda _refused, _share: None,
+        held_largest: Sequence[float | None] = (),
     ) -> tuple[float, str | None, float]:
         """Applies one round's outer step once the fragment is at `start_version`; returns the
         seconds it took, for a refused round why, and the round's share of a whole step
@@ -154,7 +160,8 @@ class FragmentModel:
         sums); `max_abs()`, its largest magnitude where the merge took it (None: measured
         here). `held`: the whole round as encoded pushes (buf, header, weight), in order, where
         `merge` would only decode and merge them: the native chain may then step from them
-        directly (`_step_held`), and `merge` is not called. A merged delta that is not finite
+        directly (`_step_held`), and `merge` is not called; `held_largest`, each held push's
+        greatest |value| where its check measured it (FP32/BF16). A merged delta that is not finite
         or beyond `MAX_MERGED_ABS` is refused before it touches any state: the version still
         advances (by an empty update, so rounds and delta pulls keep their order) and the
         fragment stays healthy. `settled(refused, share)` counts the round under the lock before
@@ -173,7 +180,9 @@ class FragmentModel:
                 if self.cfg.round_share == "work"
                 else 1.0
             )
-            if not (held and self._step_held(start_version, held, contributions, share)):
+            if not (
+                held and self._step_held(start_version, held, held_largest, contributions, share)
+            ):
                 merged = merge(share)
                 if self.cfg.anchor == "current":
                     self._reanchor(start_version, contributions, merged, share)
@@ -197,6 +206,7 @@ class FragmentModel:
         self,
         start_version: int,
         held: Sequence[tuple[torch.Tensor, pb.PayloadHeader, float]],
+        held_largest: Sequence[float | None],
         contributions: Sequence[Contributor],
         share: float,
     ) -> bool:
@@ -209,7 +219,9 @@ class FragmentModel:
         assert self.params is not None
         if not (self.outer.native and self.downlink.native_chain(self.params)):
             return False
-        weighted = [p for p in held if p[2] > 0.0]
+        kept = [i for i, p in enumerate(held) if p[2] > 0.0]
+        weighted = [held[i] for i in kept]
+        largest = [held_largest[i] if i < len(held_largest) else None for i in kept]
         links = self._stale_links(start_version, contributions, share)
         payloads = [*weighted, *links]
         block = layout.DEFAULT_BLOCK_SIZE  # the chain's (BF16 and FP32 values have 0: none)
@@ -220,7 +232,7 @@ class FragmentModel:
             return False
         total = sum(w for _, _, w in weighted) / share  # the merge's divisor (`Accumulator`)
         pushes = weighted_codes(payloads, self.numel)
-        if not bounded_by_scales(pushes, len(weighted), total):
+        if not bounded_by_scales(pushes, len(weighted), total, largest):
             return False
         step = self.outer.begin(share, self._warm(start_version))
         taken = self.downlink.step_pushes(

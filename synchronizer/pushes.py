@@ -139,7 +139,7 @@ class PushPath:
             received = frag.payloads.take(nbytes)
             logged = self.journal.stream(received)  # its bytes logged as they land
             # Validated now, decoded by the outer step: the reply need not wait for the decode.
-            header, norm = receive.payload(
+            header, measured = receive.payload(
                 messages, h.payload, received, logged.add if logged is not None else None
             )
         except BaseException:
@@ -149,7 +149,7 @@ class PushPath:
                 self._give(frag, received, logged)
             raise
         self.metrics.bytes_in.labels(layout.codec_name(h.payload.codec)).inc(nbytes)
-        reply, judged = self._judge(h, rec, frag, received, header, reserved, logged, norm)
+        reply, judged = self._judge(h, rec, frag, received, header, reserved, logged, measured)
         return reply, judged, True
 
     @staticmethod
@@ -168,12 +168,12 @@ class PushPath:
         header: pb.PayloadHeader,
         reserved: bool,
         logged: PushStream | None = None,
-        norm: float | None = None,
+        measured: receive.Measured | None = None,
     ) -> tuple[pb.PushReply, Fragment | None]:
         """The fragment's verdict on a received, validated push (`received`, its payload, with
         `reserved` bytes of the payload budget, both owned from here on: kept by its round or
-        given back; `norm`, its L2 norm where the check took it), its log record (its payload
-        in `logged`'s parts, when given), and the reply once that record is durable."""
+        given back; `measured`, what its check measured), its log record (its payload in
+        `logged`'s parts, when given), and the reply once that record is durable."""
         nbytes = received.numel()
         kept = False
         try:
@@ -195,7 +195,7 @@ class PushPath:
                     ),
                     order=(rec.name, rec.learner_id, h.seq),
                     owner=self.streams.counted(rec.credential) or "",
-                    norm=norm,
+                    measured=measured,
                 )
                 kept = reserved and verdict.outcome == pb.PUSH_ACCEPTED  # the round owns it now
                 reply = pb.PushReply(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,15 +65,21 @@ def add_chunk(asm: framing.Assembler, chunk: pb.Chunk | wire.RawChunk) -> None:
         raise invalid("bad_chunk", str(e)) from None
 
 
+class Measured(NamedTuple):
+    """What the check of a received push measured of its FP32 or BF16 values (`checked`)."""
+
+    largest: float  # the greatest |value|: bounds the push in a merged delta
+    norm: float  # the L2 norm: judged by the push bounds
+
+
 def payload(
     messages: Iterator[Any],
     header: pb.PayloadHeader,
     buffer: torch.Tensor,
     landed: Callable[[int], None] | None = None,
-) -> tuple[pb.PayloadHeader, float | None]:
+) -> tuple[pb.PayloadHeader, Measured | None]:
     """Receives a push's chunks into `buffer` and checks the values (`checked`); returns a copy
-    of the (validated) header that the round may keep, and the payload's L2 norm where the check
-    took it. `landed(end)` is told after each chunk that the buffer holds the payload's first
+    of the (validated) header that the round may keep, and what the check measured. `landed(end)` is told after each chunk that the buffer holds the payload's first
     `end` bytes (the write-ahead log writes them meanwhile)."""
     asm = framing.Assembler(header, buffer=buffer)
     for msg in messages:
@@ -90,18 +96,19 @@ def payload(
     kept = pb.PayloadHeader()
     kept.CopyFrom(header)
     try:
-        norm = checked(asm.finish(), kept)
+        measured = checked(asm.finish(), kept)
     except layout.CodecError as e:
         raise invalid("bad_values", f"payload rejected: {e}") from None
-    return kept, norm
+    return kept, measured
 
 
-def checked(buf: torch.Tensor, header: pb.PayloadHeader) -> float | None:
+def checked(buf: torch.Tensor, header: pb.PayloadHeader) -> Measured | None:
     """`codec.check` of a received payload (CodecError where it fails); for FP32 and BF16
-    values, where the native kernels are built, their finiteness and L2 norm in one pass
-    (`native.absmax_and_norm`: for BF16 a third of the time of torch's two passes), the norm returned
-    for the push bounds (None otherwise: they take it themselves). Its numbers are only
-    judged, never applied, so it does not depend on `--kernels`, as the crc32 does not."""
+    values, where the native kernels are built, their largest magnitude (finiteness) and L2
+    norm in one pass (`native.absmax_and_norm`: for BF16 a third of the time of torch's two
+    passes), returned for the push bounds and the outer step (None otherwise: they take them
+    themselves). Both are exact, so this does not depend on `--kernels`, as the crc32 does
+    not."""
     values = header.codec in (pb.CODEC_FP32, pb.CODEC_BF16) and native.available()
     codec.check(buf, header, scan_values=not values)
     if not values or header.numel == 0:
@@ -110,7 +117,7 @@ def checked(buf: torch.Tensor, header: pb.PayloadHeader) -> float | None:
     largest, norm = native.absmax_and_norm(blockwise.aligned(buf, dtype))
     if not math.isfinite(largest):
         raise codec.not_finite(header.codec)
-    return norm
+    return Measured(largest, norm)
 
 
 def init_fragments(

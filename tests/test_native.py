@@ -150,7 +150,7 @@ def test_a_received_pushs_values_are_checked_and_their_norm_taken_in_one_pass(
         exact = float(torch.linalg.vector_norm(values.double()))
         assert largest == float(values.abs().max()) and norm == pytest.approx(exact, rel=1e-6)
         buf, h = codec.encode(values.float(), codec_id), layout.make_header(codec_id, x.numel())
-        assert receive.checked(buf, h) == norm
+        assert receive.checked(buf, h) == (largest, norm)
     broken = x.to(dtype)
     broken[4096 + 3] = float("nan")
     largest, norm = native.absmax_and_norm(broken)
@@ -504,6 +504,42 @@ def test_a_round_its_scales_cannot_show_appliable_is_judged_on_its_merged_delta(
         assert frag.model.params is not None and not frag.model.params.any()
         assert learner.push(0, torch.ones(n), pb.CODEC_INT8, base=1).outcome == pb.PUSH_ACCEPTED
         assert frag.version == 2 and frag.model.params.any()
+    finally:
+        core.close()
+
+
+def test_a_round_of_values_is_bounded_by_what_their_check_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # BF16 and FP32 pushes are read for their largest magnitude once, by the check that takes
+    # their norm: the outer step that steps from them reads none of their values to bound
+    # them; a push whose check measured nothing (no kernels for it) is read by the step.
+    reads: list[int] = []
+    real = native.absmax
+
+    def counted(values: torch.Tensor) -> float:
+        reads.append(values.numel())
+        return real(values)
+
+    monkeypatch.setattr(native, "absmax", counted)
+    spec = small_spec()
+    n = spec.fragments[0].numel
+    core = make_core(tmp_path, ManualClock(), quorum=1, grace="none")
+    try:
+        learner = CoreClient(core, spec, "a")
+        learner.join()
+        learner.init([torch.zeros(f.numel) for f in spec.fragments])
+        frag = core.model.fragment(0)
+        for version, codec_id in enumerate((pb.CODEC_BF16, pb.CODEC_FP32)):
+            delta = torch.full((n,), 1e-3)
+            reply = learner.push(0, delta, codec_id, base=version)
+            assert reply.outcome == pb.PUSH_ACCEPTED
+        assert frag.version == 2 and frag.fp32.live == 0 and reads == []
+        monkeypatch.setattr(native, "available", lambda: False)
+        assert learner.push(0, torch.full((n,), 1e-3), pb.CODEC_BF16, base=2).outcome == (
+            pb.PUSH_ACCEPTED
+        )
+        assert frag.version == 3 and frag.fp32.live == 0 and reads == [n]
     finally:
         core.close()
 
