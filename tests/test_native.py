@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -489,14 +489,8 @@ def test_a_round_its_scales_cannot_show_appliable_is_judged_on_its_merged_delta(
         assert not bounded_by_scales(big, 1, 1.0)
         assert bounded_by_scales(big, 1, 100.0)  # divided by the total weight: within
         assert not bounded_by_scales(small + big, 1, 100.0)  # a link is not divided
-    spec = small_spec()
-    n = spec.fragments[0].numel
-    core = make_core(tmp_path, ManualClock(), quorum=1, grace="none")
-    try:
-        learner = CoreClient(core, spec, "a")
-        learner.join()
-        learner.init([torch.zeros(f.numel) for f in spec.fragments])
-        frag = core.model.fragment(0)
+    with _one_learner(tmp_path) as (core, learner, frag):
+        n = frag.numel
         huge = torch.full((n,), 1e31)
         assert learner.push(0, huge, pb.CODEC_INT8).outcome == pb.PUSH_ACCEPTED
         refused = core.metrics.registry.get_sample_value("diloco_rounds_refused_total")
@@ -504,6 +498,19 @@ def test_a_round_its_scales_cannot_show_appliable_is_judged_on_its_merged_delta(
         assert frag.model.params is not None and not frag.model.params.any()
         assert learner.push(0, torch.ones(n), pb.CODEC_INT8, base=1).outcome == pb.PUSH_ACCEPTED
         assert frag.version == 2 and frag.model.params.any()
+
+
+@contextlib.contextmanager
+def _one_learner(tmp_path: Path) -> Iterator[tuple[Synchronizer, CoreClient, Fragment]]:
+    """A core of quorum 1 (no grace) with one learner joined and the model initialised to
+    zeros; the core, the learner and fragment 0."""
+    spec = small_spec()
+    core = make_core(tmp_path, ManualClock(), quorum=1, grace="none")
+    try:
+        learner = CoreClient(core, spec, "a")
+        learner.join()
+        learner.init([torch.zeros(f.numel) for f in spec.fragments])
+        yield core, learner, core.model.fragment(0)
     finally:
         core.close()
 
@@ -522,14 +529,8 @@ def test_a_round_of_values_is_bounded_by_what_their_check_measured(
         return real(values)
 
     monkeypatch.setattr(native, "absmax", counted)
-    spec = small_spec()
-    n = spec.fragments[0].numel
-    core = make_core(tmp_path, ManualClock(), quorum=1, grace="none")
-    try:
-        learner = CoreClient(core, spec, "a")
-        learner.join()
-        learner.init([torch.zeros(f.numel) for f in spec.fragments])
-        frag = core.model.fragment(0)
+    with _one_learner(tmp_path) as (_, learner, frag):
+        n = frag.numel
         for version, codec_id in enumerate((pb.CODEC_BF16, pb.CODEC_FP32)):
             delta = torch.full((n,), 1e-3)
             reply = learner.push(0, delta, codec_id, base=version)
@@ -540,8 +541,6 @@ def test_a_round_of_values_is_bounded_by_what_their_check_measured(
             pb.PUSH_ACCEPTED
         )
         assert frag.version == 3 and frag.fp32.live == 0 and reads == [n]
-    finally:
-        core.close()
 
 
 def test_the_chain_stays_within_the_int8_bound_of_the_exact_update() -> None:
