@@ -36,6 +36,7 @@ from protos import blockwise, codec, framing, layout
 from protos import diloco_pb2 as pb
 from synchronizer import native
 from synchronizer.buffers import Snapshots
+from synchronizer.crc import crc32
 from synchronizer.outer import RUN_ELEMS, OuterStep, runs
 
 Link = tuple[int, pb.PayloadHeader, torch.Tensor]  # (version it produces, header, encoded bytes)
@@ -288,7 +289,7 @@ class Downlink:
         """crc32 of the canonical parameters (cached per version)."""
         crc = self._checksums.get(version)
         if crc is None:
-            crc = framing.checksum(params, native.crc32)
+            crc = framing.checksum(params, crc32)
             self._checksums = {version: crc}
         return crc
 

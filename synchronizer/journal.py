@@ -34,6 +34,7 @@ from protos import diloco_pb2 as pb
 from synchronizer import native
 from synchronizer.admission import Verdict
 from synchronizer.config import SynchronizerConfig
+from synchronizer.crc import crc32
 from synchronizer.disk import Disk
 from synchronizer.errors import Code, Rejected
 from synchronizer.leases import Registry
@@ -238,7 +239,7 @@ class Journal:
         crc = None
         if stream is None:
             data = memoryview(payload.numpy().data)
-            crc = native.crc32(data)  # here, on the pushing thread, not on the writer's
+            crc = crc32(data)  # here, on the pushing thread, not on the writer's
 
         def log(verdict: Verdict) -> int:
             meta = {

@@ -9,9 +9,7 @@ residual, and the parameters' add, block by block (`chain_int8`). Pushes are INT
 or BF16 or FP32 values (`Push`). Where a round is still all held pushes when its step comes,
 `step_int8` does all of it in one pass, each block of the merged delta made in cache and
 stepped at once, with the same numbers and no FP32 sums.
-`crc32` is zlib's checksum (the same numbers) folded with carry-less multiplication, for the
-write-ahead log and a version's parameter checksum, whatever `--kernels` says (its numbers are
-zlib's): zlib's tables run at a third of its speed.
+`native.c` also holds zlib's crc32 by carry-less folding, which `synchronizer.crc` calls.
 
 They are optional: nothing but a C compiler is needed (no torch headers, no build step at
 install), the shared object is cached per source, compiler and machine, and where none can be
@@ -42,14 +40,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -328,40 +324,6 @@ def _in_parallel(calls: list[Callable[[], bool]]) -> bool:
     futures = [pool.submit(call) for call in calls[1:]]
     ok = calls[0]()
     return all([f.result() for f in futures]) and ok
-
-
-CRC_MIN_BYTES = 1 << 16  # smaller buffers go to zlib, whose per-call cost is lower
-
-
-def crc32_folding() -> bool:
-    """Whether `crc32` folds with carry-less multiplication here (the kernels build and the
-    CPU has PCLMULQDQ); otherwise it is zlib's."""
-    with _lock:
-        fast = _built.get("crc32")
-    if fast is None:
-        try:
-            fast = "yes" if load().lib.diloco_crc32_fast() else "no"
-        except NativeUnavailable:
-            fast = "no"
-        with _lock:
-            _built["crc32"] = fast
-    return fast == "yes"
-
-
-def crc32(data: Any, value: int = 0) -> int:
-    """zlib.crc32(data, value), the same number, computed by `native.c`'s folding where it can
-    be (`crc32_folding`): several times zlib's speed over the megabytes of a logged push or a
-    version's parameters. `data`: any contiguous buffer (bytes, memoryview, bytearray, a
-    contiguous CPU tensor's bytes). The GIL is released while it runs, as zlib's is."""
-    if isinstance(data, torch.Tensor):
-        if data.device.type != "cpu" or not data.is_contiguous():
-            raise ValueError("crc32 takes a contiguous CPU tensor")
-        data = data.reshape(-1).view(torch.uint8).numpy()  # its bytes, no copy
-    view = memoryview(data)
-    if view.nbytes < CRC_MIN_BYTES or not view.c_contiguous or not crc32_folding():
-        return zlib.crc32(view, value)
-    address = np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data  # read-only too, no copy
-    return int(load().lib.diloco_crc32(value, address, view.nbytes))
 
 
 def _ptr(t: torch.Tensor) -> int:

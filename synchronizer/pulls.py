@@ -23,8 +23,9 @@ import torch
 
 from protos import codec, framing, layout, slicing
 from protos import diloco_pb2 as pb
-from synchronizer import native, slices, wire
+from synchronizer import slices, wire
 from synchronizer.config import SynchronizerConfig
+from synchronizer.crc import crc32
 from synchronizer.downlink import Link
 from synchronizer.errors import Code, Rejected, invalid
 from synchronizer.fragments import Fragment
@@ -184,7 +185,7 @@ class PullPath:
             values, version, links = frag.model.gathered(runs, have)
         except FragmentFailed:
             raise self.model.unavailable(frag) from None
-        checksum = framing.checksum(values, native.crc32)
+        checksum = framing.checksum(values, crc32)
         if links is not None and all(slicing.cuttable(h) for _, h, _ in links):
             cut = []
             for v, h, buf in links:

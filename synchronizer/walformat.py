@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from synchronizer import native
+from synchronizer.crc import crc32
 
 JOIN, PUSH, ROUND, PART, ABANDON = 1, 2, 3, 4, 5
 KINDS = {JOIN: "join", PUSH: "push", ROUND: "round", PART: "part", ABANDON: "abandon"}
@@ -58,7 +58,7 @@ def encode(record: Record) -> list[bytes | memoryview]:
     body_head = _META.pack(len(meta)) + meta
     payload_crc = record.payload_crc
     if payload_crc is None:
-        payload_crc = native.crc32(record.payload)
+        payload_crc = crc32(record.payload)
     crc = zlib.crc32(body_head, zlib.crc32(bytes([record.kind]), payload_crc))
     length = len(body_head) + len(record.payload)
     return [_HEAD.pack(length, crc, record.kind) + body_head, record.payload]
@@ -90,7 +90,7 @@ def records_of(data: bytes) -> Iterator[Record]:
         if _META.size + meta_len > length:
             return
         head, payload = body[: _META.size + meta_len], body[_META.size + meta_len :]
-        if zlib.crc32(head, zlib.crc32(bytes([kind]), native.crc32(payload))) != crc:
+        if zlib.crc32(head, zlib.crc32(bytes([kind]), crc32(payload))) != crc:
             return
         try:
             meta = json.loads(bytes(body[_META.size : _META.size + meta_len]))

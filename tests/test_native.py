@@ -23,7 +23,7 @@ import torch
 from protos import blockwise, codec, layout
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec
-from synchronizer import journal, native, receive
+from synchronizer import crc, journal, native, receive
 from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
@@ -689,28 +689,28 @@ def test_a_cached_object_that_cannot_load_is_the_reason_given(monkeypatch, tmp_p
 
 def test_crc32_is_zlibs_for_every_length_offset_start_value_and_buffer_kind() -> None:
     g = torch.Generator().manual_seed(7)
-    data = bytes(torch.randint(0, 256, (3 * native.CRC_MIN_BYTES + 300,), generator=g).tolist())
+    data = bytes(torch.randint(0, 256, (3 * crc.CRC_MIN_BYTES + 300,), generator=g).tolist())
     view = memoryview(data)  # read-only, as a replayed segment is
     lengths = [0, 1, 15, 16, 17, 63, 64, 65, 79, 80, 127, 128, 129]
-    lengths += [native.CRC_MIN_BYTES + d for d in (-1, 0, 1, 15, 16, 63, 64, 100)]
-    lengths += [3 * native.CRC_MIN_BYTES + 7]
+    lengths += [crc.CRC_MIN_BYTES + d for d in (-1, 0, 1, 15, 16, 63, 64, 100)]
+    lengths += [3 * crc.CRC_MIN_BYTES + 7]
     for length in lengths:
         for offset in (0, 1, 5, 16, 33):  # unaligned starts too
             for value in (0, 1, 0xFFFFFFFF, 0x1234ABCD):
                 part = view[offset : offset + length]
                 want = zlib.crc32(part, value)
-                assert native.crc32(part, value) == want, (length, offset, value)
+                assert crc.crc32(part, value) == want, (length, offset, value)
     big = bytearray(data)
-    assert native.crc32(big) == zlib.crc32(big)
-    assert native.crc32(data) == zlib.crc32(data)
+    assert crc.crc32(big) == zlib.crc32(big)
+    assert crc.crc32(data) == zlib.crc32(data)
     # chained: the crc of a whole is the crc of its second part started from the first's
-    cut = native.CRC_MIN_BYTES + 3
-    assert native.crc32(view[cut:], native.crc32(view[:cut])) == zlib.crc32(data)
-    x = torch.randn(native.CRC_MIN_BYTES, generator=g)
-    assert native.crc32(x) == zlib.crc32(x.numpy().tobytes())
-    assert native.crc32(x[:10]) == zlib.crc32(x[:10].numpy().tobytes())
+    cut = crc.CRC_MIN_BYTES + 3
+    assert crc.crc32(view[cut:], crc.crc32(view[:cut])) == zlib.crc32(data)
+    x = torch.randn(crc.CRC_MIN_BYTES, generator=g)
+    assert crc.crc32(x) == zlib.crc32(x.numpy().tobytes())
+    assert crc.crc32(x[:10]) == zlib.crc32(x[:10].numpy().tobytes())
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
-        native.crc32(x[::2])
+        crc.crc32(x[::2])
 
 
 def test_crc32_folds_where_the_cpu_has_carry_less_multiplication() -> None:
@@ -724,7 +724,7 @@ def test_crc32_folds_where_the_cpu_has_carry_less_multiplication() -> None:
                 break
     if platform.machine() != "x86_64" or not {"pclmulqdq", "sse4_1"} <= flags:
         pytest.skip("no PCLMULQDQ and SSE4.1 here")
-    assert native.crc32_folding()
+    assert crc.crc32_folding()
 
 
 def test_crc32_without_the_kernels_is_zlibs(monkeypatch, tmp_path: Path) -> None:
@@ -732,6 +732,6 @@ def test_crc32_without_the_kernels_is_zlibs(monkeypatch, tmp_path: Path) -> None
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc nor clang there
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "empty"))  # nothing built before
-    data = os.urandom(2 * native.CRC_MIN_BYTES + 5)
-    assert not native.crc32_folding()
-    assert native.crc32(data, 9) == zlib.crc32(data, 9)
+    data = os.urandom(2 * crc.CRC_MIN_BYTES + 5)
+    assert not crc.crc32_folding()
+    assert crc.crc32(data, 9) == zlib.crc32(data, 9)
