@@ -39,8 +39,8 @@ class SynchronizerConfig(BaseModel):
         "snapshot_budget_bytes max_spec_bytes max_message_bytes max_concurrent_streams "
         "max_unidentified_streams max_unidentified_per_peer max_workers apply_threads "
         "compute_threads kernels kernel_threads",
-        "durability": "state_dir checkpoint_interval_s keep_checkpoints wal wal_wait_s "
-        "wal_segment_bytes shutdown_grace_s",
+        "durability": "state_dir checkpoint_interval_s checkpoint_wal_bytes keep_checkpoints wal "
+        "wal_wait_s wal_segment_bytes shutdown_grace_s",
         "security": "auth_token admin_token tls_cert tls_key tls_client_ca learner_tokens_file "
         "client_cert_credentials max_learners_per_credential",
         "observability": "goodput_window_s reference_curve log_level log_format",
@@ -315,6 +315,11 @@ class SynchronizerConfig(BaseModel):
         60.0,
         ge=0,
         description="Seconds between periodic checkpoints; 0 checkpoints only on shutdown",
+    )
+    checkpoint_wal_bytes: int = Field(
+        8 << 30,
+        ge=0,
+        description="A checkpoint starts early once the write-ahead log has grown by this many bytes since the last one started, so the log's disk use (its segments are deleted once a checkpoint covers them) and a restart's replay stay near it however fast pushes arrive; 0 checkpoints on the interval alone",
     )
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept in state_dir")
     wal: bool = Field(

@@ -111,6 +111,8 @@ class Synchronizer:
             cfg, self.clock, self.model, self.registry, lambda: self.state.save(first=True)
         )
         self.housekeeper: threading.Thread | None = None
+        self.checkpointer: threading.Thread | None = None  # the periodic checkpoint running
+        self.checkpoint_mark = 0  # the log's written bytes when the last one started
         self.last_checkpoint = self.clock.monotonic()
         self.state.restore()
 
@@ -362,11 +364,22 @@ class Synchronizer:
             live = self.registry.live_by_credential()
             for name in set(self.credentials.tokens.values()) | set(live):
                 self.metrics.credential_learners.labels(name).set(live.get(name, 0))
-        interval = self.cfg.checkpoint_interval_s
-        now = self.clock.monotonic()
-        if interval > 0 and now - self.last_checkpoint >= interval:
-            self.last_checkpoint = now
-            threading.Thread(target=self.state.save, name="checkpoint", daemon=True).start()
+        if self.checkpoint_due() and not (self.checkpointer and self.checkpointer.is_alive()):
+            self.last_checkpoint = self.clock.monotonic()
+            self.checkpoint_mark = self.journal.written_bytes()
+            self.checkpointer = threading.Thread(
+                target=self.state.save, name="checkpoint", daemon=True
+            )
+            self.checkpointer.start()
+
+    def checkpoint_due(self) -> bool:
+        """Whether a periodic checkpoint is due: `checkpoint_interval_s` since the last one
+        started, or the log has grown by `checkpoint_wal_bytes` since (so its disk use and a
+        restart's replay stay near that however fast pushes arrive). One runs at a time."""
+        interval, wal_bytes = self.cfg.checkpoint_interval_s, self.cfg.checkpoint_wal_bytes
+        if interval > 0 and self.clock.monotonic() - self.last_checkpoint >= interval:
+            return True
+        return wal_bytes > 0 and self.journal.written_bytes() - self.checkpoint_mark >= wal_bytes
 
     def _housekeeping(self) -> None:
         period = min(0.5, self.cfg.lease_s / 4)

@@ -195,6 +195,7 @@ class Journal:
             else None
         )
         metrics.wal_failing.set_function(lambda: 0.0 if self.failure is None else 1.0)
+        metrics.wal_bytes.set_function(lambda: self.wal.disk_bytes() if self.wal else 0.0)
 
     # Logging -------------------------------------------------------------------------------
 
@@ -403,6 +404,10 @@ class Journal:
     def close(self) -> None:
         if self.wal is not None:
             self.wal.close()
+
+    def written_bytes(self) -> int:
+        """The log's bytes written since start, those replayed included (0 without a log)."""
+        return self.wal.written_bytes if self.wal is not None else 0
 
     @property
     def holds_everything(self) -> bool:

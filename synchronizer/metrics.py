@@ -291,6 +291,11 @@ class Metrics:
             "1 while the write-ahead log cannot be written (pushes are refused, pulls served).",
             registry=r,
         )
+        self.wal_bytes = Gauge(
+            "diloco_wal_bytes",
+            "Bytes of write-ahead log segments on disk (deleted once a checkpoint covers them; a checkpoint starts early once the log since the last one passes checkpoint_wal_bytes).",
+            registry=r,
+        )
         self.memory = Gauge(
             "diloco_memory_projected_bytes",
             "Projected peak resident memory by component (synchronizer.memory), a projection and not a measurement: sum() over the components is the projected total; process_resident_memory_bytes is what the process holds.",

@@ -58,6 +58,7 @@ class _Segment:
     # round's version): the segment is covered once a checkpoint holds every one of them.
     versions: dict[int, int] = field(default_factory=dict)
     sealed: bool = False
+    size: int = 0  # bytes on disk
     # streams with parts here and no PUSH or ABANDON yet: the segment is kept while any is open
     # (the push they belong to may still be acknowledged, into a round no checkpoint holds)
     open_streams: set[int] = field(default_factory=set)
@@ -105,6 +106,7 @@ class Wal:
         self.stopped = False  # the syncer ends
         self.seal_wanted = False
         self.sealed_upto = 0
+        self.written_bytes = 0  # into segments since this process started, replayed ones included
         self.writer: threading.Thread | None = None
         self.syncer: threading.Thread | None = None
         self.next_stream = 1  # above every stream id on disk once replayed
@@ -118,7 +120,8 @@ class Wal:
         rest of that segment is cut off); call before `start`."""
         for number, path in list_segments(self.directory):
             self.last_number = max(self.last_number, number)
-            seg = _Segment(number, path, sealed=True)
+            seg = _Segment(number, path, sealed=True, size=path.stat().st_size)
+            self.written_bytes += seg.size
             self.segments.append(seg)
             count = 0
             for record in read_segment(path):
@@ -353,13 +356,17 @@ class Wal:
             self._open_segment()
         assert self.fd is not None
         start = self.size
-        for _, record in batch:
-            for part in encode(record):
-                view = memoryview(part).cast("B")
-                while view:
-                    n = self.disk.write(self.fd, view)
-                    view = view[n:]
-                    self.size += n
+        try:
+            for _, record in batch:
+                for part in encode(record):
+                    view = memoryview(part).cast("B")
+                    while view:
+                        n = self.disk.write(self.fd, view)
+                        view = view[n:]
+                        self.size += n
+        finally:
+            self.segments[-1].size = self.size
+            self.written_bytes += self.size - start
         self.disk.start_writeback(self.fd, start, self.size - start)
 
     def _cut(self) -> None:
@@ -368,7 +375,8 @@ class Wal:
         assert self.fd is not None
         try:
             self.disk.truncate(self.fd, self.synced_size)
-            self.size = self.synced_size
+            self.written_bytes -= self.size - self.synced_size  # written again
+            self.size = self.segments[-1].size = self.synced_size
         except OSError:  # cannot even truncate: go on in a fresh segment
             self._rotate()
 
@@ -420,6 +428,11 @@ class Wal:
             self.cv.notify_all()
 
     # Checkpoints ---------------------------------------------------------------------------
+
+    def disk_bytes(self) -> int:
+        """The bytes of every segment kept on disk."""
+        with self.lock:
+            return sum(s.size for s in self.segments)
 
     def seal(self, timeout_s: float = 10.0) -> int:
         """Once everything appended so far is written, seals the current segment (before a

@@ -125,6 +125,7 @@ def make_core(state_dir: Path, clock: ManualClock, **settings: Any) -> Synchroni
     defaults: dict[str, Any] = {
         "state_dir": state_dir,
         "checkpoint_interval_s": 0,
+        "checkpoint_wal_bytes": 0,
         "wal": False,
         "lease_s": 120.0,
         "max_norm_ratio": 0,

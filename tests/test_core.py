@@ -240,6 +240,35 @@ def test_a_round_refused_at_its_outer_step_counts_as_refused_in_goodput_on_repla
         again.close()
 
 
+def test_a_checkpoint_starts_once_the_log_grew_by_checkpoint_wal_bytes_and_frees_it(
+    tmp_path, clock
+):
+    # No interval: the log's growth alone starts a checkpoint, one per growth, however little
+    # time passed, and the segments it covers are deleted.
+    settings: dict[str, Any] = {"quorum": 1, "grace": "none", "wal": True}
+    core, spec = make(tmp_path, clock, checkpoint_wal_bytes=8192, **settings)
+    try:
+        (a,) = initialised(core, spec, ["a"])
+        n = spec.fragments[0].numel
+        reg = core.metrics.registry
+        written = reg.get_sample_value("diloco_checkpoints_total") or 0
+        while core.journal.written_bytes() < 8192:
+            core.tick()
+            assert core.checkpointer is None  # not grown enough yet
+            assert a.push(0, torch.full((n,), 1e-3)).outcome == pb.PUSH_ACCEPTED
+        assert (reg.get_sample_value("diloco_wal_bytes") or 0) >= 8192
+        core.tick()
+        started = core.checkpointer
+        assert started is not None
+        started.join(WAIT_S)
+        assert reg.get_sample_value("diloco_checkpoints_total") == written + 1
+        assert reg.get_sample_value("diloco_wal_bytes") == 0  # every segment it covers is gone
+        core.tick()  # the log has not grown since: nothing more to do
+        assert core.checkpointer is started
+    finally:
+        core.close()
+
+
 def discarded_and_merged(core: Synchronizer) -> tuple[float | None, float | None]:
     reg = core.metrics.registry
     return (

@@ -164,6 +164,7 @@ def test_dashboard_draws_the_log_checkpoints_resident_memory_and_firing_alerts()
 
     assert "diloco_wal_failing" in queried("write-ahead log")
     assert "diloco_wal_fsync_seconds_bucket" in queried("write-ahead log")
+    assert "diloco_wal_bytes" in queried("write-ahead log on disk")
     assert "time() - " in queried("last successful checkpoint")
     assert "diloco_checkpoint_last_success_timestamp_seconds" in queried("checkpoint")
     assert "diloco_checkpoint_seconds_bucket" in queried("checkpoint duration")

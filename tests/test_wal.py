@@ -265,8 +265,13 @@ def test_a_failed_fsync_writes_the_unsynced_parts_again_once(tmp_path, monkeypat
     stream, _ = _parts(wal, disk, 3)
     disk.fail_fsyncs = 1  # the PUSH's fsync fails: the file is cut back to before the parts
     wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 1, "stream": stream})), TIMEOUT)
+    # the bytes cut and written again are counted once, as the disk holds them
+    on_disk = sum(path.stat().st_size for _, path in list_segments(tmp_path / "wal"))
+    assert wal.written_bytes == wal.disk_bytes() == on_disk < disk.written
     wal.close()
-    again = list(Wal(tmp_path / "wal", 1 << 20).replay())
+    replayed = Wal(tmp_path / "wal", 1 << 20)
+    again = list(replayed.replay())
+    assert replayed.written_bytes == replayed.disk_bytes() == on_disk
     assert [r.kind for r in again] == [PART] * 3 + [PUSH]
     assert [r.meta["at"] for r in again[:3]] == [0, 1000, 2000]
     assert all(bytes(r.payload) == b"p" * 1000 for r in again[:3])
