@@ -71,6 +71,17 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def dir_bytes(path: Path) -> int:
+    """The bytes of every file under `path` (files deleted while it walks count nothing)."""
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:  # released while walking
+            pass
+    return total
+
+
 def write_json(path: Path | None, result: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,13 +28,18 @@ pre-encoded payloads (as `bench.ingest` does):
   overloads the Synchronizer on purpose (held pushes pile up past the payload budget, and rounds
   that add pushes on arrival take FP32 buffers beyond the shared ones).
 
-    python -m bench.scale [--quick | --smoke] [--params N] [--json PATH]
+- `state_peak_bytes`: the state directory's largest size (sampled every 0.5 s) beside
+  `synchronizer.memory.state_disk`'s projection (`state_projected_bytes`); a directory without
+  room for that projection stops the run before it starts.
+
+    python -m bench.scale [--quick | --smoke] [--params N] [--state-dir DIR] [--json PATH]
 Full mode: 1e9 parameters (quick: 250M, smoke: 1M); full and quick need several times the
 model's FP32 bytes of free memory.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
 import time
@@ -114,17 +119,36 @@ def add_pass_s(numel: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def run(params: int, mode: str, kernels: str = "auto") -> dict[str, Any]:
+def room_for_state(root: Path, params: int) -> dict[str, int]:
+    """The Synchronizer's projected peak state (`memory.state_disk`, default settings); exits
+    with one line when `root` has less free space, rather than stall once the disk fills (a full
+    disk refuses pushes, and the capacity search then waits out every window)."""
+    need = memory.state_disk(SynchronizerConfig(), [params // FRAGMENTS] * FRAGMENTS)
+    free = shutil.disk_usage(root).free
+    if free < need["total"]:
+        raise SystemExit(
+            f"bench.scale: {params:,} parameters need about {need['total'] / 1e9:.1f} GB free "
+            f"for the Synchronizer's state ({need['checkpoints'] / 1e9:.1f} GB of checkpoints, "
+            f"the log up to {need['wal'] / 1e9:.1f} GB); {root} has {free / 1e9:.1f} GB: free "
+            "some, or give --state-dir on a larger volume"
+        )
+    return need
+
+
+def run(
+    params: int, mode: str, kernels: str = "auto", state_dir: Path | None = None
+) -> dict[str, Any]:
     _, first, window_s, bisect, largest = MODES[mode]
     serve_s = window_s if mode == "smoke" else 4 * PUSH_EVERY_S  # each learner pushes 4 times
     projection = memory.project(SynchronizerConfig(), [params // FRAGMENTS] * FRAGMENTS)
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=state_dir) as d:
+        need = room_for_state(Path(d), params)
         procs = Procs(Path(d))
         try:
             proc, info = start_synchronizer(
                 procs, ("--kernels", kernels), name="synchronizer", timeout_s=300
             )
-            rss = RssSampler(proc.pid)
+            rss = RssSampler(proc.pid, state_dir=procs.root / "state")
             metrics_url = f"http://127.0.0.1:{info['metrics_port']}/metrics"
             baseline_rss = rss.read().get("VmRSS", 0)
             rss.phase = "init"
@@ -170,6 +194,8 @@ def run(params: int, mode: str, kernels: str = "auto") -> dict[str, Any]:
         "projected_ratio": projection["total"] / fp32,
         "projected": projection,
         "projection_exported": exported == projection["total"],
+        "state_peak_bytes": rss.state_peak,
+        "state_projected_bytes": need["total"],
         "init_s": init_s,
         "join_s": join_s,
         "outer_step_s": outer_step_s,
@@ -194,6 +220,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "other (peak RSS per shard, pushes/s, CPU seconds per pushed GB; bench/scale_shards.py)",
     )
     p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where the Synchronizer keeps its state (a fresh directory, deleted after; default: "
+        "the system's temporary directory); it must have room for what synchronizer.memory's "
+        "state_disk projects, or the benchmark says so and stops",
+    )
+    p.add_argument(
         "--kernels",
         choices=native.KERNELS,
         default="auto",
@@ -204,7 +237,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = args.params or MODES[mode][0]
     if args.shards > 1:
         return scale_shards.main(params, args.shards, mode, args.json)
-    result = {"mode": mode, **run(params, mode, args.kernels), "machine": machine()}
+    result = {
+        "mode": mode,
+        **run(params, mode, args.kernels, args.state_dir),
+        "machine": machine(),
+    }
     print()
     print(table(result["windows"], WINDOW_COLUMNS))
     print()
@@ -233,6 +270,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{result['rss_ratio_search']:.2f}x in the capacity search; by phase, GiB: "
         + ", ".join(f"{k} {v / (1 << 30):.2f}" for k, v in result["rss_peak_by_phase"].items())
         + f"); {result['learners_sustained']:.0f} learners sustained (H={INNER_STEPS}, {STEP_S} s/step)"
+    )
+    print(
+        f"state directory at most {result['state_peak_bytes'] / 1e9:.2f} GB "
+        f"(projected {result['state_projected_bytes'] / 1e9:.2f} GB)"
     )
     print(
         f"outer step {result['outer_step_s']:.3g} s per {result['mem_bw_numel']:,}-element "

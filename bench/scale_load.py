@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import torch
 
+from bench.common import dir_bytes
 from bench.ingest import GRPC_OPTIONS, model_spec
 from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
@@ -54,10 +55,13 @@ MODES = {  # params, first N, shortest window (s), bisection steps, largest N
 
 
 class RssSampler:
-    """VmRSS of a process every `every_s`, by phase, and its VmHWM (peak) on demand."""
+    """VmRSS of a process every `every_s`, by phase, and its VmHWM (peak) on demand; with
+    `state_dir`, the bytes of the files under it every 10 samples too (`state_peak`)."""
 
-    def __init__(self, pid: int, every_s: float = 0.05) -> None:
+    def __init__(self, pid: int, every_s: float = 0.05, state_dir: Path | None = None) -> None:
         self.path = Path(f"/proc/{pid}/status")
+        self.state_dir = state_dir
+        self.state_peak = 0
         self.phase = "start"
         self.peaks: dict[str, int] = defaultdict(int)
         self.stopped = threading.Event()
@@ -78,9 +82,13 @@ class RssSampler:
         return out
 
     def _run(self, every_s: float) -> None:
+        samples = 0
         while not self.stopped.wait(every_s):
             rss = self.read().get("VmRSS", 0)
             self.peaks[self.phase] = max(self.peaks[self.phase], rss)
+            samples += 1
+            if self.state_dir is not None and samples % 10 == 0:
+                self.state_peak = max(self.state_peak, dir_bytes(self.state_dir))
 
     def stop(self) -> int:
         """Stops sampling; returns the process's peak resident bytes (VmHWM)."""

@@ -84,7 +84,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, run_mode, say_mode, table, write_json
+from bench.common import dir_bytes, machine, parser, run_mode, say_mode, table, write_json
 from demo.local import Slot, learner_cmd, synchronizer_flags
 from demo.options import LocalOptions
 from demo.procs import Procs, read_json, scrape, start_synchronizer
@@ -251,16 +251,6 @@ def process_figures(pid: int) -> tuple[float, int, int] | None:
     return int(fields["VmRSS"].split()[0]) / 1024, fds, int(fields["Threads"])
 
 
-def dir_mb(path: Path) -> float:
-    total = 0
-    for p in path.rglob("*"):
-        try:
-            total += p.stat().st_size if p.is_file() else 0
-        except OSError:  # released while walking
-            pass
-    return total / 1e6
-
-
 def identity(result: dict[str, Any]) -> tuple[str, str]:
     """The learner id and session secret a result file names ("" while it names none): the
     session is in the result, or in the file it names."""
@@ -415,7 +405,7 @@ class Soak:
         disk = {
             "wal_segments": len(wal.list_segments(self.state / "wal")),
             "checkpoints": len(checkpoint.list_checkpoints(self.state)),
-            "state_dir": dir_mb(self.state),
+            "state_dir": dir_bytes(self.state) / 1e6,
         }
         try:
             samples = scrape(self.metrics_url)

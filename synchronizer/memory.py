@@ -25,7 +25,8 @@ the code allocates, per fragment, at its bounds:
 
 and `total`, their sum. The Synchronizer logs it, exports the components (not `total`) as
 `diloco_memory_projected_bytes{component}` and refuses a model (or a start) that cannot fit
-`memory_limit_bytes`.
+`memory_limit_bytes`. `state_disk` projects the state directory's peak disk use, which the
+Synchronizer logs beside the free space there (a WARNING when that is less).
 """
 
 from __future__ import annotations
@@ -105,6 +106,23 @@ def project(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[s
     out["checkpoint"] = checkpoint_bytes(cfg) if numel else 0
     out["baseline"] = BASELINE_BYTES
     out["total"] = sum(out.values())
+    return out
+
+
+def state_disk(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dict[str, int]:
+    """Projected peak bytes of `state_dir` serving `model` under `cfg`: one checkpoint's tensors
+    (`checkpoint`: parameters, outer state, residual, kept updates), `keep_checkpoints` of them
+    and the one being written (`checkpoints`), and the write-ahead log up to
+    `checkpoint_wal_bytes` (`wal`; 0 without a log or that bound: the log then holds whatever
+    arrives in `checkpoint_interval_s`). Not counted: what arrives while a checkpoint writes."""
+    p = project(cfg, model)
+    one = p["params"] + p["outer_state"] + p["residual"] + p["update_history"]
+    out = {
+        "checkpoint": one,
+        "checkpoints": (cfg.keep_checkpoints + 1) * one,
+        "wal": cfg.checkpoint_wal_bytes if cfg.wal else 0,
+    }
+    out["total"] = out["checkpoints"] + out["wal"]
     return out
 
 

@@ -13,6 +13,7 @@ health service) are told, and every push and pull of it is refused UNAVAILABLE.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from collections.abc import Callable
 
@@ -51,6 +52,30 @@ def known_fragment(fragment_id: int, count: int) -> None:
             "unknown_fragment",
             f"fragment {fragment_id} does not exist; the model has fragments 0..{count - 1}",
         )
+
+
+def log_state_disk(cfg: SynchronizerConfig, sizes: list[int]) -> None:
+    """Logs the state directory's projected peak disk use beside its free space: a WARNING when
+    that is less (checkpoints would then fail and, with the log on, pushes be refused)."""
+    need = memory.state_disk(cfg, sizes)
+    try:
+        free = shutil.disk_usage(cfg.state_dir).free
+        held = sum(p.stat().st_size for p in cfg.state_dir.rglob("*") if p.is_file())
+    except OSError:
+        return
+    text = (
+        f"state disk projection: {need['total'] / 2**30:.1f} GiB "
+        f"({cfg.keep_checkpoints} checkpoints of {need['checkpoint'] / 2**30:.1f} GiB and the one "
+        f"being written, the write-ahead log up to {need['wal'] / 2**30:.1f} GiB); "
+        f"{cfg.state_dir} holds {held / 2**30:.1f} GiB and has {free / 2**30:.1f} GiB more free"
+    )
+    if free + held < need["total"]:
+        logger.warning(
+            "%s: too little; lower keep_checkpoints or checkpoint_wal_bytes, or give state_dir more room",
+            text,
+        )
+    else:
+        logger.info(text)
 
 
 def export_memory(metrics: Metrics, projection: dict[str, int]) -> None:
@@ -114,6 +139,7 @@ class ServedModel:
             len(owned),
             memory.describe(projection, numel),
         )
+        log_state_disk(self.cfg, [f.numel for f in owned])
         if self.cfg.shards > 1:
             logger.info(
                 "serving as %s: %d of the model's %d parameters",

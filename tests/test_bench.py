@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import scale
 from bench.common import parser, run_mode
 from bench.goodput import pushed_fraction, schedule
 from bench.ingest import against_limits
@@ -108,6 +109,8 @@ def test_benchmark_smoke_mode_exits_0_and_writes_its_headline_figures(
             key,
             result.get(key),
         )
+    if name == "scale" and not extra:  # its first checkpoint at least, within the projection
+        assert 0 < result["state_peak_bytes"] <= result["state_projected_bytes"]
     assert "machine" in result
     if "smoke_run" in result:  # a smoke run says so, whatever its benchmark's quick mode does
         assert result["mode"] == "smoke" and result["smoke_run"] is True, result["mode"]
@@ -179,6 +182,13 @@ def test_a_benchmark_refuses_a_bad_size_in_one_line_before_running(
         importlib.import_module(f"bench.{name}").main(argv)
     assert done.value.code == 2
     assert "take a number >= " in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_scale_stops_before_it_starts_where_the_state_would_not_fit(tmp_path: Path) -> None:
+    # a full disk refuses pushes, and the capacity search would wait out every window
+    with pytest.raises(SystemExit, match=r"need about [0-9.]+ GB free .* --state-dir"):
+        scale.room_for_state(tmp_path, 10**15)
+    assert scale.room_for_state(tmp_path, 10**6)["total"] > 0
 
 
 def test_a_quick_mode_too_short_for_its_figures_calls_itself_a_smoke_run() -> None:

@@ -5,6 +5,7 @@ change."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import weakref
@@ -21,7 +22,7 @@ from bench.memory import fragment_bytes, measure, run_rounds
 from protos import blockwise, codec, framing, layout
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
-from synchronizer import checkpoint, native, receive
+from synchronizer import checkpoint, memory, native, receive
 from synchronizer.buffers import Fp32Buffers, Payloads, Snapshots
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
@@ -29,6 +30,7 @@ from synchronizer.disk import Disk
 from synchronizer.downlink import Downlink, kept_links
 from synchronizer.model import FragmentModel
 from synchronizer.outer import Plain
+from synchronizer.served import log_state_disk
 from tests.helpers import TIMEOUT, Client, KeepsPages, resident_fraction, small_spec
 
 
@@ -588,3 +590,30 @@ def test_a_checkpoint_leaves_the_page_cache_as_it_is_written(tmp_path, monkeypat
     restored = checkpoint.load_latest(tmp_path / "forgotten")
     assert restored is not None and restored[1] == {"round": 1}
     assert all(torch.equal(restored[0][k], v) for k, v in tensors.items())
+
+
+def test_state_disk_projects_a_checkpoints_bytes_and_warns_when_the_disk_has_too_little(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = SynchronizerConfig(state_dir=tmp_path, wal=False, checkpoint_interval_s=0)
+    core = Synchronizer(cfg)
+    try:
+        spec = plan_fragments([TensorInfo(f"w{i}", (300_000,)) for i in range(2)], 2)
+        with caplog.at_level(logging.INFO, logger="synchronizer.served"):
+            core.model.serve(spec)
+        assert "state disk projection" in caplog.text and "too little" not in caplog.text
+        for frag in core.model.fragments:
+            frag.initialize(torch.randn(frag.numel))
+        core.model.initialized = True
+        run_rounds(core, 2, 2 * cfg.update_history)  # every fragment's kept updates at its bound
+        assert core.save_checkpoint()
+        need = memory.state_disk(cfg, [f.numel for f in spec.fragments])
+        size = checkpoint.list_checkpoints(tmp_path)[-1][1].stat().st_size
+        assert need["checkpoint"] <= size <= need["checkpoint"] + (1 << 20)  # and its header
+        assert need["total"] == (cfg.keep_checkpoints + 1) * need["checkpoint"]  # no log
+    finally:
+        core.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="synchronizer.served"):
+        log_state_disk(cfg.model_copy(update={"keep_checkpoints": 1 << 30}), [300_000, 300_000])
+    assert any(r.levelno == logging.WARNING and "too little" in r.message for r in caplog.records)
