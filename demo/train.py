@@ -249,21 +249,22 @@ class Stopped(Exception):
     """Training stopped on SIGTERM after its checkpoint (`diloco-learner train` exits 143)."""
 
 
-def init_island() -> tuple[int, int, torch.device]:
+def init_island() -> tuple[int, int, torch.device, bool]:
     """Under torchrun (WORLD_SIZE above 1): the default process group, NCCL on GPUs and gloo on
-    CPUs, unless the caller made one; (rank, world size, this rank's device). Alone: (0, 1, the
-    one device)."""
+    CPUs, unless the caller made one; (rank, world size, this rank's device, whether the group
+    was made here: its maker destroys it). Alone: (0, 1, the one device, False)."""
     cuda = torch.cuda.is_available()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
+        return 0, 1, torch.device("cuda" if cuda else "cpu"), False
     import torch.distributed as dist
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
     if device is not None:
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    made = not dist.is_initialized()
+    if made:
         dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device or torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device or torch.device("cpu"), made
 
 
 def any_rank(flag: bool, world: int) -> bool:
@@ -344,7 +345,27 @@ def train(o: TrainOptions) -> dict:
         torch.set_num_threads(o.threads)
     if o.eval_only:
         return evaluate_served(o)
-    rank, world, device = init_island()
+    rank, world, device, made = init_island()
+    try:
+        result = train_island(o, rank, world, device)
+    except Stopped:  # every rank stopped at the same step (SIGTERM), its collectives done
+        end_island(made)
+        raise
+    end_island(made)  # not after a crash: a collective may still wait for the crashed rank
+    return result
+
+
+def end_island(made: bool) -> None:
+    """Destroys the island's process group where `init_island` made it (a group left to the
+    interpreter's exit leaks it: NCCL warns, and its teardown may abort)."""
+    if made:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def train_island(o: TrainOptions, rank: int, world: int, device: torch.device) -> dict:
+    """The loop as `rank` of an island of `world` (0 of 1 alone)."""
     if o.fsdp and (world == 1 or o.resume):
         raise ValueError("fsdp needs a torchrun island of 2 or more ranks, and no resume")
     out = o.out if rank == 0 or not o.out else f"{o.out}.rank{rank}"

@@ -228,3 +228,36 @@ def test_bad_input_gives_one_line_and_no_traceback(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def _island_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of a 2-rank island as torchrun starts it: the group is the example's to make."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    o = TrainOptions(steps=4, sync=None, n_layer=1, d_model=32, block=32, batch_size=4)
+    result = train(o.model_copy(update={"max_bytes": 1 << 16, "eval_windows": 4, "threads": 1}))
+    torch.save({"hash": result["param_hash"], "group": dist.is_initialized()}, f"{out}{rank}.pt")
+
+
+@pytest.mark.slow  # spawns two gloo processes
+def test_a_torchrun_island_ends_with_the_process_group_it_made_destroyed(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_island_rank, args=(2, port, str(tmp_path / "rank")), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["hash"] == ranks[1]["hash"]  # replicas averaged their gradients
+    assert not ranks[0]["group"] and not ranks[1]["group"]
