@@ -235,14 +235,20 @@ def decode_tail(
     return tail.view(-1)[: n - full]
 
 
+def scales_of(buf: torch.Tensor, codec: int, n: int, scale_dtype: int) -> torch.Tensor:
+    """The payload's block scales as FP32, unchecked (a view where they are FP32 and aligned):
+    for payloads ``checked_scales`` passed already."""
+    scale_type = torch.float32 if scale_dtype == pb.SCALE_FP32 else torch.float16
+    return aligned(buf[layout.code_bytes(codec, n) :], scale_type).float()
+
+
 def checked_scales(buf: torch.Tensor, codec: int, n: int, scale_dtype: int) -> torch.Tensor:
     """The payload's block scales as FP32; ``layout.CodecError`` unless every decoded value is finite.
 
     Checked on the (small) scales: scale * max|code| finite guarantees that every decoded value
     is finite, so the values themselves need not be scanned (but see int8's -128 in decode).
     """
-    scale_type = torch.float32 if scale_dtype == pb.SCALE_FP32 else torch.float16
-    scales = aligned(buf[layout.code_bytes(codec, n) :], scale_type).float()
+    scales = scales_of(buf, codec, n, scale_dtype)
     bad = ~torch.isfinite(scales * MAX_CODE[codec]) | (scales < 0)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])

@@ -108,7 +108,9 @@ def weighted_codes(
     payloads: list[tuple[torch.Tensor, pb.PayloadHeader, float]], numel: int
 ) -> list[native.Push]:
     """The native kernels' form of checked payloads (`native.Push`): INT8 or INT4 codes with
-    each block's scale times the payload's weight, or BF16 or FP32 values with the weight."""
+    each block's scale times the payload's weight, or BF16 or FP32 values with the weight.
+    Scales are not checked again: a push's were at receive (`codec.check`, before it was
+    accepted or logged), a link's are the Synchronizer's own."""
     pushes = []
     for buf, h, weight in payloads:
         kind = NATIVE_KINDS[h.codec]
@@ -118,7 +120,7 @@ def weighted_codes(
             scales = torch.tensor([weight], dtype=torch.float32)
         else:
             data = buf.contiguous()
-            scales = blockwise.checked_scales(buf, h.codec, numel, h.scale_dtype) * weight
+            scales = blockwise.scales_of(buf, h.codec, numel, h.scale_dtype) * weight
         pushes.append((data, kind, scales))
     return pushes
 

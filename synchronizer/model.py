@@ -58,26 +58,28 @@ def bounded_by_scales(
     largest: Sequence[float | None] = (),
 ) -> bool:
     """Whether the merged delta of weighted pushes (`native.step_int8`'s: the first `summed`
-    summed and divided by `total`, the rest added) is shown appliable by their scales alone: in
-    each block, the largest code times the scale (for values, their largest magnitude times the
-    weight), summed over the pushes, bounds every element's magnitude, so a finite bound within
-    `MAX_MERGED_ABS` (with slack for rounding) proves what `unappliable` would find without
-    reading a code. Values are read once for their largest magnitude, unless `largest` gives
-    it (the i-th push's, where known)."""
-    bound: torch.Tensor | None = None
+    summed and divided by `total`, the rest added) is shown appliable by their scales alone:
+    each push's largest code times its largest scale (for values, their largest magnitude times
+    the weight), summed over the pushes, bounds every element's magnitude, so a finite bound
+    within `MAX_MERGED_ABS` (with slack for rounding) proves what `unappliable` would find
+    without reading a code. One reduction per push and no temporaries: a bound looser than the
+    blocks' own, and still 25 orders of magnitude above any honest delta. Values are read once
+    for their largest magnitude, unless `largest` gives it (the i-th push's, where known)."""
+    if not pushes or total <= 0.0:
+        return False
+    bound = 0.0
     for i, (data, kind, scales) in enumerate(pushes):
         known = largest[i] if i < len(largest) else None
         if kind in (native.BF16, native.FP32):
             top = known if known is not None else native.absmax(data)
         else:
             top = blockwise.LARGEST_CODE[pb.CODEC_INT4 if kind == native.INT4 else pb.CODEC_INT8]
-        term = scales.double().abs() * top
-        if i < summed:
-            term /= total
-        bound = term if bound is None else bound + term
-    if bound is None or total <= 0.0:
-        return False
-    reach = float(bound.max()) * _BOUND_SLACK
+        lo, hi = (float(x) for x in torch.aminmax(scales))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return False
+        term = max(-lo, hi) * top
+        bound += term / total if i < summed else term
+    reach = bound * _BOUND_SLACK
     return math.isfinite(reach) and reach <= MAX_MERGED_ABS
 
 

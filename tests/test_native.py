@@ -478,6 +478,11 @@ def test_a_round_its_scales_cannot_show_appliable_is_judged_on_its_merged_delta(
     small = weighted_codes([(*_push(pb.CODEC_INT8, 26), 1.0)], N)
     assert bounded_by_scales(small, 1, 1.0)
     assert not bounded_by_scales(small, 1, 1e-40)  # divided by a tiny total weight
+    for bad in (math.nan, math.inf):  # scales are checked at receive; a bound never passes them
+        codes, kind, scales = small[0]
+        scales = scales.clone()
+        scales[3] = bad
+        assert not bounded_by_scales([(codes, kind, scales)], 1, 1.0)
     huge = codec.encode(torch.full((N,), 1e31), pb.CODEC_INT8)
     assert not bounded_by_scales(
         weighted_codes([(huge, layout.make_header(pb.CODEC_INT8, N), 1.0)], N), 1, 1.0
