@@ -249,8 +249,13 @@ def checked_scales(buf: torch.Tensor, codec: int, n: int, scale_dtype: int) -> t
     is finite, so the values themselves need not be scanned (but see int8's -128 in decode).
     """
     scales = scales_of(buf, codec, n, scale_dtype)
-    bad = ~torch.isfinite(scales * MAX_CODE[codec]) | (scales < 0)
-    if bool(bad.any()):
+    if scales.numel() == 0:
+        return scales
+    # One pass, no temporaries (NaN propagates into both; the largest scale times the largest
+    # code in FP32, as the decode computes it); the failing block is found only for the error.
+    lo, hi = torch.aminmax(scales)
+    if not (math.isfinite(lo) and lo >= 0 and math.isfinite(hi * MAX_CODE[codec])):
+        bad = ~torch.isfinite(scales * MAX_CODE[codec]) | (scales < 0)
         i = int(bad.nonzero()[0, 0])
         raise layout.CodecError(
             f"block {i} has scale {float(scales[i])}: scales must be finite, >= 0 and small "

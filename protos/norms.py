@@ -93,8 +93,8 @@ def norm_estimate(
         exact = l2_norm(buf, header)
         return exact, exact
     bs = int(header.block_size)
-    scales = blockwise.checked_scales(buf, codec, n, header.scale_dtype).double()
-    squares = scales.square()
+    # checked already (`check`): read, not checked again
+    squares = blockwise.scales_of(buf, codec, n, header.scale_dtype).double().square_()
     whole = n // bs
     tail = n - whole * bs
     # sum over blocks of (elements in the block) x scale^2: every block whole but the last

@@ -277,10 +277,11 @@ def encoded_int8_with_scale(scale: float, scale_dtype: int = pb.SCALE_FP32):
         (-1.0, pb.SCALE_FP32),
         (float("inf"), pb.SCALE_FP32),
         (3.0e38, pb.SCALE_FP32),  # finite, but scale * 127 overflows float32
+        (2.7e36, pb.SCALE_FP32),  # scale * 127 is 3.43e38: beyond float32, not float64
         (float("nan"), pb.SCALE_FP16),
         (-0.5, pb.SCALE_FP16),
     ],
-    ids=["nan", "negative", "inf", "overflowing", "fp16_nan", "fp16_negative"],
+    ids=["nan", "negative", "inf", "overflowing", "overflowing_fp32", "fp16_nan", "fp16_negative"],
 )
 def test_decode_rejects_bad_scales(scale, scale_dtype):
     buf, header = encoded_int8_with_scale(scale, scale_dtype)
