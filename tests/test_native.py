@@ -23,7 +23,7 @@ import torch
 from protos import blockwise, codec, layout
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec
-from synchronizer import crc, journal, native, receive
+from synchronizer import crc, journal, native, native_build, receive
 from synchronizer.clock import ManualClock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.core import Synchronizer
@@ -608,7 +608,7 @@ def test_the_kernel_in_use_is_a_replay_setting(tmp_path: Path) -> None:
 def test_without_a_compiler_auto_runs_torch_and_native_is_a_clear_error(
     monkeypatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_build, "_built", {})
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc nor clang there
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "empty"))  # nothing built before
@@ -640,21 +640,21 @@ def test_serve_with_kernels_native_and_no_compiler_exits_2_with_the_reason(
 
 
 def test_a_build_is_cached_and_shared_by_processes(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_build, "_built", {})
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     built = native.load()
     assert built.path.parent == tmp_path and built.path.exists()
-    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_build, "_built", {})
     assert native.load().path == built.path  # found, not built again
     assert [p.name for p in tmp_path.iterdir()] == [built.path.name]  # no temporary left
 
 
 def test_an_object_built_before_loads_without_a_compiler(monkeypatch, tmp_path: Path) -> None:
     # as in the container image: built into its cache at build time, run where no compiler is
-    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_build, "_built", {})
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     built = native.load().path
-    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_build, "_built", {})
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     monkeypatch.delenv("CC", raising=False)
     assert native.resolve("native") is True
@@ -664,7 +664,7 @@ def test_an_object_built_before_loads_without_a_compiler(monkeypatch, tmp_path: 
 def test_the_built_object_is_readable_by_other_users(monkeypatch, tmp_path: Path) -> None:
     # the image builds it as root and runs the Synchronizer as another user (CI: the image's
     # Synchronizer fell back to torch because the object was private to its builder)
-    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_build, "_built", {})
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     mode = native.load().path.stat().st_mode
     assert mode & 0o044 == 0o044 & ~_umask()
@@ -682,8 +682,8 @@ def test_a_cached_object_that_cannot_load_is_the_reason_given(monkeypatch, tmp_p
     cache.mkdir()
     (cache / name).write_bytes(b"not a shared object")
     monkeypatch.setenv(native.CACHE_ENV, str(cache))
-    monkeypatch.setattr(native, "_built", {})
-    monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(native_build, "_built", {})
+    monkeypatch.setattr(native_build.tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(native.NativeUnavailable) as got:
@@ -733,7 +733,7 @@ def test_crc32_folds_where_the_cpu_has_carry_less_multiplication() -> None:
 
 
 def test_crc32_without_the_kernels_is_zlibs(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_build, "_built", {})
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc nor clang there
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "empty"))  # nothing built before
