@@ -18,6 +18,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -120,60 +121,25 @@ def _compile(cc: str, path: Path) -> None:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp = ctypes.c_void_p
-    lib.diloco_accumulate.argtypes = [
-        ctypes.c_int,
-        ctypes.POINTER(vp),
-        ctypes.POINTER(ctypes.c_int),
-        ctypes.POINTER(vp),
-        _i64,
-        _i64,
-        vp,
-        ctypes.c_int,
-    ]
+    f32, c_int = ctypes.c_float, ctypes.c_int
+    pvp, pint = ctypes.POINTER(vp), ctypes.POINTER(c_int)
+    # npush, data, kind, scales, n, bs, out, overwrite
+    lib.diloco_accumulate.argtypes = [c_int, pvp, pint, pvp, _i64, _i64, vp, c_int]
     lib.diloco_accumulate.restype = None
     lib.diloco_absmax.argtypes = [vp, ctypes.c_int, _i64, ctypes.POINTER(ctypes.c_double)]
     lib.diloco_absmax.restype = ctypes.c_float
     lib.diloco_merge.argtypes = [vp, _i64, ctypes.c_float]
     lib.diloco_merge.restype = ctypes.c_float
-    lib.diloco_chain_int8.argtypes = [
-        vp,
-        vp,
-        vp,
-        vp,
-        ctypes.c_int,
-        vp,
-        vp,
-        _i64,
-        _i64,
-        ctypes.c_float,
-        ctypes.c_int,
-        ctypes.c_float,
-        ctypes.c_float,
-        vp,
-    ]
-    lib.diloco_chain_int8.restype = ctypes.c_int
-    lib.diloco_step_int8.argtypes = [
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.POINTER(vp),
-        ctypes.POINTER(ctypes.c_int),
-        ctypes.POINTER(vp),
-        ctypes.c_float,
-        vp,
-        vp,
-        vp,
-        ctypes.c_int,
-        vp,
-        vp,
-        _i64,
-        _i64,
-        ctypes.c_float,
-        ctypes.c_int,
-        ctypes.c_float,
-        ctypes.c_float,
-        vp,
-    ]
-    lib.diloco_step_int8.restype = ctypes.c_int
+    # the update chain's arguments, shared by the chain alone and by a whole round's step:
+    # params, momentum, residual, residual_bf16, codes, scales, n, bs, factor, nesterov, mu,
+    # nu, scratch
+    chain: list[Any] = [vp, vp, vp, c_int, vp, vp, _i64, _i64, f32, c_int, f32, f32, vp]
+    lib.diloco_chain_int8.argtypes = [vp, *chain]  # grad first
+    lib.diloco_chain_int8.restype = c_int
+    # npush, nsum, data, kind, scales, total, then the chain
+    pushes: list[Any] = [c_int, c_int, pvp, pint, pvp, f32]
+    lib.diloco_step_int8.argtypes = [*pushes, *chain]
+    lib.diloco_step_int8.restype = c_int
     lib.diloco_crc32_fast.argtypes = []
     lib.diloco_crc32_fast.restype = ctypes.c_int
     lib.diloco_crc32.argtypes = [ctypes.c_uint32, vp, _i64]
