@@ -20,6 +20,9 @@ on one thread): `apply_bw_ratio` = the 20 bytes per parameter a Nesterov step mu
 apply second, over the triad bandwidth, and `bytes_per_param_moved` = the apply's seconds x the
 triad bandwidth / parameters. A figure whose baseline could not be measured is written as
 null with the reason under `missing`, and printed as "missing: <why>".
+This process sets malloc's thresholds as `serve` does (`synchronizer.allocator`; `allocator` in
+the JSON says what it did), so the Synchronizers it measures receive as they serve, and the bare
+sink, in the same process, receives under the same settings.
 
     python -m bench.ingest [--quick | --smoke] [--state-dir DIR] [--json PATH]
 Full mode: 100M parameters, 1/4/8 clients, FP32/BF16/INT8/INT4, three 8 s streaming runs per
@@ -50,7 +53,7 @@ from protos import diloco_pb2 as pb
 from protos import diloco_pb2_grpc as pb_grpc
 from protos.initmodel import init_model_requests
 from protos.spec import TensorInfo, plan_fragments
-from synchronizer import native
+from synchronizer import allocator, native
 from synchronizer.buffers import Fp32Buffers, Payloads, payload_budget
 from synchronizer.clock import SystemClock
 from synchronizer.config import SynchronizerConfig
@@ -465,6 +468,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     clients = [int(c) for c in args.clients.split(",")] if args.clients else mode["clients"]
     codecs = args.codecs.split(",") if args.codecs else mode["codecs"]
     seconds = args.seconds or mode["seconds"]
+    malloc = allocator.keep_freed_buffers()
+    print(malloc)
     with tempfile.TemporaryDirectory(prefix="bench-ingest-", dir=args.state_dir) as root:
         disk = disk_write_bandwidth(Path(root), mode["disk"])
         rows = [
@@ -498,6 +503,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mem_bw_copy_GBps": applied["mem_bw_copy_GBps"],
         "mem_bw_triad_GBps": applied["mem_bw_triad_GBps"],
         "kernels": applied["kernels"],
+        "allocator": malloc,
     }
     missing = disk.get("missing", {}) | applied.get("missing", {})
     if headline["wal_disk_ratio"] is None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from protos.cli import LOG_FORMATS, setup_logging
 from protos.configload import ConfigError, add_flags, env_name, load
-from synchronizer import native
+from synchronizer import allocator, native
 from synchronizer.config import SynchronizerConfig
 from synchronizer.server import RunningServer, serve
 
@@ -80,10 +80,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"kernels native: {e}; use kernels auto or torch") from None
     if warning := open_to_all(cfg):
         logger.warning(warning)
+    malloc = allocator.keep_freed_buffers()  # before the model's buffers; said once serving
 
     def ready(running: RunningServer) -> None:
         # said once serving: a start refused by its checks stays the one line that says why
         logger.info("outer step kernels: %s", "native" if uses_native else "torch")
+        logger.info("%s", malloc)
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
             tmp.write_text(
