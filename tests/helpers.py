@@ -329,6 +329,23 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def stop_serving(proc: subprocess.Popen, timeout_s: float = 60) -> str:
+    """Stops a process from `serve_process` as its operator would (SIGTERM) and returns its
+    output, read while it stops (a pipe left unread can hold a process that writes). One that has
+    not exited within `timeout_s` is killed, so none is left to load the rest of the suite, and
+    the test fails with its output."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(
+            f"the Synchronizer had not stopped {timeout_s} s after SIGTERM; killed: {out[-3000:]}"
+        ) from None
+    return out
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process below it (found before any dies, so none is reparented
     out of sight first)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
 from synchronizer.cli import main
 from synchronizer.cli_status import shards_json, shards_table
-from tests.helpers import Client, serve_process, small_spec
+from tests.helpers import Client, serve_process, small_spec, stop_serving
 
 
 def _start(
@@ -48,8 +47,7 @@ def test_serve_with_defaults_reports_serving_and_exits_zero_on_sigterm(tmp_path)
             == health_pb2.HealthCheckResponse.SERVING
         )
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        out = stop_serving(proc)
     assert proc.returncode == 0, out
     assert f"serving gRPC on 127.0.0.1:{info['port']}" in out
 
@@ -95,8 +93,7 @@ def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path)
         )
         assert again.returncode == 4 and "already initialised" in again.stderr  # refused
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        stop_serving(proc)
     assert proc.returncode == 0
     proc, info = _start(tmp_path)
     try:
@@ -110,8 +107,7 @@ def test_init_from_file_then_sigterm_checkpoint_then_restart_serves_it(tmp_path)
         for fid, expected in flat.items():
             assert torch.equal(c.pull(fid)[1], expected)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        stop_serving(proc)
 
 
 @pytest.mark.slow
@@ -220,8 +216,7 @@ def test_serve_logs_json_lines_and_warns_of_an_open_port_and_of_legacy_variables
     proc, info = _start(
         tmp_path, "--host", "0.0.0.0", "--log-format", "json", env={"DILOCO_MERGE": "radial"}
     )
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    out = stop_serving(proc)
     assert proc.returncode == 0, out
     records = [json.loads(line) for line in out.splitlines()]  # every line is one object
     assert all(set(r) >= {"time", "level", "logger", "message"} for r in records), records

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from synchronizer import checkpoint
-from tests.helpers import serve_process
+from tests.helpers import serve_process, stop_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -74,8 +73,7 @@ def _serve(venv: Path, state: Path, cwd: Path) -> tuple[subprocess.Popen, dict]:
 
 
 def _sigterm(proc: subprocess.Popen) -> tuple[int, str]:
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    out = stop_serving(proc)
     return proc.returncode, out
 
 

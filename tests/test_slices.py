@@ -16,7 +16,15 @@ from learner.client import SyncClient
 from protos import codec, framing, layout, slicing
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec
-from tests.helpers import TIMEOUT, Client, push_messages, serve_process, small_spec, wait_until
+from tests.helpers import (
+    TIMEOUT,
+    Client,
+    push_messages,
+    serve_process,
+    small_spec,
+    stop_serving,
+    wait_until,
+)
 
 SPEC = small_spec()
 N0 = SPEC.fragments[0].numel
@@ -374,8 +382,7 @@ def test_an_island_contribution_in_the_log_survives_kill_9(tmp_path):
         retry = slice_push(c2, delta, first, 0).result(timeout=TIMEOUT)
         assert retry.outcome == pb.PUSH_DUPLICATE
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(TIMEOUT)
+        stop_serving(proc, TIMEOUT)
 
 
 def test_slices_of_one_seq_that_disagree_abort_the_contribution(make_server):

@@ -41,6 +41,7 @@ from tests.helpers import (
     resident_fraction,
     serve_process,
     small_spec,
+    stop_serving,
 )
 
 SPEC = small_spec(fragments=2)
@@ -513,8 +514,7 @@ def test_kill_9_loses_nothing_acknowledged_and_serves_every_version_again(tmp_pa
         version, _ = a2.pull(0, min_version=4, wait_s=TIMEOUT)
         assert version == 4
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(TIMEOUT)
+        stop_serving(proc, TIMEOUT)
 
 
 class Killed(BaseException):
@@ -579,8 +579,7 @@ def test_a_kill_during_replay_changes_nothing_on_disk_and_the_next_start_serves_
             now = b.pull(f)
             assert now[0] == version == 3 and torch.equal(now[1], params)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(TIMEOUT)
+        stop_serving(proc, TIMEOUT)
 
 
 def test_a_failing_log_refuses_pushes_keeps_serving_pulls_and_recovers(tmp_path):
