@@ -14,8 +14,8 @@ up to `MMAP_THRESHOLD` come from malloc's heaps, and a heap's free top is kept u
 the buffers it holds are the ones the next pushes take. It is done by the `serve` command, once
 per process, never by the library on a process that embeds a Synchronizer; where the environment
 already sets either threshold (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, or
-`GLIBC_TUNABLES` naming `glibc.malloc.`) the environment's settings stand, which is also how an
-operator keeps glibc's own behaviour.
+`GLIBC_TUNABLES` naming `glibc.malloc.`) the environment's settings stand, and neither is set
+here: that is how an operator chooses other values.
 """
 
 from __future__ import annotations
