@@ -29,6 +29,7 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit: buffers above it are alw
 TRIM_THRESHOLD = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 ENV_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+GLIBC = platform.libc_ver()[0] == "glibc"  # the thresholds are glibc's
 
 
 def keep_freed_buffers(environ: Mapping[str, str] = os.environ) -> str:
@@ -38,7 +39,7 @@ def keep_freed_buffers(environ: Mapping[str, str] = os.environ) -> str:
         "GLIBC_TUNABLES", ""
     ):
         return "malloc thresholds left as the environment sets them"
-    if platform.libc_ver()[0] != "glibc":
+    if not GLIBC:
         return "malloc thresholds left as they are (not glibc)"
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:

@@ -1,14 +1,12 @@
 """Freed buffers kept for reuse (`synchronizer.allocator`): glibc's thresholds fixed by `serve`."""
 
-import platform
+import json
 import subprocess
 import sys
 
 import pytest
 
 from synchronizer import allocator
-
-GLIBC = platform.libc_ver()[0] == "glibc"
 
 # Three buffers of 24 MiB written and freed, five times over, with malloc itself (as gRPC's and
 # Python's buffers are): the page faults of each time, as a JSON list.
@@ -38,10 +36,10 @@ def _faults(mode: str) -> list[int]:
         [sys.executable, "-c", _ROUNDS, mode], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    return [int(f) for f in out.stdout.strip().strip("[]").split(",")]
+    return json.loads(out.stdout)
 
 
-@pytest.mark.skipif(not GLIBC, reason="the thresholds are glibc's")
+@pytest.mark.skipif(not allocator.GLIBC, reason="the thresholds are glibc's")
 def test_freed_buffers_are_written_again_without_page_faults_once_kept():
     pages = 3 * (24 << 20) // 4096
     kept, plain = _faults("keep"), _faults("plain")
@@ -66,7 +64,7 @@ def test_thresholds_the_environment_sets_stand(environ):
     )
 
 
-@pytest.mark.skipif(not GLIBC, reason="the thresholds are glibc's")
+@pytest.mark.skipif(not allocator.GLIBC, reason="the thresholds are glibc's")
 def test_other_glibc_tunables_do_not_keep_the_thresholds_from_being_set():
     said = subprocess.run(
         [
