@@ -304,9 +304,9 @@ class Wal:
 
     def _sync_loop(self) -> None:
         """The syncer: fdatasyncs what the writer asked for (`_want_sync`) while the writer
-        goes on writing; then the records up to that point are durable, and their pages go
-        back to be reused by the next writes rather than fresh ones taken (`Disk.forget`;
-        read again only by a replay)."""
+        goes on writing; then the records up to that point are durable, and only after that
+        are their pages given back to be reused by the next writes rather than fresh ones
+        taken (`Disk.forget`; read again only by a replay)."""
         while True:
             with self.cv:
                 while not self.stopped and (
@@ -332,7 +332,6 @@ class Wal:
                     self.sync_error = e
                     self.cv.notify_all()
                 continue
-            self.disk.forget(fd, start, size - start)
             with self.cv:
                 self.synced_size = size
                 done = 0
@@ -346,6 +345,11 @@ class Wal:
                     logger.warning("write-ahead log writable again (was: %s)", self.failure)
                 self.failure = None
                 self.disk_full = False
+                self.cv.notify_all()
+            # durable first, then the pages dropped: no acknowledgement waits for the drop (a
+            # cut or a rotation waits for it, as `syncing` still says an fsync runs)
+            self.disk.forget(fd, start, size - start)
+            with self.cv:
                 self.syncing = False
                 self.cv.notify_all()
 

@@ -304,6 +304,44 @@ def test_a_record_appended_during_an_fsync_is_written_before_it_ends(tmp_path):
     assert [bytes(r.payload)[:1] for r in Wal(tmp_path / "wal", 1 << 20).replay()] == [b"a", b"b"]
 
 
+class HeldForget(Disk):
+    """Dropping a range's pages waits while `gate` is clear (`in_forget` is set once it has
+    started)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.in_forget = threading.Event()
+
+    def forget(self, fd: int, offset: int, length: int) -> None:
+        self.in_forget.set()
+        assert self.gate.wait(TIMEOUT)
+        super().forget(fd, offset, length)
+
+
+def test_a_record_is_durable_before_its_pages_are_dropped_and_a_seal_waits_for_the_drop(
+    tmp_path,
+):
+    """Dropping fsynced pages from the cache is housekeeping: a push's acknowledgement waits
+    for its fsync, never for the drop; closing the segment (a seal) waits for both, so no file
+    is closed under it."""
+    disk = HeldForget()
+    wal = Wal(tmp_path / "wal", 1 << 20, disk)
+    wal.start()
+    ticket = wal.append(Record(PUSH, {"fid": 0, "version": 1}, b"a" * 1000))
+    assert disk.in_forget.wait(TIMEOUT)
+    wal.wait(ticket, TIMEOUT)  # durable while the drop is held
+    sealed: list[int] = []
+    sealer = threading.Thread(target=lambda: sealed.append(wal.seal(TIMEOUT)))
+    sealer.start()
+    sealer.join(0.2)
+    assert sealer.is_alive() and not sealed  # the seal waits for the drop
+    disk.gate.set()
+    sealer.join(TIMEOUT)
+    assert sealed and sealed[0] >= 1
+    wal.close()
+    assert [bytes(r.payload)[:1] for r in Wal(tmp_path / "wal", 1 << 20).replay()] == [b"a"]
+
+
 def test_an_fsync_failing_after_later_records_were_written_writes_them_all_again_once(
     tmp_path, monkeypatch
 ):
