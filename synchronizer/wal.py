@@ -12,7 +12,7 @@ segments it covers: every round they mention is at or below the checkpoint's ver
 stream with parts in them is still open (its push may yet be acknowledged into a later round; a
 stream that stalls is cut by the Synchronizer's idle-stream timeout). Disk use stays bounded by
 what the checkpoint interval lets accumulate. Once fsynced, a batch's pages are dropped from the
-page cache (`Disk.forget`).
+page cache (`Disk.forget`), after its records are marked durable: no reply waits for the drop.
 
 A write or fsync that fails (a full disk, an I/O error) keeps the records in memory and retries
 every `RETRY_S`; meanwhile `failure` says why, new pushes are refused by the caller, and nothing
