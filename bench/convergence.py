@@ -36,7 +36,7 @@ the default arm's eval loss over (b)'s, `default_vs_dp` = over (a)'s (target <= 
 
     python -m bench.convergence [--quick | --smoke] [--json PATH] [--steps S] [--sync-every H]
         [--only dp,streaming_int4,...] [--set field=value ...] [--net auto|netns|proxy]
-        [--default-args FLAGS] [--default-train-args FLAGS]
+        [--default-args FLAGS] [--default-train-args FLAGS] [--seed N]
 Modes: --smoke a tiny model, 2 learners, 40 steps, without (c); --quick 300 steps (under 4 minutes here); full
 3000 steps (18 minutes in the recorded run; up to about 27 when the machine is busier).
 """
@@ -192,8 +192,16 @@ def main(argv: list[str] | None = None) -> dict:
         default="auto",
         help="links: namespaces (root) or proxies",
     )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="model initialisation and data order of every arm (data parallel's too)",
+    )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
     args = p.parse_args(argv)
+    if args.seed < 0:
+        raise SystemExit(f"--seed: an integer >= 0, got {args.seed}")
     mode = run_mode(args, QUICK_IS_SMOKE)
     say_mode(mode)
     if args.smoke:
@@ -202,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         w, base = Workload(steps=300 if args.quick else 3000), DECOUPLED
     if args.steps:
         w.steps = args.steps
+    w.seed = args.seed
     if args.sync_every:
         base = base.with_(sync_every=args.sync_every)
     base = parse_set(args.set, base)

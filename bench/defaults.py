@@ -50,10 +50,14 @@ default when it is within 1% of the best in every cell and never above `sync`. T
 
     python -m bench.defaults [--quick | --smoke] [--json PATH] [--steps S] [--learners 2,4,8]
         [--sync-every 50,100] [--speeds equal,slow] [--arms sync,default,...] [--repeats R]
+        [--seeds 0,1,2]
 Modes: --smoke the bundled example, 2 learners, 300 steps, H 25, arms sync and default (the
 suite's regression test of the defaults: the old default, Delayed Nesterov, ends 5% above sync
 there, the defaults 4.5% below; a tiny model shows no difference); --quick 2 and 4 learners,
-H 100, equal speeds, 500 steps; full: every cell, 1000 steps.
+H 100, equal speeds, 500 steps; full: every cell, 1000 steps. `--seeds` runs every arm
+`--repeats` times for each seed (model initialisation and data order, default 0 only): `sync`
+ends alike in every run of one seed, so its spread over seeds is what a different seed alone
+moves the loss by, the floor against which an asynchronous arm's spread is read.
 """
 
 from __future__ import annotations
@@ -172,6 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--arms", help=f"comma-separated subset of {','.join(ARMS)}")
     p.add_argument("--repeats", type=int, default=1, help="runs of each arm per cell (mean)")
     p.add_argument(
+        "--seeds",
+        type=_ints,
+        default=[0],
+        help="comma-separated seeds (model initialisation, data order): --repeats runs of each",
+    )
+    p.add_argument(
         "--net", choices=("auto", "netns", "proxy"), default="auto", help="links to learners"
     )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
@@ -191,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     hs = args.sync_every or hs
     speeds = args.speeds.split(",") if args.speeds else speeds
     arms = args.arms.split(",") if args.arms else arms
+    if not args.seeds or min(args.seeds) < 0:
+        raise SystemExit(f"--seeds: integers >= 0, got {args.seeds}")
     unknown = sorted(set(arms) - set(ARMS)) + sorted(set(speeds) - {"equal", "slow"})
     if unknown:
         raise SystemExit(
@@ -212,20 +224,27 @@ def main(argv: list[str] | None = None) -> dict:
                         )
                         cell: dict[str, Any] = {"learners": m, "H": h, "speed": speed}
                         losses: dict[str, list[float]] = {}
+                        seeds: dict[str, list[int]] = {}
                         for arm in arms:
-                            for r in range(args.repeats):
-                                run = DilocoJob(
-                                    ARMS[arm](h), w, links, root / f"m{m}-h{h}-{speed}-{arm}-{r}"
-                                ).run()
-                                losses.setdefault(arm, []).append(run["eval_loss"])
-                                print(
-                                    f"  M={m} H={h} {speed:5s} {arm:16s} eval loss {run['eval_loss']:.4f}  {run['wall_s']:6.1f} s  ({run['config']})",
-                                    flush=True,
-                                )
+                            for seed in args.seeds:
+                                for r in range(args.repeats):
+                                    run = DilocoJob(
+                                        ARMS[arm](h),
+                                        dataclasses.replace(w, seed=seed),
+                                        links,
+                                        root / f"m{m}-h{h}-{speed}-{arm}-s{seed}-{r}",
+                                    ).run()
+                                    losses.setdefault(arm, []).append(run["eval_loss"])
+                                    seeds.setdefault(arm, []).append(seed)
+                                    print(
+                                        f"  M={m} H={h} {speed:5s} {arm:16s} seed {seed} eval loss {run['eval_loss']:.4f}  {run['wall_s']:6.1f} s  ({run['config']})",
+                                        flush=True,
+                                    )
                         loss = {a: statistics.mean(v) for a, v in losses.items()}
                         best = min(loss.values())
                         cell["loss"] = loss
                         cell["runs"] = losses
+                        cell["seeds"] = seeds  # the seed of each run, in the order of `runs`
                         # how far runs of one arm end apart: (max - min) / mean
                         cell["spread"] = {a: (max(v) - min(v)) / loss[a] for a, v in losses.items()}
                         cell["best"] = min(loss, key=loss.__getitem__)

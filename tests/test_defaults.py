@@ -14,11 +14,13 @@ The smoke mode's 300 steps (2026-12-01): sync 2.2887, the defaults 0.955 of it, 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_smoke
+from tests.helpers import REPO, run_smoke
 
 MARGIN = 0.01
 
@@ -30,3 +32,39 @@ def test_no_flags_end_at_least_as_low_as_synchronous_fp32_diloco(tmp_path: Path)
     (cell,) = result["cells"]
     assert set(cell["loss"]) == {"sync", "default"}
     assert result["default_worst_vs_sync"] <= 1 + MARGIN, cell["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_seeds_run_each_arm_once_per_seed_and_a_seed_changes_the_run(tmp_path: Path) -> None:
+    """`--seeds` reaches the learners: synchronous DiLoCo ends alike in every run of one seed,
+    so two seeds that end on different losses were two different initialisations and data
+    orders, and every run is labelled with its seed."""
+    result = run_smoke(
+        "defaults", tmp_path / "seeds.json", "--steps", "50", "--arms", "sync", "--seeds", "0,1"
+    )
+    (cell,) = result["cells"]
+    assert cell["seeds"] == {"sync": [0, 1]}
+    first, second = cell["runs"]["sync"]
+    assert first != second, cell["runs"]
+    assert cell["spread"]["sync"] == pytest.approx(abs(first - second) / cell["loss"]["sync"])
+
+
+@pytest.mark.parametrize(
+    ("bench", "flag", "said"),
+    [
+        ("defaults", "--seeds=0,-1", "--seeds: integers >= 0"),
+        ("convergence", "--seed=-1", "--seed: an"),
+    ],
+)
+def test_a_negative_seed_is_refused_before_anything_runs(bench: str, flag: str, said: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{bench}", "--smoke", flag],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert said in proc.stderr
+    assert "Traceback" not in proc.stderr
