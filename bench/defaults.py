@@ -57,7 +57,8 @@ there, the defaults 4.5% below; a tiny model shows no difference); --quick 2 and
 H 100, equal speeds, 500 steps; full: every cell, 1000 steps. `--seeds` runs every arm
 `--repeats` times for each seed (model initialisation and data order, default 0 only): `sync`
 ends alike in every run of one seed, so its spread over seeds is what a different seed alone
-moves the loss by, the floor against which an asynchronous arm's spread is read.
+moves the loss by, the floor against which an asynchronous arm's spread is read. Each cell's
+`by_seed` holds every arm's mean and spread per seed (printed when there are several seeds).
 """
 
 from __future__ import annotations
@@ -144,6 +145,28 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
         ],
     ),
 }
+
+
+def spread(losses: list[float]) -> float:
+    """How far runs end apart: (max - min) / mean."""
+    return (max(losses) - min(losses)) / statistics.mean(losses)
+
+
+def by_seed(
+    losses: dict[str, list[float]], seeds: dict[str, list[int]]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per arm and seed: the mean and spread of that seed's runs (the runs of one seed differ
+    only by timing; the spread over all runs also holds what the seed moves)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for arm, runs in losses.items():
+        grouped: dict[int, list[float]] = {}
+        for seed, loss in zip(seeds[arm], runs, strict=True):
+            grouped.setdefault(seed, []).append(loss)
+        out[arm] = {
+            str(seed): {"mean": statistics.mean(v), "spread": spread(v)}
+            for seed, v in grouped.items()
+        }
+    return out
 
 
 def _ints(text: str) -> list[int]:
@@ -246,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
                         cell["runs"] = losses
                         cell["seeds"] = seeds  # the seed of each run, in the order of `runs`
                         # how far runs of one arm end apart: (max - min) / mean
-                        cell["spread"] = {a: (max(v) - min(v)) / loss[a] for a, v in losses.items()}
+                        cell["spread"] = {a: spread(v) for a, v in losses.items()}
+                        cell["by_seed"] = by_seed(losses, seeds)
                         cell["best"] = min(loss, key=loss.__getitem__)
                         cell["vs_best"] = {a: v / best for a, v in loss.items()}
                         if "sync" in loss:
@@ -263,6 +287,19 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     print()
     print(table(rows, ["cell", *arms, "best"]))
+    if len(args.seeds) > 1:
+        print()
+        print(
+            table(
+                [
+                    {"cell": r["cell"], "arm": a, "seed": seed, **figures}
+                    for r, c in zip(rows, cells, strict=True)
+                    for a, per_seed in c["by_seed"].items()
+                    for seed, figures in per_seed.items()
+                ],
+                ["cell", "arm", "seed", "mean", "spread"],
+            )
+        )
     print()
     print(
         table(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.defaults import by_seed, spread
 from tests.helpers import REPO, run_smoke
 
 MARGIN = 0.01
@@ -48,6 +49,11 @@ def test_seeds_run_each_arm_once_per_seed_and_a_seed_changes_the_run(tmp_path: P
     first, second = cell["runs"]["sync"]
     assert first != second, cell["runs"]
     assert cell["spread"]["sync"] == pytest.approx(abs(first - second) / cell["loss"]["sync"])
+    # one run per seed: each seed's mean is its run, and runs of one seed spread by nothing
+    assert cell["by_seed"]["sync"] == {
+        "0": {"mean": first, "spread": 0.0},
+        "1": {"mean": second, "spread": 0.0},
+    }
 
 
 @pytest.mark.parametrize(
@@ -68,3 +74,14 @@ def test_a_negative_seed_is_refused_before_anything_runs(bench: str, flag: str, 
     assert proc.returncode != 0
     assert said in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_runs_are_grouped_by_their_seed_for_the_mean_and_spread_of_each_seed() -> None:
+    losses = {"default": [1.0, 2.0, 1.2, 2.2], "sync": [3.0, 3.0]}
+    seeds = {"default": [0, 1, 0, 1], "sync": [5, 5]}
+    got = by_seed(losses, seeds)
+    assert got["default"]["0"] == {"mean": pytest.approx(1.1), "spread": pytest.approx(0.2 / 1.1)}
+    assert got["default"]["1"] == {"mean": pytest.approx(2.1), "spread": pytest.approx(0.2 / 2.1)}
+    assert got["sync"] == {"5": {"mean": 3.0, "spread": 0.0}}
+    # over all runs the spread also holds what the seed moved
+    assert spread(losses["default"]) == pytest.approx(1.2 / 1.6)
