@@ -292,7 +292,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             table(
                 [
-                    {"cell": r["cell"], "arm": a, "seed": seed, **figures}
+                    {
+                        "cell": r["cell"],
+                        "arm": a,
+                        "seed": seed,
+                        "mean": f"{figures['mean']:.4f}",
+                        "spread": f"{figures['spread']:.2%}",
+                    }
                     for r, c in zip(rows, cells, strict=True)
                     for a, per_seed in c["by_seed"].items()
                     for seed, figures in per_seed.items()
