@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -379,21 +380,61 @@ def serving(cfg: SynchronizerConfig, metrics: Metrics | None = None) -> Iterator
         stop(running, cfg.shutdown_grace_s)
 
 
+class StopSignals:
+    """SIGTERM and SIGINT as an awaitable stop request, whichever thread the kernel gives them to.
+
+    The kernel may deliver a process's signal to any of its threads (gRPC's, torch's). Python
+    then runs the handler only when the main thread next executes bytecode, and a main thread
+    blocked in a lock (`Event.wait()`) never does: the process would not stop until SIGKILL,
+    without its final checkpoint. The C-level handler also writes the signal's number to the
+    wake-up fd (`signal.set_wakeup_fd`) from whichever thread caught it, and `wait` blocks on the
+    other end of that socket, so the main thread wakes in every case. Install in the main thread,
+    before the threads are started; `close` restores what was there."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        pass  # the wake-up fd carries the signal: this only replaces the default (exit) action
+
+    def wait(self) -> str:
+        """Blocks until SIGTERM or SIGINT arrives (at once if one came since `__init__`) and
+        returns its name."""
+        while True:
+            for number in self._read.recv(64):
+                if number in self.SIGNALS:
+                    return signal.Signals(number).name
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._read.close()
+        self._write.close()
+
+
 def serve(cfg: SynchronizerConfig, on_ready: Callable[[RunningServer], None] | None = None) -> bool:
     """Runs until SIGTERM or SIGINT, then shuts down cleanly; False if acknowledged work is lost
-    (the final checkpoint could not be written and no write-ahead log holds it). Owns the process: sets its signal handlers and torch's thread count
-    (`compute_threads`)."""
+    (the final checkpoint could not be written and no write-ahead log holds it). Owns the
+    process: sets its signal handlers and torch's thread count (`compute_threads`)."""
     torch.set_num_threads(cfg.compute_threads)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    running = start(cfg)
+    stop_signals = StopSignals()  # before start(): a signal during start-up stops it at ready
     try:
-        if on_ready is not None:
-            on_ready(running)
-        done.wait()
-        logger.info("shutting down (grace %.1fs)", cfg.shutdown_grace_s)
-    except BaseException:
-        stop(running, cfg.shutdown_grace_s)
-        raise
-    return stop(running, cfg.shutdown_grace_s)
+        running = start(cfg)
+        try:
+            if on_ready is not None:
+                on_ready(running)
+            logger.info(
+                "%s: shutting down (grace %.1fs)", stop_signals.wait(), cfg.shutdown_grace_s
+            )
+        except BaseException:
+            stop(running, cfg.shutdown_grace_s)
+            raise
+        return stop(running, cfg.shutdown_grace_s)
+    finally:
+        stop_signals.close()

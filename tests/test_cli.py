@@ -4,8 +4,10 @@ and `status` against a Synchronizer with mutual TLS and tokens, the status table
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +52,35 @@ def test_serve_with_defaults_reports_serving_and_exits_zero_on_sigterm(tmp_path)
         out = stop_serving(proc)
     assert proc.returncode == 0, out
     assert f"serving gRPC on 127.0.0.1:{info['port']}" in out
+
+
+def _signal_a_thread_other_than_main(pid: int, sig: int) -> None:
+    """What the kernel may do with `kill PID`: hand the signal to any thread of the process that
+    does not block it (here gRPC's or torch's), not to its main thread."""
+    tgkill = getattr(ctypes.CDLL(None, use_errno=True), "tgkill", None)
+    if tgkill is None:
+        pytest.skip("this libc has no tgkill")
+    others = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert others, "the Synchronizer runs threads besides its main one"
+    assert tgkill(pid, others[-1], sig) == 0, os.strerror(ctypes.get_errno())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_caught_by_another_thread_still_stops_it_cleanly(tmp_path, sig):
+    """The main thread used to wait on an Event that only a Python-level handler set, and Python
+    runs handlers in the main thread only when it executes bytecode: a signal the kernel gave to
+    a gRPC thread left the Synchronizer serving until SIGKILL, without its final checkpoint."""
+    proc, info = _start(tmp_path)
+    try:
+        _signal_a_thread_other_than_main(proc.pid, sig)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert f"{sig.name}: shutting down" in out and "Synchronizer stopped" in out
 
 
 @pytest.mark.slow
