@@ -10,6 +10,8 @@ Arms (each a Synchronizer and M learner processes on their own links, see bench/
                     what torchft's DiLoCo does with an all-reduce, also once a learner has left)
   default           no flags at all but H: whatever the installed defaults are
   default_grace5    the defaults with `--grace-max-s 5` (rounds may wait longer for more pushes)
+  default_peers     the defaults with `--grace peers` (rounds also wait for the learners of the
+                    first pushers' pace that are due soon, not for slower ones)
   delayed_nesterov  the defaults with `--outer delayed_nesterov --no-dynamic-local-updates`
                     (momentum every outer_delay rounds: the defaults before this study)
   nesterov          the defaults with `--outer nesterov --no-dynamic-local-updates`
@@ -103,6 +105,7 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
     ),
     "default": _defaults("default"),
     "default_grace5": _defaults("default_grace5", "--grace-max-s", "5"),
+    "default_peers": _defaults("default_peers", "--grace", "peers"),
     "delayed_nesterov": _defaults(
         "delayed_nesterov", "--outer", "delayed_nesterov", "--no-dynamic-local-updates"
     ),

@@ -42,6 +42,7 @@ from synchronizer.buffers import Payloads
 from synchronizer.clock import Clock, Timer
 from synchronizer.config import SynchronizerConfig
 from synchronizer.goodput import Goodput, Share
+from synchronizer.grace import Paces
 from synchronizer.merge import Accumulator, staleness_factor, token_weight
 from synchronizer.metrics import Metrics
 from synchronizer.receive import Measured
@@ -146,6 +147,7 @@ class Admission:
         # behind and push another fragment first, which the others, blocked on this round,
         # would never reach.
         self.newcomers: set[str] = set()
+        self.paces = Paces()  # when each learner is next due to push this fragment
 
     def arrived(self, learner_id: str, version: int) -> None:
         """A learner joined, or came back from a lapsed lease or a leave: a newcomer here if
@@ -232,6 +234,7 @@ class Admission:
                 else:
                     spent = self._add_now(rnd, payload, verdict.weight)
                 counted = self.goodput.accepted(learner_id, share)
+                self.paces.pushed(learner_id, self.clock.monotonic())
                 self.newcomers.discard(learner_id)
                 rnd.contributions.append(
                     Contribution(learner_id, base_version, verdict.weight, counted)
@@ -397,6 +400,13 @@ class Admission:
             if rnd.timer is not None:
                 rnd.timer.cancel()
             return True
+
+    def peers_due(self, rnd: Round, live: set[str]) -> float:
+        """Seconds until the last live learner of the pace of `rnd`'s contributors is due to
+        push this fragment (`Paces.due`)."""
+        with self.lock:
+            contributed = {c.learner_id for c in rnd.contributions}
+            return self.paces.due(contributed, live - contributed, self.clock.monotonic())
 
     def arm(self, rnd: Round, start: Callable[[], Timer]) -> None:
         """Starts the round's grace timer (`start`) unless it has one or is closing."""

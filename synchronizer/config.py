@@ -86,9 +86,9 @@ class SynchronizerConfig(BaseModel):
         ge=0,
         description="Minimum contributions K before a round may close; 0 means every live learner (synchronous DiLoCo)",
     )
-    grace: Literal["adaptive", "fixed", "none"] = Field(
+    grace: Literal["adaptive", "peers", "fixed", "none"] = Field(
         "adaptive",
-        description="After the quorum: wait adaptively while waiting is free, a fixed grace_max_s, or not at all",
+        description="After the quorum: wait adaptively while waiting is free; peers: adaptively, and also (past grace_max_s, within the free time) for learners of the first pushers' pace that are due within half their period; a fixed grace_max_s; or not at all",
     )
     grace_max_s: float = Field(
         2.0, ge=0, description="Upper bound on the grace window after the quorum is reached"

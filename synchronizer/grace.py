@@ -4,6 +4,12 @@ Decoupled DiLoCo: waiting is free while the learners are still training on what 
 grace = gamma * (tau * step_time - quorum_time - apply_time), from exponential moving averages of
 the learners' step time (heartbeats), the time rounds take to reach their quorum and the time an
 outer step takes, capped by `grace_max_s`. `fixed` waits `grace_max_s`, `none` not at all.
+
+`peers` waits as `adaptive` does, and longer for the learners that keep the pace of the round's
+first pushers and are due soon (`Paces`): learners of one speed drift apart over a run, by more
+than the cap, and a grace shorter than their drift splits each of their cycles into rounds of one
+push. A learner of another pace (a slower one) is not waited for, and no wait outlasts the free
+time (tau * step time - quorum time - apply time): no learner waits for its fragment.
 """
 
 from __future__ import annotations
@@ -49,13 +55,69 @@ class GraceWindow:
             if apply_time >= 0:
                 self.apply_time = self._ema(self.apply_time, apply_time)
 
-    def seconds(self) -> float:
+    def free(self) -> float:
+        """Seconds a round may wait before a learner that pushed into it needs it back."""
+        with self.lock:
+            tau = self.cfg.overlap_steps or self.overlap_steps or 1.0
+            return max(0.0, tau * self.step_time - self.quorum_time - self.apply_time)
+
+    def seconds(self, peers_due_s: float = 0.0) -> float:
+        """The grace of a round that has its quorum; `peers_due_s`: when the last learner of
+        the first pushers' pace is due (`Paces.due`), which only `peers` waits for."""
         cfg = self.cfg
         if cfg.grace == "none":
             return 0.0
         if cfg.grace == "fixed":
             return cfg.grace_max_s
-        with self.lock:
-            tau = cfg.overlap_steps or self.overlap_steps or 1.0
-            free = tau * self.step_time - self.quorum_time - self.apply_time
-        return min(cfg.grace_max_s, max(0.0, cfg.grace_gamma * free))
+        free = self.free()
+        adaptive = min(cfg.grace_max_s, cfg.grace_gamma * free)
+        if cfg.grace == "peers":
+            return max(adaptive, min(peers_due_s, free))
+        return adaptive
+
+
+class Paces:
+    """When each learner is next due to push one fragment, from the times of its own pushes of
+    it (an exponential moving average of the gaps), and which learners a round should wait for.
+
+    A learner is awaited when its pace is within `TOLERANCE` of the median pace of the round's
+    contributors and its next push is due within `DRIFT` of its period, either way: one that
+    pushed just before the round opened is a cycle away (it is in the previous round), one
+    further overdue has stalled. Each awaited learner is given `SLACK` of its period past its
+    due time. Only the core's clock is read, by the caller."""
+
+    TOLERANCE = 0.25
+    DRIFT = 0.5
+    SLACK = 0.1
+
+    def __init__(self, beta: float = 0.5) -> None:
+        self.beta = beta
+        self.last: dict[str, float] = {}
+        self.period: dict[str, float] = {}
+
+    def pushed(self, learner_id: str, now: float) -> None:
+        last = self.last.get(learner_id)
+        if last is not None and now > last:
+            old = self.period.get(learner_id)
+            gap = now - last
+            self.period[learner_id] = (
+                gap if old is None else self.beta * old + (1 - self.beta) * gap
+            )
+        self.last[learner_id] = now
+
+    def due(self, contributors: set[str], others: set[str], now: float) -> float:
+        """Seconds from `now` until the last of `others` (live learners not in the round) that
+        keeps the pace of `contributors` is due, plus its slack; 0 when none is awaited."""
+        known = sorted(self.period[c] for c in contributors if c in self.period)
+        if not known:
+            return 0.0
+        pace = known[len(known) // 2]
+        wait = 0.0
+        for learner_id in others:
+            period = self.period.get(learner_id)
+            if period is None or abs(period - pace) > self.TOLERANCE * pace:
+                continue
+            due = self.last[learner_id] + period - now
+            if abs(due) <= self.DRIFT * period:
+                wait = max(wait, max(due, 0.0) + self.SLACK * period)
+        return wait

@@ -72,16 +72,18 @@ class Rounds:
     def _judge(self, frag: Fragment, close: Callable[[Fragment, Round], None]) -> None:
         if frag.model.failure is not None:
             return
-        rnd, close_now, quorum = frag.admission.closability(self.live(), frag.model.version)
+        live = self.live()
+        rnd, close_now, quorum = frag.admission.closability(live, frag.model.version)
         if rnd is None:
             return
         if close_now:
             close(frag, rnd)
         elif quorum and rnd.timer is None:
+            peers = frag.admission.peers_due(rnd, live) if self.grace.cfg.grace == "peers" else 0.0
             frag.admission.arm(
                 rnd,
                 lambda: self.clock.call_later(
-                    self.grace.seconds(), lambda: self._expire(frag, rnd)
+                    self.grace.seconds(peers), lambda: self._expire(frag, rnd)
                 ),
             )
 

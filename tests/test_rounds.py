@@ -556,6 +556,71 @@ def test_adaptive_grace_is_sized_by_the_tau_the_learners_report(tmp_path, clock)
     assert core.grace.seconds() == pytest.approx(2.5)
 
 
+@pytest.mark.parametrize("grace", ["adaptive", "peers"])
+def test_peers_grace_waits_for_a_learner_of_the_same_pace_that_drifted_past_the_cap(
+    tmp_path, clock, grace
+):
+    """Two learners pushing every 6 s, 2.5 s apart: past the 1 s cap, so with the adaptive
+    grace each of their cycles splits into two rounds of one push. `peers` waits for the one
+    due (2.5 s, plus a tenth of its period) and the cycle is one round; the rounds before it
+    close at the cap, while the learners' paces are not yet known."""
+    core, clients, _ = _setup(
+        tmp_path, clock, 2, quorum=1, grace=grace, grace_max_s=1.0, outer="sgd", outer_lr=1.0
+    )
+    a, b = clients
+    a.heartbeat(step_time_s=0.1, overlap_steps=100)  # free time: 100 steps of 0.1 s
+    frag = core.model.fragments[0]
+    rounds: dict[float, int] = {}
+    start = clock.monotonic()
+    for i, (c, at) in enumerate([(a, 0.0), (b, 2.5), (a, 6.0), (b, 8.5), (a, 12.0), (b, 14.5)]):
+        clock.advance(start + at - clock.monotonic())
+        reply = c.push(0, _vec(i), base=frag.version)
+        assert reply.outcome == pb.PUSH_ACCEPTED
+        rounds[at] = reply.round_version
+    assert len(set(rounds[t] for t in (0.0, 2.5, 6.0, 8.5))) == 4  # paces unknown: 1 s each
+    assert (rounds[14.5] == rounds[12.0]) == (grace == "peers")
+    if grace == "peers":  # both of its learners in: it closes without waiting out its timer
+        assert frag.version == rounds[12.0]
+
+
+def test_paces_await_only_learners_of_the_first_pushers_pace_that_are_due_soon():
+    from synchronizer.grace import Paces
+
+    paces = Paces()
+    for t in (0.0, 6.0, 12.0):
+        paces.pushed("a", t)  # every 6 s
+    for t in (2.0, 8.0):
+        paces.pushed("b", t)  # every 6 s, due at 14
+    for t in (0.0, 12.0):
+        paces.pushed("slow", t + 1.0)  # every 12 s, due at 25
+    for t in (1.0, 6.5):
+        paces.pushed("ahead", t)  # every 5.5 s: within a quarter of 6; due at 12
+    assert paces.due({"a"}, {"b"}, 12.0) == pytest.approx(2.0 + 0.6)
+    assert paces.due({"a"}, {"b", "ahead"}, 12.0) == pytest.approx(2.0 + 0.6)
+    assert paces.due({"a"}, {"ahead"}, 12.0) == pytest.approx(0.55)  # due now: its slack
+    assert paces.due({"a"}, {"slow"}, 24.5) == 0.0  # another pace, however close it is
+    assert paces.due({"a"}, {"b"}, 10.0) == 0.0  # due in 4 s of 6: a cycle away
+    assert paces.due({"a"}, {"b"}, 17.5) == 0.0  # 3.5 s overdue of 6: stalled
+    assert paces.due({"a"}, {"new"}, 12.0) == 0.0  # no pace known
+    assert paces.due({"new"}, {"b"}, 12.0) == 0.0  # nothing to compare a pace with
+
+
+def test_peers_grace_never_waits_past_the_free_time(tmp_path):
+    from synchronizer.config import SynchronizerConfig
+    from synchronizer.grace import GraceWindow
+
+    cfg = SynchronizerConfig(state_dir=tmp_path, grace="peers", grace_gamma=0.5, grace_max_s=1.0)
+    grace = GraceWindow(cfg)
+    grace.observe(step_time=0.1, overlap_steps=40)  # free: 4 s; adaptive: min(1, 2)
+    assert grace.seconds() == pytest.approx(1.0)
+    assert grace.seconds(0.5) == pytest.approx(1.0)  # a peer due sooner: the adaptive grace
+    assert grace.seconds(3.0) == pytest.approx(3.0)
+    assert grace.seconds(9.0) == pytest.approx(4.0)  # never past the free time
+    adaptive = GraceWindow(cfg.model_copy(update={"grace": "adaptive"}))
+    adaptive.observe(step_time=0.1, overlap_steps=40)
+    assert adaptive.seconds(3.0) == pytest.approx(1.0)  # only `peers` waits for peers
+
+
 def test_past_the_payload_budget_a_round_with_its_quorum_makes_pushes_wait_then_refuses_them(
     tmp_path, clock, monkeypatch
 ):
