@@ -234,7 +234,7 @@ class Admission:
                 else:
                     spent = self._add_now(rnd, payload, verdict.weight)
                 counted = self.goodput.accepted(learner_id, share)
-                self.paces.pushed(learner_id, self.clock.monotonic())
+                self.paces.pushed(learner_id, self.clock.monotonic(), steps)
                 self.newcomers.discard(learner_id)
                 rnd.contributions.append(
                     Contribution(learner_id, base_version, verdict.weight, counted)

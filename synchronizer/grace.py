@@ -81,10 +81,13 @@ class Paces:
     it (an exponential moving average of the gaps), and which learners a round should wait for.
 
     A learner is awaited when its pace is within `TOLERANCE` of the median pace of the round's
-    contributors and its next push is due within `DRIFT` of its period, either way: one that
-    pushed just before the round opened is a cycle away (it is in the previous round), one
-    further overdue has stalled. Each awaited learner is given `SLACK` of its period past its
-    due time. Only the core's clock is read, by the caller."""
+    contributors, both in seconds between its pushes and in inner steps per push, and its next
+    push is due within `DRIFT` of its period, either way: one that pushed just before the round
+    opened is a cycle away (it is in the previous round), one further overdue has stalled. Steps
+    tell a slower learner apart where Dynamic Local Updates gave it a shorter H to push at the
+    others' cadence: waiting for it, as a longer grace cap does, cost the 2-learner one-slow
+    cell of `bench.defaults` 1-1.4%. Each awaited learner is given `SLACK` of its period past
+    its due time. Only the core's clock is read, by the caller."""
 
     TOLERANCE = 0.25
     DRIFT = 0.5
@@ -94,8 +97,10 @@ class Paces:
         self.beta = beta
         self.last: dict[str, float] = {}
         self.period: dict[str, float] = {}
+        self.steps: dict[str, int] = {}  # inner steps in its latest push
 
-    def pushed(self, learner_id: str, now: float) -> None:
+    def pushed(self, learner_id: str, now: float, steps: int) -> None:
+        self.steps[learner_id] = steps
         last = self.last.get(learner_id)
         if last is not None and now > last:
             old = self.period.get(learner_id)
@@ -108,16 +113,26 @@ class Paces:
     def due(self, contributors: set[str], others: set[str], now: float) -> float:
         """Seconds from `now` until the last of `others` (live learners not in the round) that
         keeps the pace of `contributors` is due, plus its slack; 0 when none is awaited."""
-        known = sorted(self.period[c] for c in contributors if c in self.period)
+        known = [c for c in contributors if c in self.period]
         if not known:
             return 0.0
-        pace = known[len(known) // 2]
+        pace = _median([self.period[c] for c in known])
+        steps = _median([self.steps[c] for c in known])
         wait = 0.0
         for learner_id in others:
             period = self.period.get(learner_id)
-            if period is None or abs(period - pace) > self.TOLERANCE * pace:
+            if (
+                period is None
+                or abs(period - pace) > self.TOLERANCE * pace
+                or abs(self.steps[learner_id] - steps) > self.TOLERANCE * steps
+            ):
                 continue
             due = self.last[learner_id] + period - now
             if abs(due) <= self.DRIFT * period:
                 wait = max(wait, max(due, 0.0) + self.SLACK * period)
         return wait
+
+
+def _median(values: list[float] | list[int]) -> float:
+    ordered = sorted(values)
+    return float(ordered[len(ordered) // 2])

@@ -588,14 +588,17 @@ def test_paces_await_only_learners_of_the_first_pushers_pace_that_are_due_soon()
 
     paces = Paces()
     for t in (0.0, 6.0, 12.0):
-        paces.pushed("a", t)  # every 6 s
+        paces.pushed("a", t, steps=100)  # every 6 s
     for t in (2.0, 8.0):
-        paces.pushed("b", t)  # every 6 s, due at 14
+        paces.pushed("b", t, steps=100)  # every 6 s, due at 14
     for t in (0.0, 12.0):
-        paces.pushed("slow", t + 1.0)  # every 12 s, due at 25
+        paces.pushed("slow", t + 1.0, steps=100)  # every 12 s, due at 25
     for t in (1.0, 6.5):
-        paces.pushed("ahead", t)  # every 5.5 s: within a quarter of 6; due at 12
+        paces.pushed("ahead", t, steps=90)  # every 5.5 s, 90 steps: within a quarter; due at 12
+    for t in (1.5, 7.5):
+        paces.pushed("short_h", t, steps=33)  # every 6 s, but a third of the steps: slower
     assert paces.due({"a"}, {"b"}, 12.0) == pytest.approx(2.0 + 0.6)
+    assert paces.due({"a"}, {"short_h"}, 12.0) == 0.0  # due at 13.5, at a third of the speed
     assert paces.due({"a"}, {"b", "ahead"}, 12.0) == pytest.approx(2.0 + 0.6)
     assert paces.due({"a"}, {"ahead"}, 12.0) == pytest.approx(0.55)  # due now: its slack
     assert paces.due({"a"}, {"slow"}, 24.5) == 0.0  # another pace, however close it is
