@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, run_mode, say_mode, write_json
+from bench.common import machine, parser, program, run_mode, say_mode, write_json
 from demo.procs import Procs, read_json, start_synchronizer
 from demo.tiny import NotInTime, final_pull, finish_ok, start_learner, versions, wait_until
 from synchronizer import checkpoint
@@ -207,4 +207,4 @@ def steps_for(kills: int) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

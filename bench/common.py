@@ -5,12 +5,32 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
+
+
+def program(main: Callable[[], T]) -> T:
+    """Runs a benchmark's `main` as a program: SIGTERM (what `timeout`, a CI runner or a job
+    scheduler sends) unwinds like Ctrl-C, through the `finally`s that stop the benchmark's
+    Synchronizers and learners (each in a session of its own, out of reach of a signal to the
+    benchmark's process group) and remove its network namespaces. Killed by the default
+    action instead, a benchmark left them all behind, to load whatever ran next."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return main()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -48,7 +48,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, run_mode, say_mode, table, write_json
+from bench.common import machine, parser, program, run_mode, say_mode, table, write_json
 from bench.dp import DPJob
 from bench.jobs import SMOKE_SHORT, Decoupled, DilocoJob, Workload, alone
 from bench.net import open_links
@@ -290,4 +290,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

@@ -72,7 +72,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, table, write_json
+from bench.common import machine, parser, program, table, write_json
 from bench.jobs import Decoupled, DilocoJob, Workload
 from bench.net import open_links
 
@@ -333,4 +333,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import machine, parser, table, write_json
+from bench.common import machine, parser, program, table, write_json
 from bench.jobs import SMOKE_SHORT, JobError, Workload, python, wire_bytes
 from bench.net import Links, open_links, socket_bytes
 from demo.procs import Procs, read_json
@@ -397,4 +397,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

@@ -42,7 +42,7 @@ import grpc
 import torch
 
 from bench import chaos
-from bench.common import machine, parser, table, write_json
+from bench.common import machine, parser, program, table, write_json
 from bench.ingest import GRPC_OPTIONS, measure_ingest, model_spec
 from demo.procs import Procs, start_synchronizer
 from protos import codec, framing, layout
@@ -295,4 +295,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, run_mode, say_mode, table, write_json
+from bench.common import machine, parser, program, run_mode, say_mode, table, write_json
 from bench.convergence import parse_set
 from bench.dp import DPJob
 from bench.jobs import Decoupled, DilocoJob, Slot, Workload
@@ -580,4 +580,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

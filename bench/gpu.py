@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import machine, parser, table, write_json
+from bench.common import machine, parser, program, table, write_json
 from bench.scale_load import RssSampler
 from demo.procs import Procs, start_synchronizer
 from demo.tiny import NotInTime, finish_ok, start_learner, status, wait_until
@@ -183,4 +183,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

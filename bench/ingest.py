@@ -46,7 +46,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import machine, parser, table, write_json
+from bench.common import machine, parser, program, table, write_json
 from bench.limits import combine, disk_write_bandwidth, memory_bandwidth, outer_step_figures, shown
 from protos import codec, framing, layout
 from protos import diloco_pb2 as pb
@@ -533,4 +533,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, run_mode, say_mode, table, write_json
+from bench.common import machine, parser, program, run_mode, say_mode, table, write_json
 from demo.local import run
 from demo.options import LocalOptions
 from demo.procs import read_json
@@ -125,4 +125,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

@@ -48,7 +48,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.common import machine, parser, run_mode, say_mode, table, write_json
+from bench.common import machine, parser, program, run_mode, say_mode, table, write_json
 from bench.ingest import GRPC_OPTIONS, init_synchronizer, model_spec
 from bench.scale_load import push_payloads
 from demo.procs import Procs, start_synchronizer
@@ -528,4 +528,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

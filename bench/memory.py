@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import parser, run_mode, write_json
+from bench.common import parser, program, run_mode, write_json
 from protos import codec, layout
 from protos import diloco_pb2 as pb
 from protos.spec import TensorInfo, plan_fragments
@@ -221,4 +221,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, table, write_json
+from bench.common import machine, parser, program, table, write_json
 from bench.convergence import BEST, parse_set
 from bench.jobs import SMOKE_SHORT, Decoupled, JobError, Workload, learner_cmd
 from demo.procs import Procs, read_json, start_synchronizer
@@ -132,4 +132,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

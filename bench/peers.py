@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, table, write_json
+from bench.common import machine, parser, program, table, write_json
 from bench.defaults import ARMS as DEFAULTS_ARMS
 from bench.goodput import Injector, kill_learner, run_diloco, schedule
 from bench.jobs import (
@@ -583,4 +583,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

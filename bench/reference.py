@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, run_mode, say_mode, write_json
+from bench.common import machine, parser, program, run_mode, say_mode, write_json
 from bench.convergence import BEST
 from bench.jobs import SMOKE_SHORT, Decoupled, DilocoJob, GlobalModel, Workload
 from bench.net import open_links
@@ -115,4 +115,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from bench import scale_shards
-from bench.common import machine, parser, table, write_json
+from bench.common import machine, parser, program, table, write_json
 from bench.ingest import init_synchronizer, service_threads
 from bench.limits import combine, memory_bandwidth, outer_step_figures, shown
 from bench.scale_load import (
@@ -287,4 +287,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

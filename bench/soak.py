@@ -84,7 +84,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import dir_bytes, machine, parser, run_mode, say_mode, table, write_json
+from bench.common import dir_bytes, machine, parser, program, run_mode, say_mode, table, write_json
 from demo.local import Slot, learner_cmd, synchronizer_flags
 from demo.options import LocalOptions
 from demo.procs import Procs, read_json, scrape, start_synchronizer
@@ -585,14 +585,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"a learner killed every {schedule.kill_every_s:g} s, sampled every {schedule.sample_every_s:g} s",
         flush=True,
     )
-    # SIGTERM unwinds like Ctrl-C, so the children are stopped whichever ends the soak
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with tempfile.TemporaryDirectory(prefix="diloco-soak-") as d:
-            root = args.root or Path(d)
-            result = {**mode, "machine": machine(), **soak(root, schedule, not args.smoke)}
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with tempfile.TemporaryDirectory(prefix="diloco-soak-") as d:
+        root = args.root or Path(d)
+        result = {**mode, "machine": machine(), **soak(root, schedule, not args.smoke)}
     print(table(result["rows"], COLUMNS))
     print(
         f"{len(result['restarts'])} Synchronizer restarts, {len(result['kills'])} learner kills "
@@ -609,9 +604,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 if __name__ == "__main__":
-    sys.exit(0 if main()["passed"] else 1)
+    sys.exit(0 if program(main)["passed"] else 1)

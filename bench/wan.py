@@ -50,7 +50,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, parser, run_mode, say_mode, table, write_json
+from bench.common import machine, parser, program, run_mode, say_mode, table, write_json
 from bench.convergence import BEST, parse_set
 from bench.dp import DPJob
 from bench.jobs import SMOKE_SHORT, Decoupled, DilocoJob, GlobalModel, Workload
@@ -305,4 +305,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    program(main)

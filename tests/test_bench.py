@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -137,6 +138,55 @@ def test_kill_tree_reaches_a_child_in_a_session_of_its_own(tmp_path: Path) -> No
     while gone.exists() and "Z" not in _state(gone) and time.monotonic() < deadline:
         time.sleep(0.05)  # reaped by init once it dies: no event to wait on from here
     assert not gone.exists() or "Z" in _state(gone)
+
+
+@pytest.mark.slow
+def test_a_benchmark_stopped_with_sigterm_stops_every_process_it_started(tmp_path: Path) -> None:
+    # `timeout` sends SIGTERM. Its default action ended a benchmark before the `finally`s that
+    # stop its Synchronizer and learners (each in a session of its own) and remove its network
+    # namespaces, and they went on loading whatever ran next.
+    namespaces = _namespaces()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.defaults", "--smoke", "--arms", "default"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        started: list[int] = []
+        while len(started) < 3 and time.monotonic() < deadline:  # a Synchronizer, 2 learners
+            time.sleep(0.2)  # another process's children: no event to wait on from here
+            started = [p for p in descendants(proc.pid) if _is_ours(p)]
+        assert len(started) >= 3, f"the benchmark started {started}"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    left = [p for p in started if _state(Path(f"/proc/{p}")) not in ("gone", "Z")]
+    for p in left:  # reparented: out of kill_tree's reach from the benchmark
+        kill_tree(p)
+    assert proc.returncode != 0, out[-2000:]
+    assert not left, out[-2000:]
+    assert _namespaces() == namespaces, out[-2000:]  # its learners' links removed
+
+
+def _namespaces() -> set[str]:
+    """The network namespaces here (none where `ip` cannot list them)."""
+    if shutil.which("ip") is None:
+        return set()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
+
+
+def _is_ours(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"synchronizer" in cmdline or b"demo" in cmdline
 
 
 def _state(proc_dir: Path) -> str:
