@@ -85,9 +85,9 @@ class Paces:
     push is due within `DRIFT` of its period, either way: one that pushed just before the round
     opened is a cycle away (it is in the previous round), one further overdue has stalled. Steps
     tell a slower learner apart where Dynamic Local Updates gave it a shorter H to push at the
-    others' cadence: waiting for it, as a longer grace cap does, cost the 2-learner one-slow
-    cell of `bench.defaults` 1-1.4%. Each awaited learner is given `SLACK` of its period past
-    its due time. Only the core's clock is read, by the caller."""
+    others' cadence (waiting for slower learners too is what a longer `grace_max_s` does). Each
+    awaited learner is given `SLACK` of its period past its due time. Only the core's clock is
+    read, by the caller."""
 
     TOLERANCE = 0.25
     DRIFT = 0.5
