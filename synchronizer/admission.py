@@ -147,7 +147,8 @@ class Admission:
         # behind and push another fragment first, which the others, blocked on this round,
         # would never reach.
         self.newcomers: set[str] = set()
-        self.paces = Paces()  # when each learner is next due to push this fragment
+        # When each learner is next due to push this fragment: kept for `--grace peers` only.
+        self.paces = Paces() if cfg.grace == "peers" else None
 
     def arrived(self, learner_id: str, version: int) -> None:
         """A learner joined, or came back from a lapsed lease or a leave: a newcomer here if
@@ -234,7 +235,8 @@ class Admission:
                 else:
                     spent = self._add_now(rnd, payload, verdict.weight)
                 counted = self.goodput.accepted(learner_id, share)
-                self.paces.pushed(learner_id, self.clock.monotonic(), steps)
+                if self.paces is not None:
+                    self.paces.pushed(learner_id, self.clock.monotonic(), steps)
                 self.newcomers.discard(learner_id)
                 rnd.contributions.append(
                     Contribution(learner_id, base_version, verdict.weight, counted)
@@ -403,7 +405,9 @@ class Admission:
 
     def peers_due(self, rnd: Round, live: set[str]) -> float:
         """Seconds until the last live learner of the pace of `rnd`'s contributors is due to
-        push this fragment (`Paces.due`)."""
+        push this fragment (`Paces.due`); 0 where the grace is not `peers`."""
+        if self.paces is None:
+            return 0.0
         with self.lock:
             contributed = {c.learner_id for c in rnd.contributions}
             return self.paces.due(contributed, live - contributed, self.clock.monotonic())

@@ -14,6 +14,7 @@ time (tau * step time - quorum time - apply time): no learner waits for its frag
 
 from __future__ import annotations
 
+import statistics
 import threading
 
 from synchronizer.config import SynchronizerConfig
@@ -116,8 +117,8 @@ class Paces:
         known = [c for c in contributors if c in self.period]
         if not known:
             return 0.0
-        pace = _median([self.period[c] for c in known])
-        steps = _median([self.steps[c] for c in known])
+        pace = statistics.median_high([self.period[c] for c in known])
+        steps = statistics.median_high([self.steps[c] for c in known])
         wait = 0.0
         for learner_id in others:
             period = self.period.get(learner_id)
@@ -131,8 +132,3 @@ class Paces:
             if abs(due) <= self.DRIFT * period:
                 wait = max(wait, max(due, 0.0) + self.SLACK * period)
         return wait
-
-
-def _median(values: list[float] | list[int]) -> float:
-    ordered = sorted(values)
-    return float(ordered[len(ordered) // 2])

@@ -79,7 +79,7 @@ class Rounds:
         if close_now:
             close(frag, rnd)
         elif quorum and rnd.timer is None:
-            peers = frag.admission.peers_due(rnd, live) if self.grace.cfg.grace == "peers" else 0.0
+            peers = frag.admission.peers_due(rnd, live)
             frag.admission.arm(
                 rnd,
                 lambda: self.clock.call_later(
