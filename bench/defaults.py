@@ -9,7 +9,8 @@ Arms (each a Synchronizer and M learner processes on their own links, see bench/
                     push until the round is back, each round a whole step (`--round-share full`:
                     what torchft's DiLoCo does with an all-reduce, also once a learner has left)
   default           no flags at all but H: whatever the installed defaults are
-  default_grace5    the defaults with `--grace-max-s 5` (rounds may wait longer for more pushes)
+  default_grace2    the defaults with `--grace-max-s 2` (the cap before 2026-12-07: rounds wait
+                    less for more pushes)
   default_peers     the defaults with `--grace peers` (rounds also wait for the learners of the
                     first pushers' pace that are due soon, not for slower ones)
   delayed_nesterov  the defaults with `--outer delayed_nesterov --no-dynamic-local-updates`
@@ -104,7 +105,7 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
         synchronizer_args=["--no-dynamic-local-updates"],
     ),
     "default": _defaults("default"),
-    "default_grace5": _defaults("default_grace5", "--grace-max-s", "5"),
+    "default_grace2": _defaults("default_grace2", "--grace-max-s", "2"),
     "default_peers": _defaults("default_peers", "--grace", "peers"),
     "delayed_nesterov": _defaults(
         "delayed_nesterov", "--outer", "delayed_nesterov", "--no-dynamic-local-updates"

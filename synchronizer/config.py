@@ -91,7 +91,7 @@ class SynchronizerConfig(BaseModel):
         description="After the quorum: wait adaptively while waiting is free; peers: adaptively, and also (past grace_max_s, within the free time) for learners of the first pushers' pace that are due within half their period; a fixed grace_max_s; or not at all",
     )
     grace_max_s: float = Field(
-        2.0, ge=0, description="Upper bound on the grace window after the quorum is reached"
+        5.0, ge=0, description="Upper bound on the grace window after the quorum is reached"
     )
     grace_gamma: float = Field(
         0.5,
