@@ -37,12 +37,14 @@ the default arm's eval loss over (b)'s, `default_vs_dp` = over (a)'s (target <= 
     python -m bench.convergence [--quick | --smoke] [--json PATH] [--steps S] [--sync-every H]
         [--only dp,streaming_int4,...] [--set field=value ...] [--net auto|netns|proxy]
         [--default-args FLAGS] [--default-train-args FLAGS] [--seed N]
+        [--d-model D] [--n-layer L]
 Modes: --smoke a tiny model, 2 learners, 40 steps, without (c); --quick 300 steps (under 4 minutes here); full
 3000 steps (18 minutes in the recorded run; up to about 27 when the machine is busier).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import tempfile
 from pathlib import Path
@@ -119,6 +121,38 @@ def parse_set(items: list[str], base: Decoupled) -> Decoupled:
     return base.with_(**changes)
 
 
+def workload(args: argparse.Namespace) -> tuple[Workload, Decoupled]:
+    """What every arm trains (mode, steps, seed, model size) and the DiLoCo arms' base, from
+    the flags. A bad value raises ValueError saying what was expected."""
+    for flag, value, least in (
+        ("--seed", args.seed, 0),
+        ("--steps", args.steps, 1),
+        ("--sync-every", args.sync_every, 1),
+        ("--d-model", args.d_model, 1),
+        ("--n-layer", args.n_layer, 1),
+    ):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} takes a number >= {least}, got {value}")
+    if args.smoke:
+        w, base = dataclasses.replace(SMOKE_SHORT), DECOUPLED.with_(sync_every=10)
+    else:
+        w, base = Workload(steps=300 if args.quick else 3000), DECOUPLED
+    if args.d_model is not None:
+        if args.d_model % w.n_head:
+            raise ValueError(
+                f"--d-model takes a multiple of the {w.n_head} heads, got {args.d_model}"
+            )
+        w.d_model = args.d_model
+    if args.n_layer is not None:
+        w.n_layer = args.n_layer
+    if args.steps:
+        w.steps = args.steps
+    w.seed = args.seed
+    if args.sync_every:
+        base = base.with_(sync_every=args.sync_every)
+    return w, base
+
+
 def headline(rows: dict[str, dict]) -> dict[str, Any]:
     dp = rows.get("dp")
 
@@ -161,7 +195,7 @@ def headline(rows: dict[str, dict]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def arguments() -> argparse.ArgumentParser:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, help="inner steps per learner")
     p.add_argument("--sync-every", type=int, help="H for every DiLoCo configuration")
@@ -198,21 +232,28 @@ def main(argv: list[str] | None = None) -> dict:
         default=0,
         help="model initialisation and data order of every arm (data parallel's too)",
     )
+    p.add_argument(
+        "--d-model",
+        type=int,
+        help=f"the model's width for every arm (default {Workload.d_model}); a multiple of "
+        f"its {Workload.n_head} heads",
+    )
+    p.add_argument(
+        "--n-layer", type=int, help=f"the model's depth for every arm (default {Workload.n_layer})"
+    )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = arguments()
     args = p.parse_args(argv)
-    if args.seed < 0:
-        raise SystemExit(f"--seed: an integer >= 0, got {args.seed}")
+    try:
+        w, base = workload(args)
+    except ValueError as e:
+        p.error(str(e))
     mode = run_mode(args, QUICK_IS_SMOKE)
     say_mode(mode)
-    if args.smoke:
-        w, base = dataclasses.replace(SMOKE_SHORT), DECOUPLED.with_(sync_every=10)
-    else:
-        w, base = Workload(steps=300 if args.quick else 3000), DECOUPLED
-    if args.steps:
-        w.steps = args.steps
-    w.seed = args.seed
-    if args.sync_every:
-        base = base.with_(sync_every=args.sync_every)
     base = parse_set(args.set, base)
     # The smoke leaves out (c) FP32 and INT4 with P = 1: (d) runs the same code with P = 4.
     names = args.only.split(",") if args.only else SMOKE_ORDER if args.smoke else ORDER
@@ -225,7 +266,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as tmp:
         root = args.out or Path(tmp)
         with open_links(args.net, w.learners) as links:
-            print(f"{w.learners} learners x {w.steps} steps, links: {links.kind}", flush=True)
+            print(
+                f"{w.learners} learners x {w.steps} steps, model d_model {w.d_model} x "
+                f"{w.n_layer} layers, seed {w.seed}, links: {links.kind}",
+                flush=True,
+            )
             for name in [n for n in ORDER if n in names]:
                 if name == "dp":
                     rows[name] = DPJob(

@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import scale
+from bench import convergence, scale
 from bench.common import parser, run_mode
 from bench.goodput import pushed_fraction, schedule
 from bench.ingest import against_limits
@@ -223,7 +224,14 @@ def test_every_benchmark_help_lists_quick(name: str, capsys: pytest.CaptureFixtu
 
 @pytest.mark.parametrize(
     ("name", "argv"),
-    [("chaos", ["--kills", "-1"]), ("memory", ["--params", "0"]), ("memory", ["--learners", "0"])],
+    [
+        ("chaos", ["--kills", "-1"]),
+        ("memory", ["--params", "0"]),
+        ("memory", ["--learners", "0"]),
+        ("convergence", ["--seed", "-1"]),
+        ("convergence", ["--d-model", "0"]),
+        ("convergence", ["--n-layer", "0"]),
+    ],
 )
 def test_a_benchmark_refuses_a_bad_size_in_one_line_before_running(
     name: str, argv: list[str], capsys: pytest.CaptureFixture[str]
@@ -231,7 +239,20 @@ def test_a_benchmark_refuses_a_bad_size_in_one_line_before_running(
     with pytest.raises(SystemExit) as done:
         importlib.import_module(f"bench.{name}").main(argv)
     assert done.value.code == 2
-    assert "take a number >= " in capsys.readouterr().err.splitlines()[-1]
+    assert re.search(r"takes? a number >= ", capsys.readouterr().err.splitlines()[-1])
+
+
+def test_convergence_trains_every_arm_at_the_model_size_and_seed_given() -> None:
+    p = convergence.arguments()
+    w, base = convergence.workload(
+        p.parse_args(["--d-model", "128", "--n-layer", "3", "--seed", "2", "--sync-every", "50"])
+    )
+    assert (w.d_model, w.n_layer, w.seed, w.steps, base.sync_every) == (128, 3, 2, 3000, 50)
+    default_w, default_base = convergence.workload(p.parse_args(["--quick"]))
+    assert (default_w.d_model, default_w.n_layer, default_w.steps) == (64, 2, 300)
+    assert default_base.sync_every == 100
+    with pytest.raises(ValueError, match="a multiple of the 2 heads, got 127"):
+        convergence.workload(p.parse_args(["--d-model", "127"]))
 
 
 def test_scale_stops_before_it_starts_where_the_state_would_not_fit(tmp_path: Path) -> None:
