@@ -37,7 +37,7 @@ the default arm's eval loss over (b)'s, `default_vs_dp` = over (a)'s (target <= 
     python -m bench.convergence [--quick | --smoke] [--json PATH] [--steps S] [--sync-every H]
         [--only dp,streaming_int4,...] [--set field=value ...] [--net auto|netns|proxy]
         [--default-args FLAGS] [--default-train-args FLAGS] [--seed N]
-        [--d-model D] [--n-layer L]
+        [--d-model D] [--n-layer L] [--lr LR]
 Modes: --smoke a tiny model, 2 learners, 40 steps, without (c); --quick 300 steps (under 4 minutes here); full
 3000 steps (18 minutes in the recorded run; up to about 27 when the machine is busier).
 """
@@ -122,7 +122,7 @@ def parse_set(items: list[str], base: Decoupled) -> Decoupled:
 
 
 def workload(args: argparse.Namespace) -> tuple[Workload, Decoupled]:
-    """What every arm trains (mode, steps, seed, model size) and the DiLoCo arms' base, from
+    """What every arm trains (mode, steps, seed, model size, learning rate) and the DiLoCo arms' base, from
     the flags. A bad value raises ValueError saying what was expected."""
     for flag, value, least in (
         ("--seed", args.seed, 0),
@@ -133,6 +133,8 @@ def workload(args: argparse.Namespace) -> tuple[Workload, Decoupled]:
     ):
         if value is not None and value < least:
             raise ValueError(f"{flag} takes a number >= {least}, got {value}")
+    if args.lr is not None and not 0 < args.lr < float("inf"):
+        raise ValueError(f"--lr takes a number > 0, got {args.lr}")
     if args.smoke:
         w, base = dataclasses.replace(SMOKE_SHORT), DECOUPLED.with_(sync_every=10)
     else:
@@ -145,6 +147,8 @@ def workload(args: argparse.Namespace) -> tuple[Workload, Decoupled]:
         w.d_model = args.d_model
     if args.n_layer is not None:
         w.n_layer = args.n_layer
+    if args.lr is not None:
+        w.lr = args.lr
     if args.steps:
         w.steps = args.steps
     w.seed = args.seed
@@ -241,6 +245,12 @@ def arguments() -> argparse.ArgumentParser:
     p.add_argument(
         "--n-layer", type=int, help=f"the model's depth for every arm (default {Workload.n_layer})"
     )
+    p.add_argument(
+        "--lr",
+        type=float,
+        help=f"the inner peak learning rate of every arm, data parallel's too (default "
+        f"{Workload.lr}); --default-train-args=--lr changes the default arm's alone",
+    )
     p.add_argument("--out", type=Path, help="keep the runs' logs and result files here")
     return p
 
@@ -268,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open_links(args.net, w.learners) as links:
             print(
                 f"{w.learners} learners x {w.steps} steps, model d_model {w.d_model} x "
-                f"{w.n_layer} layers, seed {w.seed}, links: {links.kind}",
+                f"{w.n_layer} layers, lr {w.lr:g}, seed {w.seed}, links: {links.kind}",
                 flush=True,
             )
             for name in [n for n in ORDER if n in names]:

@@ -231,6 +231,8 @@ def test_every_benchmark_help_lists_quick(name: str, capsys: pytest.CaptureFixtu
         ("convergence", ["--seed", "-1"]),
         ("convergence", ["--d-model", "0"]),
         ("convergence", ["--n-layer", "0"]),
+        ("convergence", ["--lr", "0"]),
+        ("convergence", ["--lr", "nan"]),
     ],
 )
 def test_a_benchmark_refuses_a_bad_size_in_one_line_before_running(
@@ -239,17 +241,23 @@ def test_a_benchmark_refuses_a_bad_size_in_one_line_before_running(
     with pytest.raises(SystemExit) as done:
         importlib.import_module(f"bench.{name}").main(argv)
     assert done.value.code == 2
-    assert re.search(r"takes? a number >= ", capsys.readouterr().err.splitlines()[-1])
+    assert re.search(r"takes? a number >", capsys.readouterr().err.splitlines()[-1])
 
 
 def test_convergence_trains_every_arm_at_the_model_size_and_seed_given() -> None:
     p = convergence.arguments()
     w, base = convergence.workload(
-        p.parse_args(["--d-model", "128", "--n-layer", "3", "--seed", "2", "--sync-every", "50"])
+        p.parse_args(
+            ["--d-model", "128", "--n-layer", "3", "--seed", "2", "--sync-every", "50"]
+            + ["--lr", "0.004"]
+        )
     )
     assert (w.d_model, w.n_layer, w.seed, w.steps, base.sync_every) == (128, 3, 2, 3000, 50)
+    assert w.lr == 0.004 and "0.004" in w.train_flags()
+    assert w.options().lr == 0.004  # data parallel's ranks
     default_w, default_base = convergence.workload(p.parse_args(["--quick"]))
     assert (default_w.d_model, default_w.n_layer, default_w.steps) == (64, 2, 300)
+    assert default_w.lr == 8e-3
     assert default_base.sync_every == 100
     with pytest.raises(ValueError, match="a multiple of the 2 heads, got 127"):
         convergence.workload(p.parse_args(["--d-model", "127"]))
