@@ -228,7 +228,6 @@ def test_every_benchmark_help_lists_quick(name: str, capsys: pytest.CaptureFixtu
         ("chaos", ["--kills", "-1"]),
         ("memory", ["--params", "0"]),
         ("memory", ["--learners", "0"]),
-        ("convergence", ["--seed", "-1"]),
         ("convergence", ["--d-model", "0"]),
         ("convergence", ["--n-layer", "0"]),
         ("convergence", ["--lr", "0"]),

@@ -60,7 +60,7 @@ def test_seeds_run_each_arm_once_per_seed_and_a_seed_changes_the_run(tmp_path: P
     ("bench", "flag", "said"),
     [
         ("defaults", "--seeds=0,-1", "--seeds: integers >= 0"),
-        ("convergence", "--seed=-1", "--seed: an"),
+        ("convergence", "--seed=-1", "--seed takes a number >= 0"),
     ],
 )
 def test_a_negative_seed_is_refused_before_anything_runs(bench: str, flag: str, said: str) -> None:
