@@ -124,8 +124,8 @@ def parse_set(items: list[str], base: Decoupled) -> Decoupled:
 
 
 def workload(args: argparse.Namespace) -> tuple[Workload, Decoupled]:
-    """What every arm trains (mode, steps, seed, model size, learning rate) and the DiLoCo arms' base, from
-    the flags. A bad value raises ValueError saying what was expected."""
+    """What every arm trains (mode, steps, seed, model size, learning rate) and the DiLoCo
+    arms' base, from the flags. A bad value raises ValueError saying what was expected."""
     for flag, value, least in (
         ("--seed", args.seed, 0),
         ("--steps", args.steps, 1),
