@@ -8,10 +8,9 @@ the pushes of each round in the order they were added, then its outer step.
 
 Segments are `wal/wal-NNNNNNNNNN.log`, their records as `synchronizer.walformat` encodes them.
 A checkpoint seals the current segment (`seal`), and once written, `release` deletes the sealed
-segments it covers: every round they mention is at or below the checkpoint's versions, and no
-stream with parts in them is still open (its push may yet be acknowledged into a later round; a
-stream that stalls is cut by the Synchronizer's idle-stream timeout). Disk use stays bounded by
-what the checkpoint interval lets accumulate. Once fsynced, a batch's pages are dropped from the
+segments it covers (`synchronizer.segments` says which: a stream that stalls is cut by the
+Synchronizer's idle-stream timeout, so none keeps its segments for ever). Disk use stays bounded
+by what the checkpoint interval lets accumulate. Once fsynced, a batch's pages are dropped from the
 page cache (`Disk.forget`), after its records are marked durable: no reply waits for the drop.
 
 A write or fsync that fails (a full disk, an I/O error) keeps the records in memory and retries
@@ -30,11 +29,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from synchronizer.disk import Disk
-from synchronizer.walformat import ABANDON, PART, PUSH, Record, encode, list_segments, read_segment
+from synchronizer.segments import Segments
+from synchronizer.walformat import PART, Record, encode, list_segments, read_segment
 
 logger = logging.getLogger(__name__)
 
@@ -48,26 +47,6 @@ class WalError(Exception):
     def __init__(self, message: str, disk_full: bool) -> None:
         super().__init__(message)
         self.disk_full = disk_full
-
-
-@dataclass
-class _Segment:
-    number: int
-    path: Path
-    # fragment id -> the highest version a record of this segment names (a push's round, a
-    # round's version): the segment is covered once a checkpoint holds every one of them.
-    versions: dict[int, int] = field(default_factory=dict)
-    sealed: bool = False
-    size: int = 0  # bytes on disk
-    # streams with parts here and no PUSH or ABANDON yet: the segment is kept while any is open
-    # (the push they belong to may still be acknowledged, into a round no checkpoint holds)
-    open_streams: set[int] = field(default_factory=set)
-
-    def note(self, record: Record) -> None:
-        fid = record.meta.get("fid")
-        if fid is not None:
-            v = int(record.meta["version"])
-            self.versions[fid] = max(self.versions.get(fid, 0), v)
 
 
 class Wal:
@@ -90,8 +69,7 @@ class Wal:
         self.failure: str | None = None  # why the last write failed, until one succeeds
         self.disk_full = False
         self.closing = False
-        self.segments: list[_Segment] = []
-        self.last_number = 0  # the highest segment number replayed or opened
+        self.segments = Segments(directory)
         self.fd: int | None = None
         self.size = 0
         self.synced_size = 0  # of the open segment, fsynced
@@ -109,9 +87,6 @@ class Wal:
         self.written_bytes = 0  # into segments since this process started, replayed ones included
         self.writer: threading.Thread | None = None
         self.syncer: threading.Thread | None = None
-        self.next_stream = 1  # above every stream id on disk once replayed
-        # stream id -> the segments holding its parts (the writer's, and replay's, bookkeeping)
-        self.stream_segments: dict[int, list[_Segment]] = {}
 
     # Start ---------------------------------------------------------------------------------
 
@@ -119,17 +94,15 @@ class Wal:
         """Every intact record on disk, oldest first. A damaged record ends its segment (the
         rest of that segment is cut off); call before `start`."""
         for number, path in list_segments(self.directory):
-            self.last_number = max(self.last_number, number)
-            seg = _Segment(number, path, sealed=True, size=path.stat().st_size)
+            seg = self.segments.add(number, path, sealed=True, size=path.stat().st_size)
             self.written_bytes += seg.size
-            self.segments.append(seg)
             count = 0
             for record in read_segment(path):
-                self._noted(seg, record, replayed=True)
+                self.segments.noted(seg, record, replayed=True)
                 count += 1
                 yield record
             logger.debug("replayed %d records of %s", count, path.name)
-        self.stream_segments.clear()  # what is still open was cut off by the end of a run
+        self.segments.replayed()
 
     def start(self) -> None:
         """Opens a fresh segment after the replayed ones and starts the writer."""
@@ -143,18 +116,16 @@ class Wal:
     def _open_segment(self) -> None:
         """The next segment, its name durable before any record is written to it (a record
         fsynced into a file whose name a power cut takes is lost with it)."""
-        # Numbers only grow, even once every segment is released: replay goes in their order.
-        number = self.last_number + 1
-        path = self.directory / f"wal-{number:010d}.log"
+        number, path = self.segments.next_path()
         fd = self.disk.open(path)
         try:
             self.disk.fsync_dir(self.directory)
         except OSError:
             self._close_quietly(fd)
             raise
-        self.fd, self.size, self.synced_size, self.last_number = fd, 0, 0, number
+        self.fd, self.size, self.synced_size = fd, 0, 0
         with self.lock:
-            self.segments.append(_Segment(number, path))
+            self.segments.add(number, path)
 
     # Appending -----------------------------------------------------------------------------
 
@@ -169,8 +140,7 @@ class Wal:
     def stream(self) -> int:
         """A fresh stream id for a push's PART records."""
         with self.lock:
-            self.next_stream += 1
-            return self.next_stream - 1
+            return self.segments.new_stream()
 
     def wait(self, ticket: int, timeout_s: float) -> None:
         """Returns once the ticket's record is durable; WalError if it is not within
@@ -336,7 +306,7 @@ class Wal:
                 self.synced_size = size
                 done = 0
                 while done < len(self.queue) and self.queue[done][0] <= ticket:
-                    self._noted(self.segments[-1], self.queue[done][1])
+                    self.segments.noted(self.segments.current, self.queue[done][1])
                     done += 1
                 del self.queue[:done]
                 self.written -= done
@@ -369,7 +339,7 @@ class Wal:
                         view = view[n:]
                         self.size += n
         finally:
-            self.segments[-1].size = self.size
+            self.segments.current.size = self.size
             self.written_bytes += self.size - start
         self.disk.start_writeback(self.fd, start, self.size - start)
 
@@ -380,30 +350,9 @@ class Wal:
         try:
             self.disk.truncate(self.fd, self.synced_size)
             self.written_bytes -= self.size - self.synced_size  # written again
-            self.size = self.segments[-1].size = self.synced_size
+            self.size = self.segments.current.size = self.synced_size
         except OSError:  # cannot even truncate: go on in a fresh segment
             self._rotate()
-
-    def _noted(self, seg: _Segment, record: Record, replayed: bool = False) -> None:
-        """What a record written to (or replayed from) `seg` tells the segments: the versions
-        it names, noted on the segments of its stream's parts too, and which streams are open.
-        A stream left open by an earlier run can never finish: replayed parts open nothing."""
-        seg.note(record)
-        stream = record.meta.get("stream")
-        if stream is None:
-            return
-        self.next_stream = max(self.next_stream, int(stream) + 1)
-        if record.kind == PART:
-            held = self.stream_segments.setdefault(stream, [])
-            if not held or held[-1] is not seg:
-                held.append(seg)
-            if not replayed:
-                seg.open_streams.add(stream)
-        elif record.kind in (PUSH, ABANDON):
-            for s in self.stream_segments.pop(stream, []):
-                s.open_streams.discard(stream)
-                if record.kind == PUSH:
-                    s.note(record)
 
     def _rotate(self) -> None:
         """Seals the current segment. The next is opened by the next write, which handles a
@@ -414,7 +363,7 @@ class Wal:
         self._close_quietly(self.fd)
         self.fd, self.size, self.synced_size = None, 0, 0
         with self.lock:
-            self.segments[-1].sealed = True
+            self.segments.current.sealed = True
 
     def _close_quietly(self, fd: int) -> None:
         try:
@@ -427,8 +376,7 @@ class Wal:
             self._rotate()
         with self.cv:
             self.seal_wanted = False
-            sealed = [s.number for s in self.segments if s.sealed]
-            self.sealed_upto = sealed[-1] if sealed else 0
+            self.sealed_upto = self.segments.last_sealed()
             self.cv.notify_all()
 
     # Checkpoints ---------------------------------------------------------------------------
@@ -436,7 +384,7 @@ class Wal:
     def disk_bytes(self) -> int:
         """The bytes of every segment kept on disk."""
         with self.lock:
-            return sum(s.size for s in self.segments)
+            return self.segments.bytes()
 
     def seal(self, timeout_s: float = 10.0) -> int:
         """Once everything appended so far is written, seals the current segment (before a
@@ -464,16 +412,7 @@ class Wal:
         """Deletes sealed segments up to `upto_segment` whose every record is covered by a
         checkpoint holding `versions` (fragment id -> version); returns how many."""
         with self.cv:
-            gone = [
-                s
-                for s in self.segments
-                if s.sealed
-                and s.number <= upto_segment
-                and not s.open_streams
-                and all(v <= versions.get(fid, -1) for fid, v in s.versions.items())
-            ]
-            for s in gone:
-                self.segments.remove(s)
+            gone = self.segments.covered(upto_segment, versions)
         for s in gone:
             self.disk.unlink(s.path)
         if gone:

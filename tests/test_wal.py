@@ -404,7 +404,7 @@ def test_an_abandoned_streams_parts_free_their_segments_and_a_dead_runs_open_str
     wal.close()  # as a kill would leave it: `cut_off` never ends
     again = Wal(tmp_path / "wal", 1000)
     assert len(list(again.replay())) == 3
-    assert not again.stream_segments  # nothing can end `cut_off` now
+    assert not again.segments.streams  # nothing can end `cut_off` now
     assert again.release(sealed, {}) >= 1 and not list_segments(tmp_path / "wal")
 
 
