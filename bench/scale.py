@@ -11,7 +11,10 @@ pre-encoded payloads (as `bench.ingest` does):
   and 4 fragments, so each learner pushes one fragment (INT4) every 12.5 s and then pulls that
   fragment's updates since its own previous pull (a delta, or in full once the kept chain no
   longer covers it). N is raised (doubling, then bisecting) until pushes are no longer served
-  on schedule: more ops due by the end of a window than the 4 clients can have in hand;
+  on schedule: more ops due by the end of a window than the 4 clients can have in hand. Their
+  heartbeats say what such learners' would (0.5 s per step, H = 100), so the Synchronizer's
+  adaptive grace gathers pushes into rounds as it would for them (`pushes_per_round`: accepted
+  pushes per outer step);
 - `outer_step_s`: the mean outer step of one fragment over the run (`diloco_round_apply_seconds`)
   and `apply_ratio`: that over one `add_` pass over a fragment in this process (how many plain
   passes an outer step costs); against the machine (`bench.limits`, in this process after the
@@ -169,6 +172,7 @@ def run(
             samples = scrape(metrics_url)
             rounds = metric(samples, "diloco_round_apply_seconds_count")
             outer_step_s = metric(samples, "diloco_round_apply_seconds_sum") / max(rounds, 1)
+            accepted = metric(samples, "diloco_pushes_total", outcome="accepted")
             exported = sum(samples.get("diloco_memory_projected_bytes", {}).values())
             rss.stop()
             phases = dict(rss.peaks)
@@ -200,6 +204,9 @@ def run(
         "join_s": join_s,
         "outer_step_s": outer_step_s,
         "outer_steps": rounds,
+        # accepted pushes per outer step: how many the grace gathers into a round (the
+        # model's upload is no push)
+        "pushes_per_round": accepted / rounds if rounds else None,
         "add_pass_s": add_s,
         "apply_ratio": outer_step_s / add_s,
         "kernels": "native" if native.resolve(kernels) else "torch",
@@ -260,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "mem_bw_triad_GBps",
                 "apply_bw_ratio",
                 "bytes_per_param_moved",
+                "pushes_per_round",
                 "learners_sustained",
             ],
         )

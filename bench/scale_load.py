@@ -230,13 +230,23 @@ def client(addresses: list[str], params: int, index: int, commands: Any, results
     known = {v.fragment_id: v.version for j in shards.joined for v in j.versions}
     stop = threading.Event()
 
+    def beat() -> None:
+        """What the learners acted for would say: their step time and H, from which the
+        Synchronizer's adaptive grace knows how long a round may wait for more pushes."""
+        for stub, joined in zip(shards.stubs, shards.joined, strict=True):
+            request = pb.HeartbeatRequest(
+                learner_id=joined.learner_id,
+                session=joined.session,
+                step_time_s=STEP_S,
+                overlap_steps=INNER_STEPS,
+            )
+            stub.Heartbeat(request, 30)
+
     def heartbeat() -> None:  # slow windows leave a learner idle for longer than its lease
         while not stop.wait(shards.joined[0].heartbeat_interval_s):
-            for stub, joined in zip(shards.stubs, shards.joined, strict=True):
-                stub.Heartbeat(
-                    pb.HeartbeatRequest(learner_id=joined.learner_id, session=joined.session), 30
-                )
+            beat()
 
+    beat()
     threading.Thread(target=heartbeat, daemon=True).start()
     results.put(("ready", index))
     while (command := commands.get()) is not None:
