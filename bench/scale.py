@@ -173,6 +173,8 @@ def run(
             rounds = metric(samples, "diloco_round_apply_seconds_count")
             outer_step_s = metric(samples, "diloco_round_apply_seconds_sum") / max(rounds, 1)
             accepted = metric(samples, "diloco_pushes_total", outcome="accepted")
+            budget_refused = metric(samples, "diloco_pushes_refused_payload_budget_total")
+            graces_ended = metric(samples, "diloco_grace_ended_payload_budget_total")
             exported = sum(samples.get("diloco_memory_projected_bytes", {}).values())
             rss.stop()
             phases = dict(rss.peaks)
@@ -207,6 +209,10 @@ def run(
         # accepted pushes per outer step: how many the grace gathers into a round (the
         # model's upload is no push)
         "pushes_per_round": accepted / rounds if rounds else None,
+        # pushes that found the payload budget full: refused after waiting, and the grace
+        # windows they ended (0 where the Synchronizer does not count them)
+        "pushes_refused_budget": budget_refused,
+        "graces_ended_budget": graces_ended,
         "add_pass_s": add_s,
         "apply_ratio": outer_step_s / add_s,
         "kernels": "native" if native.resolve(kernels) else "torch",
@@ -268,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "apply_bw_ratio",
                 "bytes_per_param_moved",
                 "pushes_per_round",
+                "pushes_refused_budget",
+                "graces_ended_budget",
                 "learners_sustained",
             ],
         )
