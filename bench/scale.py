@@ -14,7 +14,7 @@ pre-encoded payloads (as `bench.ingest` does):
   on schedule: more ops due by the end of a window than the 4 clients can have in hand. Their
   heartbeats say what such learners' would (0.5 s per step, H = 100), so the Synchronizer's
   adaptive grace gathers pushes into rounds as it would for them (`pushes_per_round`: accepted
-  pushes per outer step);
+  pushes per outer step; `pushes_refused_budget`: refused for the payload budget);
 - `outer_step_s`: the mean outer step of one fragment over the run (`diloco_round_apply_seconds`)
   and `apply_ratio`: that over one `add_` pass over a fragment in this process (how many plain
   passes an outer step costs); against the machine (`bench.limits`, in this process after the
@@ -174,7 +174,6 @@ def run(
             outer_step_s = metric(samples, "diloco_round_apply_seconds_sum") / max(rounds, 1)
             accepted = metric(samples, "diloco_pushes_total", outcome="accepted")
             budget_refused = metric(samples, "diloco_pushes_refused_payload_budget_total")
-            graces_ended = metric(samples, "diloco_grace_ended_payload_budget_total")
             exported = sum(samples.get("diloco_memory_projected_bytes", {}).values())
             rss.stop()
             phases = dict(rss.peaks)
@@ -209,10 +208,8 @@ def run(
         # accepted pushes per outer step: how many the grace gathers into a round (the
         # model's upload is no push)
         "pushes_per_round": accepted / rounds if rounds else None,
-        # pushes that found the payload budget full: refused after waiting, and the grace
-        # windows they ended (0 where the Synchronizer does not count them)
+        # pushes that found the payload budget full and were refused after waiting for room
         "pushes_refused_budget": budget_refused,
-        "graces_ended_budget": graces_ended,
         "add_pass_s": add_s,
         "apply_ratio": outer_step_s / add_s,
         "kernels": "native" if native.resolve(kernels) else "torch",
@@ -275,7 +272,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "bytes_per_param_moved",
                 "pushes_per_round",
                 "pushes_refused_budget",
-                "graces_ended_budget",
                 "learners_sustained",
             ],
         )
