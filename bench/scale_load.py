@@ -154,6 +154,20 @@ class Shards:
             c.close()
 
 
+def report_pace(shards: Shards) -> None:
+    """A heartbeat to every shard with what the learners a client acts for would say: their
+    step time and H, from which the Synchronizer's adaptive grace knows how long a round may
+    wait for more pushes (without them it waits 0 s)."""
+    for stub, joined in zip(shards.stubs, shards.joined, strict=True):
+        request = pb.HeartbeatRequest(
+            learner_id=joined.learner_id,
+            session=joined.session,
+            step_time_s=STEP_S,
+            overlap_steps=INNER_STEPS,
+        )
+        stub.Heartbeat(request, 30)
+
+
 def init_shards(addresses: list[str], params: int) -> list[str]:
     """Uploads the model (zeros) to every shard, each its own fragments (joined just before its
     upload: a join's lease is shorter than another shard's upload of a large model); returns
@@ -230,23 +244,11 @@ def client(addresses: list[str], params: int, index: int, commands: Any, results
     known = {v.fragment_id: v.version for j in shards.joined for v in j.versions}
     stop = threading.Event()
 
-    def beat() -> None:
-        """What the learners acted for would say: their step time and H, from which the
-        Synchronizer's adaptive grace knows how long a round may wait for more pushes."""
-        for stub, joined in zip(shards.stubs, shards.joined, strict=True):
-            request = pb.HeartbeatRequest(
-                learner_id=joined.learner_id,
-                session=joined.session,
-                step_time_s=STEP_S,
-                overlap_steps=INNER_STEPS,
-            )
-            stub.Heartbeat(request, 30)
-
     def heartbeat() -> None:  # slow windows leave a learner idle for longer than its lease
         while not stop.wait(shards.joined[0].heartbeat_interval_s):
-            beat()
+            report_pace(shards)
 
-    beat()
+    report_pace(shards)
     threading.Thread(target=heartbeat, daemon=True).start()
     results.put(("ready", index))
     while (command := commands.get()) is not None:

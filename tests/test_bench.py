@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import convergence, scale
+from bench import convergence, scale, scale_load
 from bench.common import parser, run_mode
 from bench.goodput import pushed_fraction, schedule
 from bench.ingest import against_limits
@@ -40,6 +40,7 @@ from bench.limits import (
 from bench.net import LinkError, Namespaces, Proxies, Relay, TokenBucket, socket_bytes
 from bench.peers import MISSING, final_replica, headline, merged_syncs, torchft_missing
 from bench.wan import parse_links, reach_time
+from synchronizer.config import SynchronizerConfig
 from synchronizer.outer import OUTER_KINDS
 from tests.helpers import REPO, descendants, kill_tree, run_smoke
 from tests.tools import DEBIAN, tool
@@ -260,6 +261,22 @@ def test_convergence_trains_every_arm_at_the_model_size_and_seed_given() -> None
     assert default_base.sync_every == 100
     with pytest.raises(ValueError, match="a multiple of the 2 heads, got 127"):
         convergence.workload(p.parse_args(["--d-model", "127"]))
+
+
+def test_scale_clients_report_the_pace_that_sizes_the_synchronizers_grace(make_server) -> None:
+    # bench.scale's clients stand for learners at H = 100 and 0.5 s a step. Their heartbeats say
+    # so, and the adaptive grace then waits as it would for such learners (its 5 s cap); without
+    # their pace it waited 0 s and every round closed on the pushes already in it.
+    srv = make_server()
+    grace = srv.synchronizer.grace
+    assert grace.seconds() == 0.0
+    spec = scale_load.model_spec(4000, scale_load.FRAGMENTS)
+    shards = scale_load.Shards([srv.address], spec, "client0")
+    try:
+        scale_load.report_pace(shards)
+    finally:
+        shards.leave()
+    assert grace.seconds() == SynchronizerConfig().grace_max_s == 5.0
 
 
 def test_scale_stops_before_it_starts_where_the_state_would_not_fit(tmp_path: Path) -> None:
