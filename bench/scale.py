@@ -10,8 +10,11 @@ pre-encoded payloads (as `bench.ingest` does):
 - `learners_sustained`: 4 client processes act for N learners with H = 100 inner steps of 0.5 s
   and 4 fragments, so each learner pushes one fragment (INT4) every 12.5 s and then pulls that
   fragment's updates since its own previous pull (a delta, or in full once the kept chain no
-  longer covers it). N is raised (doubling, then bisecting) until pushes are no longer served
-  on schedule: more ops due by the end of a window than the 4 clients can have in hand. Their
+  longer covers it). Each window starts with one cycle (50 s: every learner's push and pull of
+  every fragment) that is not counted, so the pulls it measures cover a whole cycle of updates
+  as in steady state (smoke mode: none). N is raised (doubling, then bisecting) until pushes
+  are no longer served on schedule: more ops due by the end of a window than the 4 clients can
+  have in hand. Their
   heartbeats say what such learners' would (0.5 s per step, H = 100), so the Synchronizer's
   adaptive grace gathers pushes into rounds as it would for them (`pushes_per_round`: accepted
   pushes per outer step; `pushes_refused_budget`: refused for the payload budget);
@@ -73,7 +76,7 @@ from synchronizer.config import SynchronizerConfig
 
 
 def search(
-    clients: Clients, first: int, window_s: float, bisect: int, largest: int
+    clients: Clients, first: int, window_s: float, bisect: int, largest: int, lead_s: float
 ) -> tuple[int, list[dict[str, Any]]]:
     """The largest learner count whose pushes are served on schedule: doubling from `first`
     (halving when even that falls behind), then `bisect` bisection steps."""
@@ -81,7 +84,7 @@ def search(
     def run(n: int) -> dict[str, Any]:
         # Long enough for 8 ops at low rates, up to 4 shortest windows.
         seconds = max(window_s, min(4 * window_s, 8 * PUSH_EVERY_S / n))
-        row = clients.window(n, seconds)
+        row = clients.window(n, seconds, lead_s=lead_s)
         print(
             f"{n} learners ({row['pushes_per_s']:.3g} pushes/s for {seconds:.0f} s): "
             f"{row['done']} of {row['due']} ops done on time, "
@@ -141,7 +144,7 @@ def room_for_state(root: Path, params: int) -> dict[str, int]:
 def run(
     params: int, mode: str, kernels: str = "auto", state_dir: Path | None = None
 ) -> dict[str, Any]:
-    _, first, window_s, bisect, largest = MODES[mode]
+    _, first, window_s, bisect, largest, lead_s = MODES[mode]
     serve_s = window_s if mode == "smoke" else 4 * PUSH_EVERY_S  # each learner pushes 4 times
     projection = memory.project(SynchronizerConfig(), [params // FRAGMENTS] * FRAGMENTS)
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=state_dir) as d:
@@ -166,7 +169,7 @@ def run(
                 rss.phase = "serve"  # what the memory target is about: 4 learners on schedule
                 serving = clients.window(CLIENTS, serve_s)
                 rss.phase = "search"  # past capacity on purpose: held pushes pile up
-                sustained, rows = search(clients, first, window_s, bisect, largest)
+                sustained, rows = search(clients, first, window_s, bisect, largest, lead_s)
             finally:
                 clients.close()
             samples = scrape(metrics_url)

@@ -6,12 +6,14 @@ memory sampler (VmRSS every 50 ms, VmHWM for the peak).
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing as mp
 import statistics
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ CLIENTS = 4
 INNER_STEPS = 100  # H
 STEP_S = 0.5  # seconds per inner step
 PUSH_EVERY_S = INNER_STEPS * STEP_S / FRAGMENTS  # one learner: one fragment push every 12.5 s
+CYCLE_S = FRAGMENTS * PUSH_EVERY_S  # one learner pushes (and pulls) every fragment once in 50 s
 PUSH_METHOD = "/diloco.v1.Synchronizer/PushFragment"
 RETRY_S = 0.5  # a push refused for now (BEHIND) is retried after this, with the same seq
 # The payload budget is full, or the write-ahead log took longer than wal_wait_s to reach the disk
@@ -47,10 +50,10 @@ WINDOW_COLUMNS = [
     "in_MBps",
     "out_MBps",
 ]
-MODES = {  # params, first N, shortest window (s), bisection steps, largest N
-    "smoke": (1_000_000, 64, 1.0, 0, 64),  # one window of the search: it runs, no more
-    "quick": (250_000_000, 4, 20.0, 2, 1024),
-    "full": (1_000_000_000, 4, 30.0, 2, 1024),
+MODES = {  # params, first N, shortest window (s), bisection steps, largest N, lead-in (s)
+    "smoke": (1_000_000, 64, 1.0, 0, 64, 0.0),  # one window of the search: it runs, no more
+    "quick": (250_000_000, 4, 20.0, 2, 1024, CYCLE_S),
+    "full": (1_000_000_000, 4, 30.0, 2, 1024, CYCLE_S),
 }
 
 
@@ -226,12 +229,29 @@ def push_payloads(spec: ModelSpec, seed: int) -> list[tuple[pb.PayloadHeader, li
     return payloads
 
 
+def schedule(
+    n: int, rate: float, t0: float, window: float, lead: float, index: int
+) -> Iterator[tuple[float, int, int, bool]]:
+    """Client `index`'s ops of a window, in order: (due at, learner, fragment, measured). Op g
+    is due at t0 + g / rate and is learner g % n's of fragment (g // n) % FRAGMENTS; the ops
+    due in the `lead` seconds before t0 come first, unmeasured: the previous cycle's, so that
+    a learner's first measured pull of a fragment asks for the updates since its own pull of
+    it one cycle earlier, as in steady state, not since the version its process knew last."""
+    first = -math.ceil(lead * rate)
+    for op in itertools.count(first):
+        at = t0 + op / rate
+        if at >= t0 + window:
+            return
+        if op % n % CLIENTS == index:
+            yield at, op % n, (op // n) % FRAGMENTS, op >= 0
+
+
 def client(addresses: list[str], params: int, index: int, commands: Any, results: Any) -> None:
     """One client process: one Synchronizer learner that acts for its share of the N simulated
-    learners. Per window command (N, rate, t0, window): op g (at t0 + g / rate) is learner
-    g % N's push of fragment (g // N) % 4 (to the shard that serves it), then its pull of that
-    fragment; the ops of learners l with l % CLIENTS == index are this process's, done in
-    order, never early."""
+    learners. Per window command (N, rate, t0, window, lead): the ops of `schedule`, each a
+    learner's push of a fragment (to the shard that serves it), then its pull of that fragment
+    (the updates since that learner's previous pull of it), done in order, never early; what
+    the lead-in ops do is not counted."""
     torch.set_num_threads(1)
     spec = model_spec(params, FRAGMENTS)
     payloads = push_payloads(spec, index)
@@ -252,27 +272,18 @@ def client(addresses: list[str], params: int, index: int, commands: Any, results
     threading.Thread(target=heartbeat, daemon=True).start()
     results.put(("ready", index))
     while (command := commands.get()) is not None:
-        n, rate, t0, window = command
+        n, rate, t0, window, lead = command
         have: dict[tuple[int, int], int] = {}  # (learner, fragment) -> version it pulled
         late: list[float] = []
         done_at: list[float] = []
         due_by_end = pushed = pulled = accepted = refused = 0
-        op = -1
-        while True:
-            op += 1
-            at = t0 + op / rate
-            if at >= t0 + window:
-                break
-            learner = op % n
-            if learner % CLIENTS != index:
-                continue
-            due_by_end += 1
+        for at, learner, fid, measured in schedule(n, rate, t0, window, lead, index):
+            due_by_end += measured
             now = time.time()
             if now >= t0 + window:
                 continue  # due, not started: backlog
             if now < at:
                 time.sleep(at - now)
-            fid = (op // n) % FRAGMENTS
             stub, joined = shards.of(fid)
             push = pushes[shards.owner[fid]]
             header, wire = payloads[fid]
@@ -299,17 +310,18 @@ def client(addresses: list[str], params: int, index: int, commands: Any, results
                 except grpc.RpcError as e:  # the Synchronizer is behind: back off, same seq
                     if e.code() not in BEHIND:
                         raise
-                    refused += 1
+                    refused += measured
                     time.sleep(RETRY_S)
-            accepted += reply.outcome == pb.PUSH_ACCEPTED
-            pushed += header.total_bytes
             known[fid] = max(known[fid], reply.current_version)
             pull_header, _, nbytes = _pull(stub, joined, fid, have.get((learner, fid), known[fid]))
             have[(learner, fid)] = pull_header.version
             known[fid] = max(known[fid], pull_header.version)
-            pulled += nbytes
-            late.append(started - at)
-            done_at.append(time.time())
+            if measured:
+                accepted += reply.outcome == pb.PUSH_ACCEPTED
+                pushed += header.total_bytes
+                pulled += nbytes
+                late.append(started - at)
+                done_at.append(time.time())
         results.put(
             (
                 "window",
@@ -350,13 +362,17 @@ class Clients:
         assert got == kind, (got, value)
         return value
 
-    def window(self, learners: int, window_s: float, rate: float = 0.0) -> dict[str, Any]:
+    def window(
+        self, learners: int, window_s: float, rate: float = 0.0, lead_s: float = 0.0
+    ) -> dict[str, Any]:
         """Runs `learners` simulated learners for `window_s` (ops due at `rate` per second, by
-        default their schedule's); whether the pushes kept up."""
+        default their schedule's), after `lead_s` of the same schedule that is not counted
+        (`CYCLE_S`: each learner pulls what changed since its previous cycle, as in steady
+        state); whether the pushes kept up."""
         rate = rate or learners / PUSH_EVERY_S
-        t0 = time.time() + 0.5
+        t0 = time.time() + 0.5 + lead_s
         for q in self.commands:
-            q.put((learners, rate, t0, window_s))
+            q.put((learners, rate, t0, window_s, lead_s))
         parts = [self._get("window") for _ in self.procs]
         due, done = sum(p["due"] for p in parts), sum(p["done"] for p in parts)
         late = [x for p in parts for x in p["late"]]

@@ -279,6 +279,38 @@ def test_scale_clients_report_the_pace_that_sizes_the_synchronizers_grace(make_s
     assert grace.seconds() == SynchronizerConfig().grace_max_s == 5.0
 
 
+def test_scale_windows_lead_in_one_cycle_so_each_measured_pull_spans_a_learners_cycle() -> None:
+    # Without the lead-in, a learner's first pull of a fragment in a window asked for what
+    # changed since its client process last heard of it (seconds ago, next to nothing); in steady
+    # state it asks for the updates since its own pull one cycle (50 s) before, which at 1B is a
+    # full snapshot once more versions than the kept chain holds went by.
+    n, rate, window = 8, 8 / scale_load.PUSH_EVERY_S, 30.0
+    ops = [
+        (at, learner, fid, measured)
+        for index in range(scale_load.CLIENTS)
+        for at, learner, fid, measured in scale_load.schedule(
+            n, rate, 0.0, window, scale_load.CYCLE_S, index
+        )
+    ]
+    plain = [
+        op
+        for index in range(scale_load.CLIENTS)
+        for op in scale_load.schedule(n, rate, 0.0, window, 0.0, index)
+    ]
+    assert sorted(op for op in ops if op[3]) == sorted(plain)  # the window itself is unchanged
+    for learner in range(n):
+        lead = [(at, fid) for at, who, fid, measured in ops if who == learner and not measured]
+        assert sorted(fid for _, fid in lead) == list(range(scale_load.FRAGMENTS))
+        assert all(-scale_load.CYCLE_S <= at < 0 for at, _ in lead)
+        for at, fid in lead:  # the same learner's next op of that fragment: one cycle later
+            after = [a for a, who, f, m in ops if who == learner and f == fid and m]
+            assert not after or min(after) == pytest.approx(at + scale_load.CYCLE_S)
+    for index in range(scale_load.CLIENTS):  # each client's ops in order, its learners only
+        mine = list(scale_load.schedule(n, rate, 0.0, window, scale_load.CYCLE_S, index))
+        assert [at for at, *_ in mine] == sorted(at for at, *_ in mine)
+        assert {who % scale_load.CLIENTS for _, who, _, _ in mine} == {index}
+
+
 def test_scale_stops_before_it_starts_where_the_state_would_not_fit(tmp_path: Path) -> None:
     # a full disk refuses pushes, and the capacity search would wait out every window
     with pytest.raises(SystemExit, match=r"need about [0-9.]+ GB free .* --state-dir"):
