@@ -12,10 +12,10 @@ pre-encoded payloads (as `bench.ingest` does):
   fragment's updates since its own previous pull (a delta, or in full once the kept chain no
   longer covers it). Each window starts with one cycle (50 s: every learner's push and pull of
   every fragment) that is not counted, so the pulls it measures cover a whole cycle of updates
-  as in steady state (smoke mode: none). N is raised (doubling, then bisecting) until pushes
-  are no longer served on schedule: more ops due by the end of a window than the 4 clients can
-  have in hand. Their
-  heartbeats say what such learners' would (0.5 s per step, H = 100), so the Synchronizer's
+  as in steady state (smoke mode: none); with `--pulls bf16` every pull is in full, in BF16
+  (learners with delta pulls off and `pull_codec` bf16). N is raised (doubling, then
+  bisecting) until pushes are no longer served on schedule: more ops due by the end of a window
+  than the 4 clients can have in hand. Their heartbeats say what such learners' would (0.5 s per step, H = 100), so the Synchronizer's
   adaptive grace gathers pushes into rounds as it would for them (`pushes_per_round`: accepted
   pushes per outer step; `pushes_refused_budget`: refused for the payload budget);
 - `outer_step_s`: the mean outer step of one fragment over the run (`diloco_round_apply_seconds`)
@@ -38,7 +38,8 @@ pre-encoded payloads (as `bench.ingest` does):
   `synchronizer.memory.state_disk`'s projection (`state_projected_bytes`); a directory without
   room for that projection stops the run before it starts.
 
-    python -m bench.scale [--quick | --smoke] [--params N] [--state-dir DIR] [--json PATH]
+    python -m bench.scale [--quick | --smoke] [--params N] [--pulls delta|bf16] [--state-dir DIR]
+                          [--json PATH]
 Full mode: 1e9 parameters (quick: 250M, smoke: 1M); full and quick need several times the
 model's FP32 bytes of free memory.
 """
@@ -63,6 +64,7 @@ from bench.scale_load import (
     FRAGMENTS,
     INNER_STEPS,
     MODES,
+    PULLS,
     PUSH_EVERY_S,
     STEP_S,
     WINDOW_COLUMNS,
@@ -142,7 +144,11 @@ def room_for_state(root: Path, params: int) -> dict[str, int]:
 
 
 def run(
-    params: int, mode: str, kernels: str = "auto", state_dir: Path | None = None
+    params: int,
+    mode: str,
+    kernels: str = "auto",
+    state_dir: Path | None = None,
+    pulls: str = "delta",
 ) -> dict[str, Any]:
     _, first, window_s, bisect, largest, lead_s = MODES[mode]
     serve_s = window_s if mode == "smoke" else 4 * PUSH_EVERY_S  # each learner pushes 4 times
@@ -164,7 +170,7 @@ def run(
             rss.phase = "join"
             join_s = join_and_pull([info["address"]], params)
             rss.phase = "clients"
-            clients = Clients([info["address"]], params)
+            clients = Clients([info["address"]], params, pulls)
             try:
                 rss.phase = "serve"  # what the memory target is about: 4 learners on schedule
                 serving = clients.window(CLIENTS, serve_s)
@@ -240,6 +246,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "state_disk projects, or the benchmark says so and stops",
     )
     p.add_argument(
+        "--pulls",
+        choices=sorted(PULLS),
+        default="delta",
+        help="how the synthetic learners pull: delta (the default learners': the updates since "
+        "their previous pull, or the fragment in FP32 once the kept chain no longer covers it) or "
+        "bf16 (learners with delta_pulls off and pull_codec bf16: always in full, in BF16)",
+    )
+    p.add_argument(
         "--kernels",
         choices=native.KERNELS,
         default="auto",
@@ -252,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return scale_shards.main(params, args.shards, mode, args.json)
     result = {
         "mode": mode,
-        **run(params, mode, args.kernels, args.state_dir),
+        "pulls": args.pulls,
+        **run(params, mode, args.kernels, args.state_dir, args.pulls),
         "machine": machine(),
     }
     print()

@@ -102,11 +102,16 @@ class RssSampler:
 
 
 def _pull(
-    stub: pb_grpc.SynchronizerStub, joined: pb.JoinReply, fid: int, have: int | None
+    stub: pb_grpc.SynchronizerStub,
+    joined: pb.JoinReply,
+    fid: int,
+    have: int | None,
+    wanted: pb.Codec = pb.CODEC_FP32,
 ) -> tuple[pb.PullHeader, torch.Tensor | None, int]:
-    """One pull, in full or (with `have`) of the updates since: (header, the decoded FP32
-    parameters of a full pull without `have`, payload bytes). Delta pulls and their full
-    fallbacks are only counted: learners decode on their own machines."""
+    """One pull, in full (FP32, or `wanted`) or (with `have`) of the updates since: (header, the
+    decoded FP32 parameters of a full FP32 pull without `have`, payload bytes). Delta pulls,
+    their full fallbacks and other codecs are only counted: learners decode on their own
+    machines."""
     replies = stub.PullFragment(
         pb.PullRequest(
             learner_id=joined.learner_id,
@@ -114,11 +119,12 @@ def _pull(
             fragment_id=fid,
             delta_ok=have is not None,
             have_version=have or 0,
+            codec=wanted,
         ),
         timeout=600,
     )
     header = next(replies).header
-    if have is not None or not header.HasField("payload"):
+    if have is not None or wanted != pb.CODEC_FP32 or not header.HasField("payload"):
         return header, None, sum(len(r.chunk.data) for r in replies)
     asm = framing.Assembler(header.payload)
     for r in replies:
@@ -246,12 +252,20 @@ def schedule(
             yield at, op % n, (op // n) % FRAGMENTS, op >= 0
 
 
-def client(addresses: list[str], params: int, index: int, commands: Any, results: Any) -> None:
+PULLS = {  # --pulls: how the simulated learners pull (their delta_pulls and pull_codec)
+    "delta": pb.CODEC_FP32,  # the default: the updates since their previous pull, else FP32
+    "bf16": pb.CODEC_BF16,  # delta_pulls off, pull_codec bf16: always in full, in BF16
+}
+
+
+def client(
+    addresses: list[str], params: int, index: int, commands: Any, results: Any, pulls: str
+) -> None:
     """One client process: one Synchronizer learner that acts for its share of the N simulated
     learners. Per window command (N, rate, t0, window, lead): the ops of `schedule`, each a
     learner's push of a fragment (to the shard that serves it), then its pull of that fragment
     (the updates since that learner's previous pull of it), done in order, never early; what
-    the lead-in ops do is not counted."""
+    the lead-in ops do is not counted. `pulls`: a key of PULLS."""
     torch.set_num_threads(1)
     spec = model_spec(params, FRAGMENTS)
     payloads = push_payloads(spec, index)
@@ -313,7 +327,8 @@ def client(addresses: list[str], params: int, index: int, commands: Any, results
                     refused += measured
                     time.sleep(RETRY_S)
             known[fid] = max(known[fid], reply.current_version)
-            pull_header, _, nbytes = _pull(stub, joined, fid, have.get((learner, fid), known[fid]))
+            since = have.get((learner, fid), known[fid]) if pulls == "delta" else None
+            pull_header, _, nbytes = _pull(stub, joined, fid, since, PULLS[pulls])
             have[(learner, fid)] = pull_header.version
             known[fid] = max(known[fid], pull_header.version)
             if measured:
@@ -344,12 +359,15 @@ def client(addresses: list[str], params: int, index: int, commands: Any, results
 class Clients:
     """The CLIENTS client processes, kept across windows (they pre-encode their payloads once)."""
 
-    def __init__(self, addresses: list[str], params: int) -> None:
+    def __init__(self, addresses: list[str], params: int, pulls: str = "delta") -> None:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(CLIENTS)]
         self.procs = [
-            ctx.Process(target=client, args=(addresses, params, i, self.commands[i], self.results))
+            ctx.Process(
+                target=client,
+                args=(addresses, params, i, self.commands[i], self.results, pulls),
+            )
             for i in range(CLIENTS)
         ]
         for p in self.procs:

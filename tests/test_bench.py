@@ -40,6 +40,7 @@ from bench.limits import (
 from bench.net import LinkError, Namespaces, Proxies, Relay, TokenBucket, socket_bytes
 from bench.peers import MISSING, final_replica, headline, merged_syncs, torchft_missing
 from bench.wan import parse_links, reach_time
+from protos import diloco_pb2 as pb
 from synchronizer.config import SynchronizerConfig
 from synchronizer.outer import OUTER_KINDS
 from tests.helpers import REPO, descendants, kill_tree, run_smoke
@@ -309,6 +310,26 @@ def test_scale_windows_lead_in_one_cycle_so_each_measured_pull_spans_a_learners_
         mine = list(scale_load.schedule(n, rate, 0.0, window, scale_load.CYCLE_S, index))
         assert [at for at, *_ in mine] == sorted(at for at, *_ in mine)
         assert {who % scale_load.CLIENTS for _, who, _, _ in mine} == {index}
+
+
+def test_scale_clients_pull_in_full_in_bf16_with_pulls_bf16(make_server) -> None:
+    # `--pulls bf16` stands for learners with delta pulls off and pull_codec bf16: each pull is
+    # the fragment in full at 2 bytes a parameter, where the default's fallback is FP32 at 4.
+    srv = make_server()
+    params = 4000
+    scale_load.init_shards([srv.address], params)
+    spec = scale_load.model_spec(params, scale_load.FRAGMENTS)
+    numel = spec.fragments[0].numel
+    shards = scale_load.Shards([srv.address], spec, "client0")
+    try:
+        stub, joined = shards.of(0)
+        header, decoded, nbytes = scale_load._pull(stub, joined, 0, None, scale_load.PULLS["bf16"])
+        assert (header.payload.codec, decoded, nbytes) == (pb.CODEC_BF16, None, 2 * numel)
+        header, decoded, nbytes = scale_load._pull(stub, joined, 0, None)
+        assert (header.payload.codec, nbytes) == (pb.CODEC_FP32, 4 * numel)
+        assert decoded is not None and not decoded.any()  # the uploaded zeros
+    finally:
+        shards.leave()
 
 
 def test_scale_stops_before_it_starts_where_the_state_would_not_fit(tmp_path: Path) -> None:
