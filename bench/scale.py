@@ -15,9 +15,10 @@ pre-encoded payloads (as `bench.ingest` does):
   as in steady state (smoke mode: none); with `--pulls bf16` every pull is in full, in BF16
   (learners with delta pulls off and `pull_codec` bf16). N is raised (doubling, then
   bisecting) until pushes are no longer served on schedule: more ops due by the end of a window
-  than the 4 clients can have in hand. Their heartbeats say what such learners' would (0.5 s per step, H = 100), so the Synchronizer's
-  adaptive grace gathers pushes into rounds as it would for them (`pushes_per_round`: accepted
-  pushes per outer step; `pushes_refused_budget`: refused for the payload budget);
+  than the 4 clients can have in hand. Their heartbeats say what such learners' would (0.5 s
+  per step, H = 100), so the Synchronizer's adaptive grace gathers pushes into rounds as it
+  would for them (`pushes_per_round`: accepted pushes per outer step; `pushes_refused_budget`:
+  refused for the payload budget);
 - `outer_step_s`: the mean outer step of one fragment over the run (`diloco_round_apply_seconds`)
   and `apply_ratio`: that over one `add_` pass over a fragment in this process (how many plain
   passes an outer step costs); against the machine (`bench.limits`, in this process after the
