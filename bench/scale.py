@@ -12,8 +12,8 @@ pre-encoded payloads (as `bench.ingest` does):
   fragment's updates since its own previous pull (a delta, or in full once the kept chain no
   longer covers it). Each window starts with one cycle (50 s: every learner's push and pull of
   every fragment) that is not counted, so the pulls it measures cover a whole cycle of updates
-  as in steady state (smoke mode: none); with `--pulls bf16` every pull is in full, in BF16
-  (learners with delta pulls off and `pull_codec` bf16). N is raised (doubling, then
+  as in steady state (smoke mode: none); with `--pulls bf16` or `int8` every pull is in full,
+  in that codec (learners with delta pulls off and that `pull_codec`). N is raised (doubling, then
   bisecting) until pushes are no longer served on schedule: more ops due by the end of a window
   than the 4 clients can have in hand. Their heartbeats say what such learners' would (0.5 s
   per step, H = 100), so the Synchronizer's adaptive grace gathers pushes into rounds as it
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="delta",
         help="how the synthetic learners pull: delta (the default learners': the updates since "
         "their previous pull, or the fragment in FP32 once the kept chain no longer covers it) or "
-        "bf16 (learners with delta_pulls off and pull_codec bf16: always in full, in BF16)",
+        "bf16 or int8 (learners with delta_pulls off and that pull_codec: always in full, in it)",
     )
     p.add_argument(
         "--kernels",

@@ -255,6 +255,7 @@ def schedule(
 PULLS = {  # --pulls: how the simulated learners pull (their delta_pulls and pull_codec)
     "delta": pb.CODEC_FP32,  # the default: the updates since their previous pull, else FP32
     "bf16": pb.CODEC_BF16,  # delta_pulls off, pull_codec bf16: always in full, in BF16
+    "int8": pb.CODEC_INT8,  # delta_pulls off, pull_codec int8: always in full, in INT8 blocks
 }
 
 

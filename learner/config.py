@@ -118,9 +118,9 @@ class LearnerConfig(ClientTLS):
         default=True,
         description="Ask only for the outer updates since the version held (kept INT8-coded by the Synchronizer), checked by checksum; falls back to a full FP32 pull",
     )
-    pull_codec: Literal["fp32", "bf16"] = Field(
+    pull_codec: Literal["fp32", "bf16", "int8"] = Field(
         default="fp32",
-        description="Encoding of full pulls when delta_pulls is off (with delta pulls, full pulls are FP32 so that later deltas apply exactly)",
+        description="Encoding of full pulls when delta_pulls is off: fp32 (exact), bf16 (2 bytes per parameter) or int8 (blockwise, about 1; the learner trains from the rounded values, the Synchronizer keeps the exact ones). With delta pulls, full pulls are FP32 so that later deltas apply exactly",
     )
 
     # Network behaviour

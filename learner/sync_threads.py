@@ -41,7 +41,7 @@ OUTCOMES = {
     pb.PUSH_DUPLICATE: "duplicate",
     pb.PUSH_REFUSED_NORM: "refused_norm",
 }
-PULL_CODECS = {"fp32": pb.CODEC_FP32, "bf16": pb.CODEC_BF16}
+PULL_CODECS = {"fp32": pb.CODEC_FP32, "bf16": pb.CODEC_BF16, "int8": pb.CODEC_INT8}
 
 
 @dataclass
@@ -95,8 +95,8 @@ class SyncThreads:
         self, p: int, min_version: int = 0, wait_s: float = 0.0, exact: bool = False
     ) -> tuple[int, str, torch.Tensor]:
         """(version, server epoch, FP32 parameters) of fragment p, now, on the caller's thread:
-        as a delta from the version held when possible; `exact` forces FP32 even when
-        pull_codec is bf16. Raises `grpc.RpcError` or `CodecError` (the caller records it)."""
+        as a delta from the version held when possible; `exact` forces FP32 whatever
+        pull_codec says. Raises `grpc.RpcError` or `CodecError` (the caller records it)."""
         out = torch.empty(self.numels[p], dtype=torch.float32, pin_memory=self.pin)
         have, held = None, self.held[p]
         if self.cfg.delta_pulls and held is not None and held[0] == self.session.epoch:

@@ -36,7 +36,7 @@ from synchronizer.records import check_credential
 from synchronizer.served import ServedModel
 from synchronizer.streams import SLOT_PATIENCE_S, Call, Streams
 
-PULL_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16)
+PULL_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_INT8)
 
 
 class Waker:
@@ -103,7 +103,7 @@ class PullPath:
         check_credential(rec, call.credential)
         codec_id = request.codec or pb.CODEC_FP32
         if codec_id not in PULL_CODECS:
-            raise invalid("bad_codec", "pulls are served as CODEC_FP32 or CODEC_BF16")
+            raise invalid("bad_codec", "pulls are served as CODEC_FP32, CODEC_BF16 or CODEC_INT8")
         if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
             raise invalid("bad_wait", "wait_s must be finite and non-negative")
         sliced = request.HasField("slice")

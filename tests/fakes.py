@@ -17,6 +17,7 @@ from learner.fragments import FragmentPlan
 from learner.session import Push
 from learner.shards import Refusal
 from learner.sync import Arrival, PushJob, SyncEngine
+from protos import codec, layout
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec, owned_fragments
 
@@ -41,10 +42,10 @@ class FakeClient:
     FAILED_PRECONDITION (after waiting up to wait_s for it), a push seq below 1
     INVALID_ARGUMENT and a base version ahead of its own FAILED_PRECONDITION; it answers a
     repeated seq with the first reply (an accepted push as a duplicate), drops pushes staler
-    than `max_staleness`, waits up to wait_s for min_version in pulls, serves BF16 pulls
-    rounded, and ends pulls with CANCELLED on `close`. An accepted push closes its round at once
-    (the fragment's version goes up by one and its parameters by 1.0) unless `close_rounds` is
-    False (then `close_round` closes it).
+    than `max_staleness`, waits up to wait_s for min_version in pulls, serves BF16 and INT8
+    pulls as their codec rounds them, and ends pulls with CANCELLED on `close`. An accepted
+    push closes its round at once (the fragment's version goes up by one and its parameters by
+    1.0) unless `close_rounds` is False (then `close_round` closes it).
 
     Test controls: every call is recorded in `calls` as (method, args...); `fail_next` makes the
     next calls of a method raise (an `RpcFailure` for a status code, or any exception);
@@ -261,8 +262,11 @@ class FakeClient:
             if self.needs_init:
                 raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "the model has no parameters")
             params = self.params[fragment_id]
-            if codec_id == pb.CODEC_BF16:
-                params = params.bfloat16().float()
+            if codec_id != pb.CODEC_FP32:  # what the codec keeps of them, as served
+                header = layout.make_header(codec_id, params.numel())
+                params = codec.decode(
+                    codec.encode(params, codec_id), header, torch.empty_like(params)
+                )
             target = out if out is not None else torch.empty_like(params)
             target.copy_(params)
             return self.versions[fragment_id], self.epoch, target

@@ -41,6 +41,7 @@ from bench.net import LinkError, Namespaces, Proxies, Relay, TokenBucket, socket
 from bench.peers import MISSING, final_replica, headline, merged_syncs, torchft_missing
 from bench.wan import parse_links, reach_time
 from protos import diloco_pb2 as pb
+from protos import layout
 from synchronizer.config import SynchronizerConfig
 from synchronizer.outer import OUTER_KINDS
 from tests.helpers import REPO, descendants, kill_tree, run_smoke
@@ -312,9 +313,10 @@ def test_scale_windows_lead_in_one_cycle_so_each_measured_pull_spans_a_learners_
         assert {who % scale_load.CLIENTS for _, who, _, _ in mine} == {index}
 
 
-def test_scale_clients_pull_in_full_in_bf16_with_pulls_bf16(make_server) -> None:
-    # `--pulls bf16` stands for learners with delta pulls off and pull_codec bf16: each pull is
-    # the fragment in full at 2 bytes a parameter, where the default's fallback is FP32 at 4.
+def test_scale_clients_pull_in_full_in_bf16_or_int8_with_pulls_bf16_or_int8(make_server) -> None:
+    # `--pulls bf16` / `int8` stand for learners with delta pulls off and that pull_codec: each
+    # pull is the fragment in full at 2 (BF16) or about 1 (INT8) bytes a parameter, where the
+    # default's fallback is FP32 at 4.
     srv = make_server()
     params = 4000
     scale_load.init_shards([srv.address], params)
@@ -325,6 +327,10 @@ def test_scale_clients_pull_in_full_in_bf16_with_pulls_bf16(make_server) -> None
         stub, joined = shards.of(0)
         header, decoded, nbytes = scale_load._pull(stub, joined, 0, None, scale_load.PULLS["bf16"])
         assert (header.payload.codec, decoded, nbytes) == (pb.CODEC_BF16, None, 2 * numel)
+        header, decoded, nbytes = scale_load._pull(stub, joined, 0, None, scale_load.PULLS["int8"])
+        int8 = layout.encoded_nbytes(pb.CODEC_INT8, numel, layout.DEFAULT_BLOCK_SIZE)
+        assert (header.payload.codec, decoded, nbytes) == (pb.CODEC_INT8, None, int8)
+        assert numel < int8 < 1.1 * numel
         header, decoded, nbytes = scale_load._pull(stub, joined, 0, None)
         assert (header.payload.codec, nbytes) == (pb.CODEC_FP32, 4 * numel)
         assert decoded is not None and not decoded.any()  # the uploaded zeros

@@ -273,6 +273,45 @@ def test_delta_pull_rebuilds_the_served_parameters_exactly_at_a_fraction_of_the_
             client.close()
 
 
+def test_a_learner_with_int8_pulls_trains_from_int8_rounded_parameters_at_a_third_of_the_bytes(
+    tmp_path,
+):
+    # delta_pulls off, pull_codec int8: every pull after the first is the whole fragment in
+    # INT8 blocks, not held as an exact base; a forced exact pull is still FP32.
+    with running(server_config(tmp_path)) as srv:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 512), nn.Tanh(), nn.Linear(512, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        lrn = Learner(
+            model,
+            opt,
+            synchronizer=srv.address,
+            sync_every=5,
+            fragments=2,
+            delta_pulls=False,
+            pull_codec="int8",
+        )
+        try:
+            train(lrn, model, opt, 20, seed=1)
+            assert lrn.flush(timeout_s=30) and lrn.stats.merges >= 2
+            engine = lrn.engine
+            assert engine is not None
+            want = served(srv.address, model, 2)[0]
+            before = lrn.stats.bytes_received
+            version, _, got = engine.pull(0)
+            int8_bytes, before = lrn.stats.bytes_received - before, lrn.stats.bytes_received
+            assert version > 0 and engine.held[0] is None
+            header = layout.make_header(pb.CODEC_INT8, want.numel())
+            rounded = codec.decode(codec.encode(want, pb.CODEC_INT8), header, want.clone())
+            assert torch.equal(got, rounded) and not torch.equal(got, want)
+            _, _, exact = engine.pull(0, exact=True)
+            fp32_bytes = lrn.stats.bytes_received - before
+            assert torch.equal(exact, want)
+            assert int8_bytes < 0.35 * fp32_bytes  # about 1 byte per parameter against 4
+        finally:
+            lrn.close()
+
+
 def test_a_learner_built_as_the_initial_model_joins_without_pulling_it_and_others_pull(tmp_path):
     def model(seed: int) -> nn.Module:
         torch.manual_seed(seed)

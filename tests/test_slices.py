@@ -168,7 +168,9 @@ def pull_slice(
     return header, codec.decode(asm.finish(), header.payload, out)
 
 
-def test_a_slice_pull_serves_exactly_its_runs_with_their_checksum_in_fp32_and_bf16(make_server):
+def test_a_slice_pull_serves_exactly_its_runs_with_their_checksum_in_fp32_bf16_and_int8(
+    make_server,
+):
     srv = make_server(**SETTINGS)
     c, flats = start(srv.address)
     first, second = halves(SPEC, 0)
@@ -182,6 +184,11 @@ def test_a_slice_pull_serves_exactly_its_runs_with_their_checksum_in_fp32_and_bf
         assert header.payload.codec == pb.CODEC_BF16
         assert torch.equal(got, want.to(torch.bfloat16).float())
         assert header.checksum == framing.checksum(want)  # of the FP32 values
+        header, got = pull_slice(c, runs, pb.CODEC_INT8)  # the slice's own blocks
+        assert header.payload.codec == pb.CODEC_INT8 and header.checksum == framing.checksum(want)
+        assert torch.equal(
+            got, codec.decode(codec.encode(want, pb.CODEC_INT8), header.payload, want.clone())
+        )
     header, got = pull_slice(c, [])  # a rank may hold nothing of a small fragment
     assert header.payload.numel == 0 and got.numel() == 0
     with pytest.raises(grpc.RpcError) as e:

@@ -172,7 +172,7 @@ def test_a_push_that_cannot_be_judged_is_refused_with_a_status(transport, seq, b
 # Pulls ---------------------------------------------------------------------------------------
 
 
-def test_a_delta_pull_and_a_bf16_pull_give_what_the_full_pull_gives(transport):
+def test_a_delta_pull_a_bf16_pull_and_an_int8_pull_give_what_the_full_pull_gives(transport):
     joined(transport)
     _, _, v0 = pull(transport, 0)
     transport.push(push(0, seq=1))
@@ -181,6 +181,10 @@ def test_a_delta_pull_and_a_bf16_pull_give_what_the_full_pull_gives(transport):
     assert delta_version == version == 1 and torch.equal(from_delta, full)
     _, _, bf16 = pull(transport, 0, codec_id=pb.CODEC_BF16)
     assert torch.equal(bf16, full.bfloat16().float())
+    _, _, int8 = pull(transport, 0, codec_id=pb.CODEC_INT8)
+    header = layout.make_header(pb.CODEC_INT8, full.numel())
+    assert torch.equal(int8, codec.decode(codec.encode(full, pb.CODEC_INT8), header, full.clone()))
+    assert not torch.equal(int8, full)  # rounded: these values are not all INT8 codes
 
 
 def test_a_pull_for_a_version_not_reached_answers_the_current_one_after_wait_s(transport):
