@@ -33,6 +33,9 @@ Arms (each a Synchronizer and M learner processes on their own links, see bench/
   alpha_0.75        the defaults, learners `--alpha 0.75` (and 0.75)
   strict_tau10      the defaults, learners `--strict-overlap --overlap-steps 10` (each result
                     merged exactly 10 steps after its push: waited for when late)
+  pulls_int8        the defaults, learners `--no-delta-pulls --pull-codec int8` (every pull the
+                    whole fragment in INT8 blocks: about 1 byte per parameter, however many
+                    versions were missed, against one INT8 update per version for a delta pull)
   no_dlu            the defaults with `--no-dynamic-local-updates` (every learner's H is H,
                     however slow: its H no longer follows measured step rates)
   no_dlu_strict     no_dlu, learners `--strict-overlap --overlap-steps 10` (neither H nor the
@@ -129,6 +132,7 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
     "alpha_0.75": _learner("alpha_0.75", "--alpha", "0.75"),
     "strict_tau10": _learner("strict_tau10", "--strict-overlap", "--overlap-steps", "10"),
     "no_final_push": _learner("no_final_push", "--no-final-push"),
+    "pulls_int8": _learner("pulls_int8", "--no-delta-pulls", "--pull-codec", "int8"),
     "no_dlu": _defaults("no_dlu", "--no-dynamic-local-updates"),
     "dlu_levels8": _defaults("dlu_levels8", "--dlu-levels", "8"),
     "no_dlu_strict": lambda h: Decoupled.with_defaults(
