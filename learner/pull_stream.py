@@ -29,7 +29,7 @@ def whole(
     """The whole fragment of header `h` (`n` elements expected, or the header's), into `out`
     or a new tensor."""
     n = h.payload.numel if n is None else n
-    layout.validate_header(h.payload, n, (pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_INT8))
+    layout.validate_header(h.payload, n, layout.PULL_CODECS)
     assembled = framing.Assembler(h.payload)
     for msg in messages:
         received(msg)

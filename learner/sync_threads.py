@@ -41,7 +41,6 @@ OUTCOMES = {
     pb.PUSH_DUPLICATE: "duplicate",
     pb.PUSH_REFUSED_NORM: "refused_norm",
 }
-PULL_CODECS = {"fp32": pb.CODEC_FP32, "bf16": pb.CODEC_BF16, "int8": pb.CODEC_INT8}
 
 
 @dataclass
@@ -102,7 +101,9 @@ class SyncThreads:
         if self.cfg.delta_pulls and held is not None and held[0] == self.session.epoch:
             have = (held[1], held[2])
         codec_id = (
-            pb.CODEC_FP32 if exact or self.cfg.delta_pulls else PULL_CODECS[self.cfg.pull_codec]
+            pb.CODEC_FP32
+            if exact or self.cfg.delta_pulls
+            else layout.CODEC_NAMES[self.cfg.pull_codec]
         )
         version, epoch, params = self.client.pull(
             p, min_version, wait_s, codec_id, out=out, have=have

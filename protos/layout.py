@@ -24,6 +24,7 @@ CODEC_NAMES: dict[str, int] = {
 }
 NAMES_BY_CODEC: dict[int, str] = {v: k for k, v in CODEC_NAMES.items()}
 BLOCKWISE = (pb.CODEC_INT8, pb.CODEC_INT4, pb.CODEC_FP4_E3M0)
+PULL_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_INT8)  # of a full pull (PullRequest.codec)
 SCALE_BYTES: dict[int, int] = {pb.SCALE_FP32: 4, pb.SCALE_FP16: 2}
 SCALE_NAMES: dict[int, str] = {pb.SCALE_FP32: "fp32", pb.SCALE_FP16: "fp16"}
 

@@ -36,8 +36,6 @@ from synchronizer.records import check_credential
 from synchronizer.served import ServedModel
 from synchronizer.streams import SLOT_PATIENCE_S, Call, Streams
 
-PULL_CODECS = (pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_INT8)
-
 
 class Waker:
     """Runs the wake-ups of pulls whose calls ended on a thread of its own. gRPC runs a call's
@@ -102,8 +100,10 @@ class PullPath:
         rec = self.registry.alive(request.learner_id, request.session)
         check_credential(rec, call.credential)
         codec_id = request.codec or pb.CODEC_FP32
-        if codec_id not in PULL_CODECS:
-            raise invalid("bad_codec", "pulls are served as CODEC_FP32, CODEC_BF16 or CODEC_INT8")
+        if codec_id not in layout.PULL_CODECS:
+            raise invalid(
+                "bad_codec", f"pulls are served as {layout.allowed_names(layout.PULL_CODECS)}"
+            )
         if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
             raise invalid("bad_wait", "wait_s must be finite and non-negative")
         sliced = request.HasField("slice")

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import stat
+import typing
 
 import pytest
 from pydantic import BaseModel
@@ -19,6 +20,7 @@ from demo.options import LocalOptions, TrainOptions
 from demo.procs import rejoin_args
 from demo.train import keep_session
 from learner.config import LearnerConfig
+from protos import layout
 from protos.configload import (
     LEGACY_PREFIX,
     PROGRAM_PREFIXES,
@@ -325,3 +327,8 @@ def test_a_learners_session_is_kept_in_a_0600_file_and_a_restart_reads_it_from_t
     assert rejoin_args({"learner": {"learner_id": "L7"}}) == []  # no file: join anew
     assert "after-a-rejoin" not in json.dumps(result)
     assert os.environ.get("DILOCO_LEARNER_SESSION") is None
+
+
+def test_the_learners_pull_codecs_are_those_the_synchronizer_serves():
+    named = typing.get_args(LearnerConfig.model_fields["pull_codec"].annotation)
+    assert set(named) == {layout.NAMES_BY_CODEC[c] for c in layout.PULL_CODECS}
