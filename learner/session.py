@@ -428,13 +428,17 @@ class Session:
 
     def heartbeat_loop(self) -> None:
         """Renews the lease every heartbeat_s until `stopping`; re-joins when the Synchronizer
-        has forgotten this learner or restarted. Run on a thread by the engine."""
+        has forgotten this learner or restarted. Run on a thread by the engine. A heartbeat
+        saying this learner pushes nothing more is sent even when stopping comes with it: a
+        finishing learner stops its threads before its final pulls, which may wait for rounds
+        that wait for it."""
         while True:
             with self.lock:
                 self.lock.wait_for(
                     lambda: self.stopping.is_set() or self.beat_due, self.heartbeat_s
                 )
-                if self.stopping.is_set():
+                last = self.stopping.is_set()
+                if last and not (self.beat_due and self.pushes_done):
                     return
                 self.beat_due = False
             generation = self.generation
@@ -452,6 +456,8 @@ class Session:
                     self.recover(generation)
                 continue
             self.succeeded()
+            if last:
+                return
             self.inner_steps, self.inner_steps_scale = reply.inner_steps, reply.inner_steps_scale
             if reply.server_epoch != self.epoch:
                 self.recover(generation)

@@ -306,6 +306,23 @@ def test_finish_pushes_nothing_more_when_the_last_step_was_pushed(run):
     assert [tokens for _, _, tokens in r.fake.applied] == [32, 32, 32, 32]
 
 
+def test_a_learner_stopping_as_its_last_pushes_are_answered_still_says_it_pushes_nothing_more(
+    run,
+):
+    # finish() stops the threads right after its last pushes are answered (at once against the
+    # fake): the heartbeat saying so must not be lost to the stop, or the final pulls may wait
+    # on rounds that wait for this learner.
+    r = run(2)
+    lrn = r.start(sync_every=2)
+    engine = lrn.engine
+    assert engine is not None
+    with engine.session.lock:  # both before the heartbeat thread looks
+        engine.session.done_pushing()
+        engine.stopping.set()
+    engine.stop()
+    assert [c for c in r.fake.calls_of("heartbeat") if c[-1] is True]
+
+
 def test_finish_says_it_pushes_nothing_more_once_its_last_pushes_are_answered(run):
     # A synchronous round waits for every live learner: one that finished and waits for its
     # last rounds must say it pushes nothing more, or rounds it will never push to (which the
