@@ -39,8 +39,8 @@ pre-encoded payloads (as `bench.ingest` does):
   `synchronizer.memory.state_disk`'s projection (`state_projected_bytes`); a directory without
   room for that projection stops the run before it starts.
 
-    python -m bench.scale [--quick | --smoke] [--params N] [--pulls delta|bf16] [--state-dir DIR]
-                          [--json PATH]
+    python -m bench.scale [--quick | --smoke] [--params N] [--pulls delta|bf16|int8]
+                          [--state-dir DIR] [--json PATH]
 Full mode: 1e9 parameters (quick: 250M, smoke: 1M); full and quick need several times the
 model's FP32 bytes of free memory.
 """
