@@ -39,7 +39,8 @@ class SynchronizerConfig(BaseModel):
         "snapshot_budget_bytes max_spec_bytes max_message_bytes max_concurrent_streams "
         "max_unidentified_streams max_unidentified_per_peer max_workers apply_threads "
         "compute_threads kernels kernel_threads",
-        "durability": "state_dir checkpoint_interval_s checkpoint_wal_bytes keep_checkpoints wal "
+        "durability": "state_dir checkpoint_interval_s checkpoint_wal_bytes checkpoint_log_ratio "
+        "keep_checkpoints wal "
         "wal_wait_s wal_segment_bytes shutdown_grace_s",
         "security": "auth_token admin_token tls_cert tls_key tls_client_ca learner_tokens_file "
         "client_cert_credentials max_learners_per_credential",
@@ -314,12 +315,17 @@ class SynchronizerConfig(BaseModel):
     checkpoint_interval_s: float = Field(
         60.0,
         ge=0,
-        description="Seconds between periodic checkpoints; 0 checkpoints only on shutdown",
+        description="Seconds between periodic checkpoints, written only when something changed since the last one (with the log, once checkpoint_log_ratio allows, or after ten intervals); 0 checkpoints only on shutdown",
     )
     checkpoint_wal_bytes: int = Field(
         8 << 30,
         ge=0,
         description="A checkpoint starts early once the write-ahead log has grown by this many bytes since the last one started, so the log's disk use (its segments are deleted once a checkpoint covers them) and a restart's replay stay near it however fast pushes arrive; 0 checkpoints on the interval alone",
+    )
+    checkpoint_log_ratio: float = Field(
+        1.0,
+        ge=0,
+        description="With the log, a periodic checkpoint waits until the log has grown by this many times the newest checkpoint's size (13 GB at 1B parameters), for at most ten intervals, so checkpoints write at most 1/ratio of the log's bytes and a restart replays at most ratio times a checkpoint; checkpoint_wal_bytes then starts one early only beyond that too; 0 does not wait",
     )
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept in state_dir")
     wal: bool = Field(

@@ -98,7 +98,7 @@ class Synchronizer:
             0 if inline_outer_steps else cfg.apply_threads,
         )
         self.state = state.State(
-            cfg, self.metrics, self.model, self.registry, self.goodput, self.journal
+            cfg, self.metrics, self.model, self.registry, self.goodput, self.journal, self.clock
         )
         self.stopping = threading.Event()
         self.pushes = PushPath(
@@ -364,7 +364,9 @@ class Synchronizer:
             live = self.registry.live_by_credential()
             for name in set(self.credentials.tokens.values()) | set(live):
                 self.metrics.credential_learners.labels(name).set(live.get(name, 0))
-        if self.checkpoint_due() and not (self.checkpointer and self.checkpointer.is_alive()):
+        if self.checkpointer and self.checkpointer.is_alive():
+            return
+        if self.checkpoint_due():
             self.last_checkpoint = self.clock.monotonic()
             self.checkpoint_mark = self.journal.written_bytes()
             self.checkpointer = threading.Thread(
@@ -373,13 +375,29 @@ class Synchronizer:
             self.checkpointer.start()
 
     def checkpoint_due(self) -> bool:
-        """Whether a periodic checkpoint is due: `checkpoint_interval_s` since the last one
-        started, or the log has grown by `checkpoint_wal_bytes` since (so its disk use and a
-        restart's replay stay near that however fast pushes arrive). One runs at a time."""
-        interval, wal_bytes = self.cfg.checkpoint_interval_s, self.cfg.checkpoint_wal_bytes
-        if interval > 0 and self.clock.monotonic() - self.last_checkpoint >= interval:
+        """Whether a periodic checkpoint is due (one runs at a time).
+
+        Only when something changed since the newest one: a version served since, or the log
+        grown (a Join, a push of an open round); otherwise the newest still holds the served
+        state and is reported current (`State.current`), so an idle model is not rewritten
+        every interval. Then on `checkpoint_interval_s` since the last one started, or once the
+        log has grown by `checkpoint_wal_bytes`. With the log, either waits until it has grown
+        by `checkpoint_log_ratio` times the newest checkpoint's size: a checkpoint never
+        writes more than 1/ratio of the log's bytes, the disk's load that decides how many
+        learners a large model can have, and a restart replays at most ratio times one. The
+        interval waits so for ten intervals at most; a retry after a failed one does not wait."""
+        cfg, state = self.cfg, self.state
+        grown = self.journal.written_bytes() - self.checkpoint_mark
+        if grown == 0 and not state.unsaved() and state.failure is None:
+            state.current()
+            return False
+        logged = self.journal.wal is not None and state.failure is None
+        floor = cfg.checkpoint_log_ratio * state.size if logged else 0.0
+        if cfg.checkpoint_wal_bytes > 0 and grown >= max(cfg.checkpoint_wal_bytes, floor):
             return True
-        return wal_bytes > 0 and self.journal.written_bytes() - self.checkpoint_mark >= wal_bytes
+        waited = self.clock.monotonic() - self.last_checkpoint
+        interval = cfg.checkpoint_interval_s
+        return interval > 0 and waited >= interval and (grown >= floor or waited >= 10 * interval)
 
     def _housekeeping(self) -> None:
         period = min(0.5, self.cfg.lease_s / 4)

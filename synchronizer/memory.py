@@ -113,14 +113,17 @@ def state_disk(cfg: SynchronizerConfig, model: ModelSpec | Sequence[int]) -> dic
     """Projected peak bytes of `state_dir` serving `model` under `cfg`: one checkpoint's tensors
     (`checkpoint`: parameters, outer state, residual, kept updates), `keep_checkpoints` of them
     and the one being written (`checkpoints`), and the write-ahead log up to
-    `checkpoint_wal_bytes` (`wal`; 0 without a log or that bound: the log then holds whatever
-    arrives in `checkpoint_interval_s`). Not counted: what arrives while a checkpoint writes."""
+    `checkpoint_wal_bytes` or `checkpoint_log_ratio` checkpoints, whichever is more (`wal`; 0
+    without a log or the first bound: the log then holds whatever arrives in
+    `checkpoint_interval_s`, or until the ratio allows). Not counted: what arrives while a
+    checkpoint writes."""
     p = project(cfg, model)
     one = p["params"] + p["outer_state"] + p["residual"] + p["update_history"]
+    logged = cfg.wal and cfg.checkpoint_wal_bytes > 0
     out = {
         "checkpoint": one,
         "checkpoints": (cfg.keep_checkpoints + 1) * one,
-        "wal": cfg.checkpoint_wal_bytes if cfg.wal else 0,
+        "wal": max(cfg.checkpoint_wal_bytes, int(cfg.checkpoint_log_ratio * one)) if logged else 0,
     }
     out["total"] = out["checkpoints"] + out["wal"]
     return out

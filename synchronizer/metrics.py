@@ -276,7 +276,7 @@ class Metrics:
         )
         self.checkpoint_last_success = Gauge(
             "diloco_checkpoint_last_success_timestamp_seconds",
-            "Unix time the newest checkpoint was written (at start, the one restored; NaN before any).",
+            "Unix time the newest checkpoint last held the served state: when it was written (at start, the one restored), and again at each housekeeping tick while nothing has changed since (NaN before any).",
             registry=r,
         )
         self.checkpoint_last_success.set(math.nan)

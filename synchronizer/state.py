@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from protos import diloco_pb2 as pb
 from protos.spec import ModelSpec
 from synchronizer import checkpoint, memory, shards
+from synchronizer.clock import Clock
 from synchronizer.config import SynchronizerConfig
 from synchronizer.goodput import Goodput
 from synchronizer.journal import Journal
@@ -95,8 +96,10 @@ class State:
         registry: Registry,
         goodput: Goodput,
         journal: Journal,
+        clock: Clock,
     ) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.metrics = metrics
         self.model = model
         self.registry = registry
@@ -105,6 +108,7 @@ class State:
         self.lock = threading.Lock()  # one checkpoint at a time
         self.failure: str | None = None  # why the last checkpoint could not be written
         self.checkpointed: dict[int, int] = {}  # fragment id -> its version in the newest one
+        self.size = 0  # bytes of the newest checkpoint (written, or restored at start)
 
     def save(self, first: bool = False) -> bool:
         """Writes the state atomically; False if it could not (nothing to save before the model
@@ -178,10 +182,10 @@ class State:
                 path = writer.finish(meta)
             versions = {f.fid: int(m["version"]) for f, m in zip(fragments, frag_meta, strict=True)}
             self.journal.release(sealed, versions)
-            self.checkpointed = versions
+            self.checkpointed, self.size = versions, writer.at
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
-        self.metrics.checkpoint_last_success.set(time.time())
+        self.metrics.checkpoint_last_success.set(self.clock.wall())
         logger.info(
             "checkpoint %s written (versions %s)", path.name, [f.version for f in fragments]
         )
@@ -200,6 +204,7 @@ class State:
         for frag, fmeta in zip(model.fragments, meta["fragments"], strict=True):
             frag.restore(tensors, fmeta)
         self.checkpointed = {frag.fid: frag.version for frag in model.fragments}
+        self.size = path.stat().st_size
         model.initialized = True
         self.registry.restore(meta.get("learners", []))
         self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
@@ -220,6 +225,12 @@ class State:
                 epoch,
             )
         self.journal.start()
+
+    def current(self) -> None:
+        """The newest checkpoint still holds the served state: its freshness, the gauge the
+        checkpoint-age alert reads, is now."""
+        if self.checkpointed:
+            self.metrics.checkpoint_last_success.set(self.clock.wall())
 
     def unsaved(self) -> str:
         """The versions served since the newest checkpoint, fragment by fragment ('' if none)."""

@@ -240,23 +240,30 @@ def test_a_round_refused_at_its_outer_step_counts_as_refused_in_goodput_on_repla
         again.close()
 
 
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
 def test_a_checkpoint_starts_once_the_log_grew_by_checkpoint_wal_bytes_and_frees_it(
-    tmp_path, clock
+    tmp_path, clock, ratio
 ):
     # No interval: the log's growth alone starts a checkpoint, one per growth, however little
-    # time passed, and the segments it covers are deleted.
+    # time passed, and the segments it covers are deleted. With checkpoint_log_ratio, the
+    # growth must also reach that many times the newest checkpoint's size (over 64 KiB here,
+    # its header's room): a checkpoint writes no more than the log did.
     settings: dict[str, Any] = {"quorum": 1, "grace": "none", "wal": True}
-    core, spec = make(tmp_path, clock, checkpoint_wal_bytes=8192, **settings)
+    core, spec = make(
+        tmp_path, clock, checkpoint_wal_bytes=8192, checkpoint_log_ratio=ratio, **settings
+    )
     try:
         (a,) = initialised(core, spec, ["a"])
         n = spec.fragments[0].numel
         reg = core.metrics.registry
         written = reg.get_sample_value("diloco_checkpoints_total") or 0
-        while core.journal.written_bytes() < 8192:
+        bound = max(8192, ratio * core.state.size)
+        assert core.state.size > 8192
+        while core.journal.written_bytes() < bound:
             core.tick()
             assert core.checkpointer is None  # not grown enough yet
-            assert a.push(0, torch.full((n,), 1e-3)).outcome == pb.PUSH_ACCEPTED
-        assert (reg.get_sample_value("diloco_wal_bytes") or 0) >= 8192
+            assert a.push(0, torch.full((n,), 1e-3), base=version(core)).outcome == pb.PUSH_ACCEPTED
+        assert (reg.get_sample_value("diloco_wal_bytes") or 0) >= bound
         core.tick()
         started = core.checkpointer
         assert started is not None
@@ -265,6 +272,86 @@ def test_a_checkpoint_starts_once_the_log_grew_by_checkpoint_wal_bytes_and_frees
         assert reg.get_sample_value("diloco_wal_bytes") == 0  # every segment it covers is gone
         core.tick()  # the log has not grown since: nothing more to do
         assert core.checkpointer is started
+    finally:
+        core.close()
+
+
+def test_the_interval_checkpoint_waits_for_a_checkpoints_bytes_of_log_for_ten_intervals_at_most(
+    tmp_path, clock
+):
+    # With the log, the interval's checkpoint waits until the log holds as many bytes as the
+    # newest checkpoint (checkpoint_log_ratio 1, the default), or ten intervals have passed.
+    settings: dict[str, Any] = {"quorum": 1, "grace": "none", "wal": True}
+    core, spec = make(tmp_path, clock, checkpoint_interval_s=60.0, lease_s=3600.0, **settings)
+    try:
+        (a,) = initialised(core, spec, ["a"])
+        n = spec.fragments[0].numel
+        core.tick()
+        mark = core.journal.written_bytes()
+        assert a.push(0, torch.full((n,), 1e-3), base=version(core)).outcome == pb.PUSH_ACCEPTED
+        assert 0 < core.journal.written_bytes() - mark < core.state.size
+        for _ in range(9):
+            clock.advance(60.0)
+            core.tick()
+            assert core.checkpointer is None  # the log holds less than a checkpoint
+        clock.advance(60.0)
+        core.tick()  # ten intervals: written all the same
+        assert core.checkpointer is not None
+        core.checkpointer.join(WAIT_S)
+        first = core.checkpointer
+        while core.journal.written_bytes() - core.checkpoint_mark < core.state.size:
+            assert a.push(0, torch.full((n,), 1e-3), base=version(core)).outcome == pb.PUSH_ACCEPTED
+        core.tick()
+        assert core.checkpointer is first  # enough log, but not an interval yet
+        clock.advance(60.0)
+        core.tick()
+        assert core.checkpointer is not first
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("wal", [True, False])
+def test_an_idle_model_is_not_rewritten_each_interval_and_its_checkpoint_stays_current(
+    tmp_path, clock, wal
+):
+    # Nothing served or logged since the newest checkpoint: the interval writes nothing, and the
+    # gauge the checkpoint-age alert reads says the newest is current. A version served since
+    # (without the log, the only change a checkpoint holds) is written at the interval.
+    settings: dict[str, Any] = {"quorum": 1, "grace": "none", "wal": wal}
+    core, spec = make(
+        tmp_path,
+        clock,
+        checkpoint_interval_s=60.0,
+        checkpoint_log_ratio=0,
+        lease_s=3600.0,
+        **settings,
+    )
+    try:
+        (a,) = initialised(core, spec, ["a"])
+        gauge = "diloco_checkpoint_last_success_timestamp_seconds"
+        reg = core.metrics.registry
+        written = reg.get_sample_value("diloco_checkpoints_total")
+        clock.advance(60.0)
+        core.tick()  # the Join and the first checkpoint's covered records: one more, then idle
+        if core.checkpointer is not None:
+            core.checkpointer.join(WAIT_S)
+            written = reg.get_sample_value("diloco_checkpoints_total")
+        for _ in range(3):
+            clock.advance(60.0)
+            core.tick()
+            assert reg.get_sample_value("diloco_checkpoints_total") == written
+            assert reg.get_sample_value(gauge) == clock.wall()
+        assert a.push(
+            0, torch.full((spec.fragments[0].numel,), 1e-3), base=version(core)
+        ).outcome == (pb.PUSH_ACCEPTED)
+        assert version(core) == 1
+        stale = clock.wall()
+        clock.advance(60.0)
+        core.tick()
+        assert core.checkpointer is not None
+        core.checkpointer.join(WAIT_S)
+        assert reg.get_sample_value("diloco_checkpoints_total") == (written or 0) + 1
+        assert reg.get_sample_value(gauge) > stale
     finally:
         core.close()
 

@@ -617,3 +617,23 @@ def test_state_disk_projects_a_checkpoints_bytes_and_warns_when_the_disk_has_too
     with caplog.at_level(logging.INFO, logger="synchronizer.served"):
         log_state_disk(cfg.model_copy(update={"keep_checkpoints": 1 << 30}), [300_000, 300_000])
     assert any(r.levelno == logging.WARNING and "too little" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "settings, log",
+    [
+        ({}, "one checkpoint"),  # checkpoint_log_ratio 1: 13.05 GB at 1B, above 8 GiB
+        ({"checkpoint_log_ratio": 0.5}, 8 << 30),  # 6.5 GB: checkpoint_wal_bytes is the bound
+        ({"checkpoint_log_ratio": 0}, 8 << 30),
+        ({"checkpoint_wal_bytes": 0}, 0),  # the log has no bound: the projection cannot say
+        ({"wal": False}, 0),
+    ],
+)
+def test_the_projected_log_is_checkpoint_wal_bytes_or_the_ratio_of_a_checkpoint_if_more(
+    tmp_path: Path, settings: dict[str, Any], log: int | str
+) -> None:
+    cfg = SynchronizerConfig(state_dir=tmp_path, **settings)
+    need = memory.state_disk(cfg, [250_000_000] * 4)
+    assert 12e9 < need["checkpoint"] < 14e9  # 1B parameters: 13.05 GB (operations.md)
+    assert need["wal"] == (need["checkpoint"] if log == "one checkpoint" else log)
+    assert need["total"] == need["checkpoints"] + need["wal"]
