@@ -43,6 +43,8 @@ SYNCHRONIZER = (
     "5",
     "--checkpoint-interval-s",
     "1",
+    "--checkpoint-log-ratio",  # a checkpoint every second, however little was logged since:
+    "0",  # kills land mid-checkpoint as often as mid-push
     "--no-dynamic-local-updates",
     "--shutdown-grace-s",
     "1",

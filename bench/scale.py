@@ -15,7 +15,9 @@ pre-encoded payloads (as `bench.ingest` does):
   as in steady state (smoke mode: none); with `--pulls bf16` or `int8` every pull is in full,
   in that codec (learners with delta pulls off and that `pull_codec`). N is raised (doubling, then
   bisecting) until pushes are no longer served on schedule: more ops due by the end of a window
-  than the 4 clients can have in hand. Their heartbeats say what such learners' would (0.5 s
+  than the 4 clients can have in hand (`--learners N`: one window at N alone; `--window-s`: the
+  shortest window, 30 s in full mode; each window's row counts the checkpoints completed in it
+  and its lead-in, which share the state disk with the log). Their heartbeats say what such learners' would (0.5 s
   per step, H = 100), so the Synchronizer's adaptive grace gathers pushes into rounds as it
   would for them (`pushes_per_round`: accepted pushes per outer step; `pushes_refused_budget`:
   refused for the payload budget);
@@ -40,7 +42,7 @@ pre-encoded payloads (as `bench.ingest` does):
   room for that projection stops the run before it starts.
 
     python -m bench.scale [--quick | --smoke] [--params N] [--pulls delta|bf16|int8]
-                          [--state-dir DIR] [--json PATH]
+                          [--learners N] [--window-s S] [--state-dir DIR] [--json PATH]
 Full mode: 1e9 parameters (quick: 250M, smoke: 1M); full and quick need several times the
 model's FP32 bytes of free memory.
 """
@@ -51,6 +53,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,23 +82,37 @@ from synchronizer.config import SynchronizerConfig
 
 
 def search(
-    clients: Clients, first: int, window_s: float, bisect: int, largest: int, lead_s: float
+    clients: Clients,
+    first: int,
+    window_s: float,
+    bisect: int,
+    largest: int,
+    lead_s: float,
+    checkpoints: Callable[[], float],
+    only: int = 0,
 ) -> tuple[int, list[dict[str, Any]]]:
     """The largest learner count whose pushes are served on schedule: doubling from `first`
-    (halving when even that falls behind), then `bisect` bisection steps."""
+    (halving when even that falls behind), then `bisect` bisection steps; with `only`, that
+    count's window alone (`only` sustained, or 0). Each window's row counts the checkpoints
+    completed in it (`checkpoints()`: the Synchronizer's total so far)."""
 
     def run(n: int) -> dict[str, Any]:
         # Long enough for 8 ops at low rates, up to 4 shortest windows.
         seconds = max(window_s, min(4 * window_s, 8 * PUSH_EVERY_S / n))
+        before = checkpoints()
         row = clients.window(n, seconds, lead_s=lead_s)
+        row["checkpoints"] = checkpoints() - before  # the lead-in's too: it shares the disk
         print(
             f"{n} learners ({row['pushes_per_s']:.3g} pushes/s for {seconds:.0f} s): "
-            f"{row['done']} of {row['due']} ops done on time, "
-            + ("sustained" if row["sustained"] else "falling behind"),
+            f"{row['done']} of {row['due']} ops done on time, {row['checkpoints']:.0f} "
+            "checkpoints, " + ("sustained" if row["sustained"] else "falling behind"),
             flush=True,
         )
         return row
 
+    if only:
+        rows = [run(only)]
+        return (only if rows[0]["sustained"] else 0), rows
     rows = [run(first)]
     good, bad = (first, None) if rows[-1]["sustained"] else (0, first)
     while bad is None and 2 * good <= largest:
@@ -150,8 +167,11 @@ def run(
     kernels: str = "auto",
     state_dir: Path | None = None,
     pulls: str = "delta",
+    learners: int = 0,
+    window_s: float = 0.0,
 ) -> dict[str, Any]:
-    _, first, window_s, bisect, largest, lead_s = MODES[mode]
+    _, first, shortest_s, bisect, largest, lead_s = MODES[mode]
+    window_s = window_s or shortest_s
     serve_s = window_s if mode == "smoke" else 4 * PUSH_EVERY_S  # each learner pushes 4 times
     projection = memory.project(SynchronizerConfig(), [params // FRAGMENTS] * FRAGMENTS)
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=state_dir) as d:
@@ -176,7 +196,16 @@ def run(
                 rss.phase = "serve"  # what the memory target is about: 4 learners on schedule
                 serving = clients.window(CLIENTS, serve_s)
                 rss.phase = "search"  # past capacity on purpose: held pushes pile up
-                sustained, rows = search(clients, first, window_s, bisect, largest, lead_s)
+                sustained, rows = search(
+                    clients,
+                    first,
+                    window_s,
+                    bisect,
+                    largest,
+                    lead_s,
+                    lambda: metric(scrape(metrics_url), "diloco_checkpoints_total"),
+                    learners,
+                )
             finally:
                 clients.close()
             samples = scrape(metrics_url)
@@ -260,7 +289,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="auto",
         help="the Synchronizer's outer-step kernels (its --kernels; default auto, as it serves)",
     )
+    p.add_argument(
+        "--learners",
+        type=int,
+        default=0,
+        help="one window at this many learners instead of the capacity search "
+        "(learners_sustained: that count, or 0 when it fell behind)",
+    )
+    p.add_argument(
+        "--window-s",
+        type=float,
+        default=0.0,
+        help="the shortest window in seconds (default: the mode's, 30 s in full mode; a window "
+        "at 1B shorter than the checkpoints' period may or may not hold one)",
+    )
     args = p.parse_args(argv)
+    if args.learners < 0 or args.window_s < 0:
+        p.error("--learners and --window-s must not be negative")
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     params = args.params or MODES[mode][0]
     if args.shards > 1:
@@ -268,11 +313,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "mode": mode,
         "pulls": args.pulls,
-        **run(params, mode, args.kernels, args.state_dir, args.pulls),
+        **run(params, mode, args.kernels, args.state_dir, args.pulls, args.learners, args.window_s),
         "machine": machine(),
     }
     print()
-    print(table(result["windows"], WINDOW_COLUMNS))
+    print(table(result["windows"], [*WINDOW_COLUMNS, "checkpoints"]))
     print()
     print(
         table(

@@ -91,6 +91,7 @@ SMOKES = [
             "learners_sustained",
         ],
     ),
+    ("scale", ["--learners", "8", "--window-s", "2"], ["learners_sustained"]),
     (
         "scale",
         ["--shards", "2"],
@@ -116,6 +117,10 @@ def test_benchmark_smoke_mode_exits_0_and_writes_its_headline_figures(
         )
     if name == "scale" and not extra:  # its first checkpoint at least, within the projection
         assert 0 < result["state_peak_bytes"] <= result["state_projected_bytes"]
+    if "--learners" in extra:  # that count's window alone, no search; its checkpoints counted
+        (window,) = result["windows"]
+        assert window["learners"] == 8 and window["checkpoints"] >= 0
+        assert result["learners_sustained"] in (0.0, 8.0)
     assert "machine" in result
     if "smoke_run" in result:  # a smoke run says so, whatever its benchmark's quick mode does
         assert result["mode"] == "smoke" and result["smoke_run"] is True, result["mode"]
