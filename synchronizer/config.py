@@ -320,12 +320,12 @@ class SynchronizerConfig(BaseModel):
     checkpoint_wal_bytes: int = Field(
         8 << 30,
         ge=0,
-        description="A checkpoint starts early once the write-ahead log has grown by this many bytes since the last one started, so the log's disk use (its segments are deleted once a checkpoint covers them) and a restart's replay stay near it however fast pushes arrive; 0 checkpoints on the interval alone",
+        description="A checkpoint starts early once the write-ahead log has grown by this many bytes (or checkpoint_log_ratio checkpoints, if more) since the last one started, so the log's disk use (its segments are deleted once a checkpoint covers them) and a restart's replay stay near it however fast pushes arrive; 0 checkpoints on the interval alone",
     )
     checkpoint_log_ratio: float = Field(
         1.0,
         ge=0,
-        description="With the log, a periodic checkpoint waits until the log has grown by this many times the newest checkpoint's size (13 GB at 1B parameters), for at most ten intervals, so checkpoints write at most 1/ratio of the log's bytes and a restart replays at most ratio times a checkpoint; checkpoint_wal_bytes then starts one early only beyond that too; 0 does not wait",
+        description="With the log, a periodic checkpoint waits until the log has grown by this many times the newest checkpoint's size (13 GB at 1B parameters), for at most ten intervals, so under load checkpoints write at most 1/ratio of the log's bytes and a restart replays at most ratio times a checkpoint; checkpoint_wal_bytes starts one early only past that too; 0 does not wait",
     )
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept in state_dir")
     wal: bool = Field(
