@@ -388,7 +388,7 @@ class Synchronizer:
         interval waits so for ten intervals at most; a retry after a failed one does not wait."""
         cfg, state = self.cfg, self.state
         grown = self.journal.written_bytes() - self.checkpoint_mark
-        if grown == 0 and not state.unsaved() and state.failure is None:
+        if not state.changed():
             state.current()
             return False
         logged = self.journal.wal is not None and state.failure is None

@@ -109,6 +109,7 @@ class State:
         self.failure: str | None = None  # why the last checkpoint could not be written
         self.checkpointed: dict[int, int] = {}  # fragment id -> its version in the newest one
         self.size = 0  # bytes of the newest checkpoint (written, or restored at start)
+        self.held = 0  # the log's written bytes (since start) the newest one holds
 
     def save(self, first: bool = False) -> bool:
         """Writes the state atomically; False if it could not (nothing to save before the model
@@ -154,6 +155,7 @@ class State:
         t0 = time.perf_counter()
         fragments = self.model.fragments
         with self.lock:
+            held = self.journal.written_bytes()  # at most what the seal puts in this one
             sealed = self.journal.seal()  # the log from here on is not in this checkpoint
             spec_text = base64.b64encode(spec.to_proto().SerializeToString()).decode()
             frag_meta = []
@@ -182,7 +184,7 @@ class State:
                 path = writer.finish(meta)
             versions = {f.fid: int(m["version"]) for f, m in zip(fragments, frag_meta, strict=True)}
             self.journal.release(sealed, versions)
-            self.checkpointed, self.size = versions, writer.at
+            self.checkpointed, self.size, self.held = versions, writer.at, held
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
         self.metrics.checkpoint_last_success.set(self.clock.wall())
@@ -225,6 +227,11 @@ class State:
                 epoch,
             )
         self.journal.start()
+
+    def changed(self) -> bool:
+        """Whether anything is served or logged that the newest checkpoint does not hold (or
+        the last one could not be written): a version since, or the log grown since its seal."""
+        return bool(self.failure or self.unsaved() or self.journal.written_bytes() > self.held)
 
     def current(self) -> None:
         """The newest checkpoint still holds the served state: its freshness, the gauge the

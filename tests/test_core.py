@@ -352,6 +352,10 @@ def test_an_idle_model_is_not_rewritten_each_interval_and_its_checkpoint_stays_c
         core.checkpointer.join(WAIT_S)
         assert reg.get_sample_value("diloco_checkpoints_total") == (written or 0) + 1
         assert reg.get_sample_value(gauge) > stale
+        assert not core.state.changed()  # it holds everything up to its seal
+        clock.advance(60.0)
+        core.tick()
+        assert reg.get_sample_value("diloco_checkpoints_total") == (written or 0) + 1
     finally:
         core.close()
 
