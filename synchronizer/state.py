@@ -206,10 +206,11 @@ class State:
         for frag, fmeta in zip(model.fragments, meta["fragments"], strict=True):
             frag.restore(tensors, fmeta)
         self.checkpointed = {frag.fid: frag.version for frag in model.fragments}
-        self.size = path.stat().st_size
+        stat = path.stat()
+        self.size = stat.st_size
         model.initialized = True
         self.registry.restore(meta.get("learners", []))
-        self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
+        self.metrics.checkpoint_last_success.set(stat.st_mtime)
         logger.info("restored %s: versions %s", path, [f.version for f in model.fragments])
 
     def replay(self, epoch: str) -> None:
