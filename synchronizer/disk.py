@@ -42,6 +42,13 @@ class Disk:
         """A file opened for appending (created if missing)."""
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
+    def reuse(self, old: Path, path: Path) -> int:
+        """Renames the file `old` to `path` (one directory) and opens it for writing over its
+        bytes from the start, neither emptied nor appended to: durable once the directory is
+        fsynced, and its bytes once it is."""
+        os.replace(old, path)
+        return os.open(path, os.O_WRONLY)
+
     def create(self, path: Path) -> int:
         """A new, empty file opened for writing (an existing one of that name is emptied)."""
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

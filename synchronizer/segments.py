@@ -30,6 +30,9 @@ class Segment:
     versions: dict[int, int] = field(default_factory=dict)
     sealed: bool = False
     size: int = 0  # bytes on disk
+    # its file may be written over by a later segment once released: it starts with a SEGMENT
+    # record (`synchronizer.walformat`), as every segment this version writes does
+    reusable: bool = True
     # streams with parts here and no PUSH or ABANDON yet: the segment is kept while any is open
     open_streams: set[int] = field(default_factory=set)
 
@@ -56,8 +59,10 @@ class Segments:
         """The newest segment: the one being written, or the last sealed one."""
         return self.kept[-1]
 
-    def add(self, number: int, path: Path, sealed: bool = False, size: int = 0) -> Segment:
-        seg = Segment(number, path, sealed=sealed, size=size)
+    def add(
+        self, number: int, path: Path, sealed: bool = False, size: int = 0, reusable: bool = True
+    ) -> Segment:
+        seg = Segment(number, path, sealed=sealed, size=size, reusable=reusable)
         self.kept.append(seg)
         self.last_number = max(self.last_number, number)
         return seg

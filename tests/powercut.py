@@ -98,6 +98,8 @@ class RecordingDisk(Disk):
         self.cut_at = ""  # the operation the power went at
         self.counts: Counter[str] = Counter()
         self.log_files: list[_File] = []  # every segment this disk created
+        # the pushes reused segments had made durable before their files were written over
+        self.reused_logged: set[tuple[str, int]] = set()
         self.last_log_op = ""
 
     # Arming ------------------------------------------------------------------------------
@@ -120,11 +122,15 @@ class RecordingDisk(Disk):
         in_log = path.parent.name == "wal" or path.name == "wal"
         if in_log:
             if kind == "fsync_dir":
-                group = "rotation" if self.last_log_op in ("open", "mkdir") else "release"
+                group = "rotation" if self.last_log_op in ("open", "reuse", "mkdir") else "release"
             else:
-                group = {"open": "rotation", "mkdir": "rotation", "unlink": "release"}.get(
-                    kind, "commit"
-                )
+                group = {
+                    "open": "rotation",
+                    "reuse": "rotation",
+                    "mkdir": "rotation",
+                    "unlink": "release",
+                    "rename": "release",
+                }.get(kind, "commit")
             self.last_log_op = kind
         elif path.name.startswith(("ckpt-", ".tmp-ckpt-")) or kind == "fsync_dir":
             group = "checkpoint"
@@ -171,6 +177,20 @@ class RecordingDisk(Disk):
                 if f.log:
                     self.log_files.append(f)
             self.fds[fd] = (f, path, os.fstat(fd).st_size)
+            return fd
+
+    def reuse(self, old: Path, path: Path) -> int:
+        assert old.parent == path.parent, "renames stay in one directory"
+        with self.lock:
+            self._op("reuse", path)
+            fd = super().reuse(old, path)
+            d = self._dir(path.parent)
+            f = d.entries.pop(old.name)
+            assert isinstance(f, _File)
+            d.entries[path.name] = f
+            d.pending.append(("rename", old.name, path.name))
+            self.reused_logged |= _pushes_in(f.durable)
+            self.fds[fd] = (f, path, 0)
             return fd
 
     def create(self, path: Path) -> int:
@@ -273,7 +293,7 @@ class RecordingDisk(Disk):
                 os.close(fd)
             self.fds.clear()
             survived = _survive(self.tree, rng, mode)
-            logged: set[tuple[str, int]] = set()
+            logged = set(self.reused_logged)
             for f in self.log_files:
                 if f.released:
                     logged |= _pushes_in(f.durable)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import signal
+import struct
 import sys
 import threading
+import zlib
 from pathlib import Path
 
 import grpc
@@ -186,6 +189,85 @@ def test_segment_numbers_keep_growing_after_every_segment_is_released(tmp_path):
     wal.close()
     numbers = [n for n, _ in list_segments(tmp_path / "wal")]
     assert numbers and min(numbers) > sealed  # replay order is number order
+
+
+def _spares(directory: Path) -> list[Path]:
+    return sorted(directory.glob("spare-*.log"))
+
+
+def test_a_released_segments_file_is_written_over_and_its_old_records_never_come_back(tmp_path):
+    """Released segments' files are kept as spares (at most as many as a release let go) and
+    the next segments are written over them from their start: what the old segment held past
+    the new one's end fails the new number's checksums, after a restart too."""
+    directory = tmp_path / "wal"
+    wal = Wal(directory, 4000)  # a rotation once a segment holds 4000 bytes
+    wal.start()
+    for i in range(3):  # one segment each
+        wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 1, "i": i}, b"o" * 5000)), TIMEOUT)
+    old = {path.stat().st_ino: path.stat().st_size for _, path in list_segments(directory)}
+    assert wal.release(wal.seal(TIMEOUT), {0: 1}) == 3
+    assert not list_segments(directory) and len(_spares(directory)) == 3
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 2}, b"n" * 10)), TIMEOUT)
+    ((_, segment),) = list_segments(directory)
+    assert segment.stat().st_ino in old  # a spare, written over from its start
+    assert segment.stat().st_size == old[segment.stat().st_ino] > 5000  # its old bytes remain
+    assert len(_spares(directory)) == 2
+    wal.close()
+
+    again = Wal(directory, 4000)
+    assert [(r.meta, bytes(r.payload)) for r in again.replay()] == [
+        ({"fid": 0, "version": 2}, b"n" * 10)
+    ]
+    again.start()  # the spares of the run before are written over too
+    again.wait(again.append(Record(PUSH, {"fid": 0, "version": 3}, b"m" * 10)), TIMEOUT)
+    assert len(_spares(directory)) == 1
+    sealed = again.seal(TIMEOUT)
+    assert again.release(sealed, {0: 3}) == 2  # spares beyond the two it let go are deleted
+    assert len(_spares(directory)) == 2
+    again.close()
+    assert list(Wal(directory, 4000).replay()) == []
+
+
+def test_a_reused_file_whose_first_record_never_became_durable_holds_nothing(tmp_path):
+    """A spare renamed to the next segment, and the power cut before its SEGMENT record reached
+    the disk: the file still starts with the old segment's, which names another number."""
+    directory = tmp_path / "wal"
+    wal = Wal(directory, 1 << 20)
+    wal.start()
+    wal.wait(wal.append(Record(PUSH, {"fid": 0, "version": 1}, b"a" * 100)), TIMEOUT)
+    wal.close()
+    ((number, path),) = list_segments(directory)
+    stale = directory / f"wal-{number + 1:010d}.log"
+    stale.write_bytes(path.read_bytes())
+    assert list(read_segment(stale)) == []
+    assert [bytes(r.payload) for r in Wal(directory, 1 << 20).replay()] == [b"a" * 100]
+
+
+def _older_format(record: Record) -> bytes:
+    """A record as the log wrote it before segments began with SEGMENT records: no number in
+    its checksum."""
+    meta = json.dumps(record.meta, separators=(",", ":")).encode()
+    body_head = struct.pack("<I", len(meta)) + meta
+    crc = zlib.crc32(body_head, zlib.crc32(bytes([record.kind]), zlib.crc32(record.payload)))
+    length = len(body_head) + len(record.payload)
+    return struct.pack("<IIB", length, crc, record.kind) + body_head + bytes(record.payload)
+
+
+def test_segments_of_the_older_format_are_replayed_and_deleted_not_reused(tmp_path):
+    directory = tmp_path / "wal"
+    directory.mkdir()
+    path = directory / "wal-0000000001.log"
+    path.write_bytes(
+        _older_format(Record(PUSH, {"fid": 0, "version": 1}, b"x" * 50))
+        + _older_format(Record(ROUND, {"fid": 0, "version": 1}))
+    )
+    wal = Wal(directory, 1 << 20)
+    assert [(r.kind, bytes(r.payload)) for r in wal.replay()] == [(PUSH, b"x" * 50), (ROUND, b"")]
+    wal.start()
+    wal.wait(wal.append(Record(ROUND, {"fid": 0, "version": 2})), TIMEOUT)
+    assert wal.release(wal.seal(TIMEOUT), {0: 2}) == 2
+    assert not path.exists() and len(_spares(directory)) == 1  # only the new segment's file
+    wal.close()
 
 
 class CountingDisk(Disk):
