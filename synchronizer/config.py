@@ -320,7 +320,7 @@ class SynchronizerConfig(BaseModel):
     checkpoint_wal_bytes: int = Field(
         8 << 30,
         ge=0,
-        description="A checkpoint starts early once the write-ahead log has grown by this many bytes (or checkpoint_log_ratio checkpoints, if more) since the last one started, so the log's disk use (its segments are deleted once a checkpoint covers them) and a restart's replay stay near it however fast pushes arrive; 0 checkpoints on the interval alone",
+        description="A checkpoint starts early once the write-ahead log has grown by this many bytes (or checkpoint_log_ratio checkpoints, if more) since the last one started, so the log's disk use (a checkpoint lets go of the segments it covers: their files are written over by the next ones) and a restart's replay stay near it however fast pushes arrive; 0 checkpoints on the interval alone",
     )
     checkpoint_log_ratio: float = Field(
         1.0,
@@ -340,7 +340,7 @@ class SynchronizerConfig(BaseModel):
     wal_segment_bytes: int = Field(
         64 << 20,
         ge=1 << 20,
-        description="Write-ahead log segment size; segments a checkpoint covers are deleted",
+        description="Write-ahead log segment size; the files of segments a checkpoint covers are kept as spares that the next segments are written over",
     )
     shutdown_grace_s: float = Field(
         10.0, ge=0, description="On SIGTERM: seconds in-flight RPCs get to finish"

@@ -293,7 +293,7 @@ class Metrics:
         )
         self.wal_bytes = Gauge(
             "diloco_wal_bytes",
-            "Bytes of write-ahead log segments on disk (deleted once a checkpoint covers them; a checkpoint starts early once the log since the last one passes checkpoint_wal_bytes, or checkpoint_log_ratio checkpoints if more).",
+            "Bytes of write-ahead log segments on disk (let go once a checkpoint covers them, their files kept as spares for the next segments, at most as many as the latest checkpoint let go; a checkpoint starts early once the log since the last one passes checkpoint_wal_bytes, or checkpoint_log_ratio checkpoints if more).",
             registry=r,
         )
         self.memory = Gauge(
