@@ -27,7 +27,8 @@ faults and cut the power.
 
 A record is durable once its segment is fsynced and the segment's name is in the directory: a
 new segment's entry (and the log directory's own, the first time) is fsynced before anything is
-written to it; a released segment is unlinked only once the checkpoint that covers it is durable.
+written to it; a released segment is renamed to a spare or unlinked only once the checkpoint that
+covers it is durable.
 """
 
 from __future__ import annotations
