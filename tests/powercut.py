@@ -184,11 +184,8 @@ class RecordingDisk(Disk):
         with self.lock:
             self._op("reuse", path)
             fd = super().reuse(old, path)
-            d = self._dir(path.parent)
-            f = d.entries.pop(old.name)
+            f = self._renamed(old, path)
             assert isinstance(f, _File)
-            d.entries[path.name] = f
-            d.pending.append(("rename", old.name, path.name))
             self.reused_logged |= _pushes_in(f.durable)
             self.fds[fd] = (f, path, 0)
             return fd
@@ -246,9 +243,14 @@ class RecordingDisk(Disk):
         with self.lock:
             self._op("rename", dst)
             super().replace(src, dst)
-            d = self._dir(src.parent)
-            d.entries[dst.name] = d.entries.pop(src.name)
-            d.pending.append(("rename", src.name, dst.name))
+            self._renamed(src, dst)
+
+    def _renamed(self, src: Path, dst: Path) -> _Node:
+        """The model's side of a rename in one directory (under the lock): the moved node."""
+        d = self._dir(src.parent)
+        node = d.entries[dst.name] = d.entries.pop(src.name)
+        d.pending.append(("rename", src.name, dst.name))
+        return node
 
     def unlink(self, path: Path) -> None:
         with self.lock:
