@@ -12,13 +12,18 @@ against each of its limits separately, and the headlines are the worst cells:
   1 GiB otherwise, appended in 4 MiB blocks as the log writes, each fdatasync'd and its pages
   then dropped from the page cache (`bench.limits.disk_write_bandwidth`), in the directory the
   Synchronizers keep their state in, before the cells).
-Then, in this process, the outer-step apply: decode an INT8 push + weighted merge + Nesterov
-over the whole model, against one plain `add_` pass over the same tensors (`apply_ratio` =
-plain pass seconds / apply seconds) and against one core's memory bandwidth over the same
-elements (`mem_bw_copy_GBps`, `mem_bw_triad_GBps`: best of 5 `copy_` and triad passes, torch
-on one thread): `apply_bw_ratio` = the 20 bytes per parameter a Nesterov step must move, per
-apply second, over the triad bandwidth, and `bytes_per_param_moved` = the apply's seconds x the
-triad bandwidth / parameters. A figure whose baseline could not be measured is written as
+Then, in this process, the outer-step apply over the whole model as the Synchronizer steps a
+round of one INT8 push by default (`Fragment.apply`: the push decoded, merged, the Nesterov
+step and the INT8 update chain that delta pulls are served from; one fused pass with the
+native kernels), the same step `bench.scale`'s `outer_step_s` times, against one plain `add_`
+pass over the same tensors (`apply_ratio` = plain pass seconds / apply seconds) and against one
+core's memory bandwidth over the same elements (`mem_bw_copy_GBps`, `mem_bw_triad_GBps`: best of
+5 `copy_` and triad passes, torch on one thread): `apply_bw_ratio` = the 20 bytes per parameter
+a Nesterov step must move, per apply second, over the triad bandwidth, and
+`bytes_per_param_moved` = the apply's seconds x the triad bandwidth / parameters. Beside it,
+`unfused_apply_s` and its parts (`decode_s`, `merge_s`, `nesterov_s`): the same push decoded
+into FP32 sums, merged and stepped one after the other, the path of rounds the fused step does
+not take (sums added on arrival, `--merge` other than mean, `--kernels torch`). A figure whose baseline could not be measured is written as
 null with the reason under `missing`, and printed as "missing: <why>".
 This process sets malloc's thresholds as `serve` does (`synchronizer.allocator`; `allocator` in
 the JSON says what it did), so the Synchronizers it measures receive as they serve, and the bare
@@ -299,15 +304,16 @@ def measure_ingest(
     return cell
 
 
-def measure_apply(numel: int, repeats: int = 3, kernels: str = "auto") -> dict[str, Any]:
+def measure_apply(numel: int, repeats: int = 7, kernels: str = "auto") -> dict[str, Any]:
     """The outer step as the Synchronizer runs it, against one plain add_ pass over the tensors.
 
-    apply = an INT8 push decoded into the round's accumulator (weight folded into the scales)
-    + weighted merge + Nesterov; `with_chain_s` is the whole `Fragment.apply` of a one-push
-    round with the default INT8 update chain that delta pulls are served from, once the chain
-    holds all the links it keeps. Against the
-    machine: one core's memory bandwidth over the same elements, and what the apply is worth
-    in bytes moved at its triad bandwidth (`bench.limits`).
+    apply = the whole `Fragment.apply` of a one-push INT8 round with the default INT8 update
+    chain that delta pulls are served from, once the chain holds all the links it keeps (the
+    step `diloco_round_apply_seconds` times in service). `unfused_apply_s` = the same push
+    decoded into a round's accumulator (weight folded into the scales), merged and stepped by
+    Nesterov one after the other, with each part's seconds. Against the machine: one core's
+    memory bandwidth over the same elements, and what the apply is worth in bytes moved at its
+    triad bandwidth (`bench.limits`).
     """
     bandwidth = memory_bandwidth(numel)  # first: its three tensors are freed before these exist
     g = torch.Generator().manual_seed(0)
@@ -344,8 +350,8 @@ def measure_apply(numel: int, repeats: int = 3, kernels: str = "auto") -> dict[s
         for _ in range(frag.model.downlink.history + 1):
             chain_round()
     plain: list[float] = []
+    unfused: list[float] = []
     apply: list[float] = []
-    chain: list[float] = []
     parts: dict[str, list[float]] = {"decode": [], "merge": [], "nesterov": []}
     with service_threads():
         for _ in range(repeats):
@@ -360,11 +366,11 @@ def measure_apply(numel: int, repeats: int = 3, kernels: str = "auto") -> dict[s
             t2 = time.perf_counter()
             outer.step(params, merged)
             t3 = time.perf_counter()
-            apply.append(t3 - t0)
+            unfused.append(t3 - t0)
             parts["decode"].append(t1 - t0)
             parts["merge"].append(t2 - t1)
             parts["nesterov"].append(t3 - t2)
-            chain.append(chain_round())
+            apply.append(chain_round())
     plain_s, apply_s = statistics.median(plain), statistics.median(apply)
     measured = {
         "numel": numel,
@@ -373,7 +379,7 @@ def measure_apply(numel: int, repeats: int = 3, kernels: str = "auto") -> dict[s
         "apply_GBps_fp32": numel * 4 / apply_s / 1e9,
         "plain_GBps_fp32": numel * 4 / plain_s / 1e9,
         "apply_ratio": plain_s / apply_s,
-        "with_chain_s": statistics.median(chain),
+        "unfused_apply_s": statistics.median(unfused),
         "kernels": "native" if native.resolve(kernels) else "torch",
         **{f"{k}_s": statistics.median(v) for k, v in parts.items()},
     }
@@ -408,16 +414,16 @@ APPLY_COLUMNS = [
     "numel",
     "plain_add_s",
     "apply_s",
-    "decode_s",
-    "merge_s",
-    "nesterov_s",
     "apply_GBps_fp32",
     "apply_ratio",
     "mem_bw_copy_GBps",
     "mem_bw_triad_GBps",
     "apply_bw_ratio",
     "bytes_per_param_moved",
-    "with_chain_s",
+    "unfused_apply_s",
+    "decode_s",
+    "merge_s",
+    "nesterov_s",
     "kernels",
 ]
 
@@ -522,7 +528,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{shown(result, 'ingest_ratio')}\n"
         f"wal_disk_ratio (log on, worst cell; over min(the disk's fdatasync write bandwidth, "
         f"log-off intake)) = {shown(result, 'wal_disk_ratio')}\n"
-        f"apply: {applied['apply_GBps_fp32']:.2f} GB/s FP32-equivalent, plain add_ pass / apply = "
+        f"apply (a one-push INT8 round's outer step, as served): "
+        f"{applied['apply_GBps_fp32']:.2f} GB/s FP32-equivalent, plain add_ pass / apply = "
         f"{applied['apply_ratio']:.3f}; apply_bw_ratio (its arithmetic's "
         f"{applied['outer_bytes_per_param']} bytes/parameter over one core's triad bandwidth, "
         f"{shown(result, 'mem_bw_triad_GBps', '.2f')} GB/s) = {shown(result, 'apply_bw_ratio')}, "

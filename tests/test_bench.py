@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ import torch
 from bench import convergence, scale, scale_load
 from bench.common import parser, run_mode
 from bench.goodput import pushed_fraction, schedule
-from bench.ingest import against_limits
+from bench.ingest import against_limits, measure_apply
 from bench.limits import (
     OUTER_BYTES_PER_PARAM,
     disk_write_bandwidth,
@@ -43,6 +44,7 @@ from bench.wan import parse_links, reach_time
 from protos import diloco_pb2 as pb
 from protos import layout
 from synchronizer.config import SynchronizerConfig
+from synchronizer.downlink import Downlink
 from synchronizer.outer import OUTER_KINDS
 from tests.helpers import REPO, descendants, kill_tree, run_smoke
 from tests.tools import DEBIAN, tool
@@ -466,6 +468,32 @@ def test_outer_step_figures_count_the_arithmetics_bytes_at_the_triad_bandwidth()
     assert none_ran["apply_bw_ratio"] is None
     assert shown(none_ran, "apply_bw_ratio").startswith("missing: no outer step was timed")
     assert outer_step_figures("sgd", 10, 1.0, None)["missing"]["bytes_per_param_moved"]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_ingest_times_the_outer_step_the_synchronizer_runs(monkeypatch, kernels: str) -> None:
+    # a delay put into the step a served round takes through its update chain (native or
+    # torch) must show in apply_s, which the figures are made of; the unfused path's parts never
+    # take that step
+    delay = 0.1
+    taken: list[str] = []
+
+    def slowed(name: str) -> Any:
+        original = getattr(Downlink, name)
+
+        def step(self: Downlink, *args: Any, **kwargs: Any) -> Any:
+            taken.append(name)
+            time.sleep(delay)
+            return original(self, *args, **kwargs)
+
+        return step
+
+    monkeypatch.setattr(Downlink, "step", slowed("step"))
+    monkeypatch.setattr(Downlink, "step_pushes", slowed("step_pushes"))
+    got = measure_apply(1 << 16, repeats=3, kernels=kernels)
+    assert got["apply_s"] >= delay > got["unfused_apply_s"]
+    assert got["apply_ratio"] == pytest.approx(got["plain_add_s"] / got["apply_s"])
+    assert taken[-1] == ("step" if got["kernels"] == "torch" else "step_pushes")
 
 
 def test_disk_bandwidth_leaves_no_file_and_is_missing_with_the_error_where_it_cannot_write(
