@@ -22,9 +22,11 @@ core's memory bandwidth over the same elements (`mem_bw_copy_GBps`, `mem_bw_tria
 a Nesterov step must move, per apply second, over the triad bandwidth, and
 `bytes_per_param_moved` = the apply's seconds x the triad bandwidth / parameters. Beside it,
 `unfused_apply_s` and its parts (`decode_s`, `merge_s`, `nesterov_s`): the same push decoded
-into FP32 sums, merged and stepped one after the other, the path of rounds the fused step does
-not take (sums added on arrival, `--merge` other than mean, `--kernels torch`). A figure whose baseline could not be measured is written as
-null with the reason under `missing`, and printed as "missing: <why>".
+into FP32 sums, merged and stepped by Nesterov one after the other, without the update chain
+(rounds the fused step does not take run these passes, then the chain). `kernel_threads`: the
+threads the served step split across (as in service: one per 16M elements, at most the
+cores). A figure whose baseline could not be measured is written as null with the reason under
+`missing`, and printed as "missing: <why>".
 This process sets malloc's thresholds as `serve` does (`synchronizer.allocator`; `allocator` in
 the JSON says what it did), so the Synchronizers it measures receive as they serve, and the bare
 sink, in the same process, receives under the same settings.
@@ -311,7 +313,8 @@ def measure_apply(numel: int, repeats: int = 7, kernels: str = "auto") -> dict[s
     chain that delta pulls are served from, once the chain holds all the links it keeps (the
     step `diloco_round_apply_seconds` times in service). `unfused_apply_s` = the same push
     decoded into a round's accumulator (weight folded into the scales), merged and stepped by
-    Nesterov one after the other, with each part's seconds. Against the machine: one core's
+    Nesterov one after the other, without the update chain, with each part's seconds. Against
+    the machine: one core's
     memory bandwidth over the same elements, and what the apply is worth in bytes moved at its
     triad bandwidth (`bench.limits`).
     """
@@ -380,6 +383,11 @@ def measure_apply(numel: int, repeats: int = 7, kernels: str = "auto") -> dict[s
         "plain_GBps_fp32": numel * 4 / plain_s / 1e9,
         "apply_ratio": plain_s / apply_s,
         "unfused_apply_s": statistics.median(unfused),
+        "kernel_threads": (
+            len(native.ranges(numel, layout.DEFAULT_BLOCK_SIZE, frag.model.downlink.kernel_threads))
+            if native.resolve(kernels)
+            else 1
+        ),
         "kernels": "native" if native.resolve(kernels) else "torch",
         **{f"{k}_s": statistics.median(v) for k, v in parts.items()},
     }
@@ -425,6 +433,7 @@ APPLY_COLUMNS = [
     "merge_s",
     "nesterov_s",
     "kernels",
+    "kernel_threads",
 ]
 
 
