@@ -314,9 +314,8 @@ def measure_apply(numel: int, repeats: int = 7, kernels: str = "auto") -> dict[s
     step `diloco_round_apply_seconds` times in service). `unfused_apply_s` = the same push
     decoded into a round's accumulator (weight folded into the scales), merged and stepped by
     Nesterov one after the other, without the update chain, with each part's seconds. Against
-    the machine: one core's
-    memory bandwidth over the same elements, and what the apply is worth in bytes moved at its
-    triad bandwidth (`bench.limits`).
+    the machine: one core's memory bandwidth over the same elements, and what the apply is
+    worth in bytes moved at its triad bandwidth (`bench.limits`).
     """
     bandwidth = memory_bandwidth(numel)  # first: its three tensors are freed before these exist
     g = torch.Generator().manual_seed(0)
@@ -325,7 +324,8 @@ def measure_apply(numel: int, repeats: int = 7, kernels: str = "auto") -> dict[s
     header = layout.make_header(pb.CODEC_INT8, numel)
     payload = codec.encode(delta, pb.CODEC_INT8)
     scratch, merged = torch.empty(numel), torch.empty(numel)
-    acc = Accumulator(numel, native_kernels=native.resolve(kernels))
+    fused = native.resolve(kernels)
+    acc = Accumulator(numel, native_kernels=fused)
     outer = make_outer(OUTER, numel)
     with tempfile.TemporaryDirectory() as state:
         cfg = SynchronizerConfig(
@@ -385,10 +385,10 @@ def measure_apply(numel: int, repeats: int = 7, kernels: str = "auto") -> dict[s
         "unfused_apply_s": statistics.median(unfused),
         "kernel_threads": (
             len(native.ranges(numel, layout.DEFAULT_BLOCK_SIZE, frag.model.downlink.kernel_threads))
-            if native.resolve(kernels)
+            if fused
             else 1
         ),
-        "kernels": "native" if native.resolve(kernels) else "torch",
+        "kernels": "native" if fused else "torch",
         **{f"{k}_s": statistics.median(v) for k, v in parts.items()},
     }
     figures = outer_step_figures(OUTER, numel, apply_s, bandwidth["mem_bw_triad_GBps"])

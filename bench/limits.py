@@ -90,9 +90,8 @@ def outer_step_figures(
     """An outer step of `step_s` seconds over `numel` parameters against one core's triad
     bandwidth: `apply_bw_ratio` = the bytes its arithmetic must move per second over that
     bandwidth (1: as fast as torch's one-thread triad moves memory, which a fused native step
-    may pass), and `bytes_per_param_moved` = the bytes
-    of memory traffic per parameter its time is worth at that bandwidth (beside
-    `outer_bytes_per_param`, the arithmetic's own)."""
+    may pass), and `bytes_per_param_moved` = the bytes of memory traffic per parameter its time
+    is worth at that bandwidth (beside `outer_bytes_per_param`, the arithmetic's own)."""
     need = OUTER_BYTES_PER_PARAM[outer]
     out: dict[str, Any] = {"outer": outer, "outer_bytes_per_param": need}
     why = ""
