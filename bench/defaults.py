@@ -65,6 +65,11 @@ H 100, equal speeds, 500 steps; full: every cell, 1000 steps. `--seeds` runs eve
 ends alike in every run of one seed, so its spread over seeds is what a different seed alone
 moves the loss by, the floor against which an asynchronous arm's spread is read. Each cell's
 `by_seed` holds every arm's mean and spread per seed (printed when there are several seeds).
+Each cell's `run_details` holds, per arm in the order of `runs`, what each run's rounds did
+beside its loss (also printed with it): the Synchronizer's outer steps and accepted pushes, and
+how far its learners of equal speed drifted apart in time (`drift_max_s`, `drift_mean_s`: at
+each step they all reported, max - min of when each reached it), which orders the best and the
+worst runs of issue 28's cell (docs/performance.md, "Seed 1 again, on a slower machine").
 """
 
 from __future__ import annotations
@@ -158,6 +163,41 @@ ARMS: dict[str, Callable[[int], Decoupled]] = {
 def spread(losses: list[float]) -> float:
     """How far runs end apart: (max - min) / mean."""
     return (max(losses) - min(losses)) / statistics.mean(losses)
+
+
+def pace_drift(results: list[list[dict]], slow: int) -> dict[str, float | None]:
+    """How far the learners of equal speed (every slot but `slow`, -1: none) drifted apart in
+    time: at every step that all of them reported, max - min of when each reached it (the
+    seconds a round waits for the last of them, or splits); `max_s` and `mean_s` over those
+    steps, None with fewer than two such learners or no common step. `results`: each slot's
+    result files, one per incarnation (`DilocoJob.summarize`), the later ones' times kept."""
+    times: list[dict[int, float]] = []
+    for i, runs in enumerate(results):
+        if i == slow:
+            continue
+        at: dict[int, float] = {}
+        for r in runs:
+            at |= {e["step"]: e["t"] for e in r.get("series", [])}
+        times.append(at)
+    common = sorted(set.intersection(*(set(t) for t in times))) if len(times) > 1 else []
+    apart = [max(t[s] for t in times) - min(t[s] for t in times) for s in common]
+    return {
+        "max_s": max(apart) if apart else None,
+        "mean_s": statistics.mean(apart) if apart else None,
+    }
+
+
+def run_detail(run: dict, slow: int) -> dict[str, Any]:
+    """What a run's rounds did, beside its loss: the Synchronizer's outer steps and accepted
+    pushes (rounds of fewer pushes mean more outer steps for the same pushes), and how far its
+    learners of equal speed drifted apart (`pace_drift`)."""
+    drift = pace_drift(run["results"], slow)
+    return {
+        "outer_steps": run["outer_steps"],
+        "pushes_accepted": run["pushes"].get("accepted", 0.0),
+        "drift_max_s": drift["max_s"],
+        "drift_mean_s": drift["mean_s"],
+    }
 
 
 def by_seed(
@@ -256,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
                         cell: dict[str, Any] = {"learners": m, "H": h, "speed": speed}
                         losses: dict[str, list[float]] = {}
                         seeds: dict[str, list[int]] = {}
+                        details: dict[str, list[dict[str, Any]]] = {}
                         for arm in arms:
                             for seed in args.seeds:
                                 for r in range(args.repeats):
@@ -267,8 +308,11 @@ def main(argv: list[str] | None = None) -> dict:
                                     ).run()
                                     losses.setdefault(arm, []).append(run["eval_loss"])
                                     seeds.setdefault(arm, []).append(seed)
+                                    detail = run_detail(run, w.slow_learner)
+                                    details.setdefault(arm, []).append(detail)
+                                    drift = detail["drift_max_s"]
                                     print(
-                                        f"  M={m} H={h} {speed:5s} {arm:16s} seed {seed} eval loss {run['eval_loss']:.4f}  {run['wall_s']:6.1f} s  ({run['config']})",
+                                        f"  M={m} H={h} {speed:5s} {arm:16s} seed {seed} eval loss {run['eval_loss']:.4f}  {run['wall_s']:6.1f} s  outer steps {detail['outer_steps']:.0f}, pushes {detail['pushes_accepted']:.0f}, apart at most {'-' if drift is None else f'{drift:.2f} s'}  ({run['config']})",
                                         flush=True,
                                     )
                         loss = {a: statistics.mean(v) for a, v in losses.items()}
@@ -276,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
                         cell["loss"] = loss
                         cell["runs"] = losses
                         cell["seeds"] = seeds  # the seed of each run, in the order of `runs`
+                        cell["run_details"] = details  # what each run's rounds did, same order
                         # how far runs of one arm end apart: (max - min) / mean
                         cell["spread"] = {a: spread(v) for a, v in losses.items()}
                         cell["by_seed"] = by_seed(losses, seeds)

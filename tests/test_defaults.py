@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.defaults import by_seed, spread
+from bench.defaults import by_seed, pace_drift, spread
 from tests.helpers import REPO, run_smoke
 
 MARGIN = 0.01
@@ -33,6 +33,12 @@ def test_no_flags_end_at_least_as_low_as_synchronous_fp32_diloco(tmp_path: Path)
     (cell,) = result["cells"]
     assert set(cell["loss"]) == {"sync", "default"}
     assert result["default_worst_vs_sync"] <= 1 + MARGIN, cell["loss"]
+    # each run says what its rounds did: every outer step applied at least one accepted push,
+    # and its two learners of equal speed reported the same steps, some time apart
+    for arm in ("sync", "default"):
+        (detail,) = cell["run_details"][arm]
+        assert 0 < detail["outer_steps"] <= detail["pushes_accepted"], detail
+        assert 0 <= detail["drift_mean_s"] <= detail["drift_max_s"], detail
 
 
 @pytest.mark.slow
@@ -85,3 +91,21 @@ def test_runs_are_grouped_by_their_seed_for_the_mean_and_spread_of_each_seed() -
     assert got["sync"] == {"5": {"mean": 3.0, "spread": 0.0}}
     # over all runs the spread also holds what the seed moved
     assert spread(losses["default"]) == pytest.approx(1.2 / 1.6)
+
+
+def test_pace_drift_is_how_far_apart_the_learners_of_equal_speed_reached_each_step() -> None:
+    def series(*ts: float) -> dict:
+        return {"series": [{"step": 10 * (i + 1), "t": t} for i, t in enumerate(ts)]}
+
+    fast_a, fast_b = [series(1.0, 2.0, 3.0)], [series(1.5, 2.0, 5.0)]
+    slow = [series(9.0, 19.0)]  # far behind, and not counted
+    got = pace_drift([fast_a, fast_b, slow], slow=2)
+    assert got == {"max_s": 2.0, "mean_s": pytest.approx(2.5 / 3)}
+    # a slot restarted mid-run: its later incarnation's times count, over steps all reported
+    restarted = [series(1.2), {"series": [{"step": 20, "t": 2.5}, {"step": 30, "t": 3.1}]}]
+    got = pace_drift([fast_a, restarted], slow=-1)
+    assert got["max_s"] == pytest.approx(0.5)
+    assert got["mean_s"] == pytest.approx((0.2 + 0.5 + 0.1) / 3)
+    # one learner of its speed, or no step in common: nothing to say
+    assert pace_drift([fast_a, slow], slow=1) == {"max_s": None, "mean_s": None}
+    assert pace_drift([[series()], fast_b], slow=-1) == {"max_s": None, "mean_s": None}
