@@ -68,8 +68,8 @@ moves the loss by, the floor against which an asynchronous arm's spread is read.
 Each cell's `run_details` holds, per arm in the order of `runs`, what each run's rounds did
 beside its loss (also printed with it): the Synchronizer's outer steps and accepted pushes, and
 how far its learners of equal speed drifted apart in time (`drift_max_s`, `drift_mean_s`: at
-each step they all reported, max - min of when each reached it), which orders the best and the
-worst runs of issue 28's cell (docs/performance.md, "Seed 1 again, on a slower machine").
+each step they all reported, max - min of when each reached it): one cause of the spread of
+issue 28's cell (docs/performance.md, "Seed 1 again, on a slower machine").
 """
 
 from __future__ import annotations
