@@ -177,7 +177,7 @@ def pace_drift(results: list[list[dict]], slow: int) -> dict[str, float | None]:
             continue
         at: dict[int, float] = {}
         for r in runs:
-            at |= {e["step"]: e["t"] for e in r.get("series", [])}
+            at |= {e["step"]: e["t"] for e in r.get("series") or []}
         times.append(at)
     common = sorted(set.intersection(*(set(t) for t in times))) if len(times) > 1 else []
     apart = [max(t[s] for t in times) - min(t[s] for t in times) for s in common]
@@ -311,8 +311,14 @@ def main(argv: list[str] | None = None) -> dict:
                                     detail = run_detail(run, w.slow_learner)
                                     details.setdefault(arm, []).append(detail)
                                     drift = detail["drift_max_s"]
+                                    apart = "-" if drift is None else f"{drift:.2f} s"
                                     print(
-                                        f"  M={m} H={h} {speed:5s} {arm:16s} seed {seed} eval loss {run['eval_loss']:.4f}  {run['wall_s']:6.1f} s  outer steps {detail['outer_steps']:.0f}, pushes {detail['pushes_accepted']:.0f}, apart at most {'-' if drift is None else f'{drift:.2f} s'}  ({run['config']})",
+                                        f"  M={m} H={h} {speed:5s} {arm:16s} seed {seed} "
+                                        f"eval loss {run['eval_loss']:.4f}  "
+                                        f"{run['wall_s']:6.1f} s  "
+                                        f"outer steps {detail['outer_steps']:.0f}, "
+                                        f"pushes {detail['pushes_accepted']:.0f}, "
+                                        f"apart at most {apart}  ({run['config']})",
                                         flush=True,
                                     )
                         loss = {a: statistics.mean(v) for a, v in losses.items()}

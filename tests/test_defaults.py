@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.defaults import by_seed, pace_drift, spread
+from bench.defaults import by_seed, pace_drift, run_detail, spread
 from tests.helpers import REPO, run_smoke
 
 MARGIN = 0.01
@@ -102,10 +102,35 @@ def test_pace_drift_is_how_far_apart_the_learners_of_equal_speed_reached_each_st
     got = pace_drift([fast_a, fast_b, slow], slow=2)
     assert got == {"max_s": 2.0, "mean_s": pytest.approx(2.5 / 3)}
     # a slot restarted mid-run: its later incarnation's times count, over steps all reported
-    restarted = [series(1.2), {"series": [{"step": 20, "t": 2.5}, {"step": 30, "t": 3.1}]}]
+    restarted = [series(1.2, 9.0), {"series": [{"step": 20, "t": 2.5}, {"step": 30, "t": 3.1}]}]
     got = pace_drift([fast_a, restarted], slow=-1)
     assert got["max_s"] == pytest.approx(0.5)
     assert got["mean_s"] == pytest.approx((0.2 + 0.5 + 0.1) / 3)
     # one learner of its speed, or no step in common: nothing to say
     assert pace_drift([fast_a, slow], slow=1) == {"max_s": None, "mean_s": None}
     assert pace_drift([[series()], fast_b], slow=-1) == {"max_s": None, "mean_s": None}
+
+
+def test_a_runs_detail_reads_its_rounds_from_the_synchronizers_counters_and_its_learners() -> None:
+    run = {
+        "outer_steps": 7.0,
+        "pushes": {"accepted": 12.0, "dropped_stale": 1.0},
+        "results": [
+            [{"series": [{"step": 10, "t": 1.0}]}],
+            [{"series": [{"step": 10, "t": 1.4}]}],
+        ],
+    }
+    assert run_detail(run, slow=-1) == {
+        "outer_steps": 7.0,
+        "pushes_accepted": 12.0,
+        "drift_max_s": pytest.approx(0.4),
+        "drift_mean_s": pytest.approx(0.4),
+    }
+    # nothing accepted (no such sample), and the slow learner's times are not drift
+    run["pushes"] = {}
+    assert run_detail(run, slow=1) == {
+        "outer_steps": 7.0,
+        "pushes_accepted": 0.0,
+        "drift_max_s": None,
+        "drift_mean_s": None,
+    }
